@@ -1,0 +1,55 @@
+# vmsnap — see README.md. Everything a test needs is installed by `make deps`.
+SHELL := /bin/bash
+GO ?= go
+BIN := bin/vmsnap
+VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+# Debian packages the tests and the demo use.
+DEBS := qemu-system-x86 qemu-utils busybox-static zstd cpio
+# Where the test guest (kernel + initramfs) is cached between runs.
+export VMSNAP_TEST_CACHE ?= $(HOME)/.cache/vmsnap-test
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: all build test test-unit bench demo deps guest vet clean print-debs
+
+all: build
+
+build:
+	$(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/vmsnap
+
+# Installs the Debian packages that are missing (apt-get update first).
+deps:
+	@missing=$$(for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing:" $$missing; \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+print-debs:
+	@echo $(DEBS)
+
+# The test guest: a Debian cloud kernel and a busybox initramfs (cached).
+guest:
+	testdata/guest/build.sh $(VMSNAP_TEST_CACHE)/guest
+
+vet:
+	$(GO) vet ./...
+
+# All tests, including the end-to-end ones on real QEMU guests (TCG).
+test: vet
+	$(GO) test -race -timeout 45m ./...
+
+# Fast unit tests only: fakes, no guest.
+test-unit:
+	$(GO) test -race -short ./...
+
+bench: build guest
+	$(GO) test -run '^$$' -bench . -benchtime 1x -timeout 30m ./...
+
+# Boots the test guest, checkpoints it into a local OCI layout, restores it
+# into a fresh QEMU and shows that the guest did not notice.
+demo: deps build guest
+	testdata/demo.sh $(BIN) $(VMSNAP_TEST_CACHE)/guest
+
+clean:
+	rm -rf bin

@@ -1,0 +1,144 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sort"
+
+	"github.com/spf13/cobra"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/rootfs"
+	"github.com/vmsnap/vmsnap/vmstate"
+)
+
+func newInspectCmd(out *globalOutput) *cobra.Command {
+	c := &cobra.Command{
+		Use:   "inspect REF",
+		Short: "Show what a snapshot image holds, and the disk image linked to it",
+		Long: `Show a VM state or disk overlay image: its digest, the recorded VM (QEMU
+version, machine, CPUs, memory, devices, disks), sizes and chunks. For a VM
+state image taken with --disk, the linked disk image is shown too.
+Nothing is restored; every byte read is verified against its digest.`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(c *cobra.Command, args []string) error {
+			return coded(runInspect(c.Context(), out, args[0]))
+		},
+	}
+	addOutputFlags(c, out, false)
+	return c
+}
+
+type inspectDoc struct {
+	Image        string             `json:"image"`
+	Digest       string             `json:"digest"`
+	ArtifactType string             `json:"artifactType"`
+	Chunks       int                `json:"chunks"`
+	StoredBytes  int64              `json:"storedBytes"`
+	Annotations  map[string]string  `json:"annotations,omitempty"`
+	VMState      *vmstate.Config    `json:"vmstate,omitempty"`
+	Disk         *rootfs.DiskConfig `json:"disk,omitempty"`
+	LinkedDisk   *inspectDoc        `json:"linkedDisk,omitempty"`
+}
+
+func runInspect(ctx context.Context, out *globalOutput, s string) error {
+	ref, err := ociimage.ParseReference(s)
+	if err != nil {
+		return err
+	}
+	doc, err := inspectRef(ctx, ref, true)
+	if err != nil {
+		return err
+	}
+	report(out, doc, func(w io.Writer) { printInspect(w, doc, "") })
+	return nil
+}
+
+func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool) (*inspectDoc, error) {
+	repo, err := ociimage.Open(ctx, ref)
+	if err != nil {
+		return nil, err
+	}
+	desc, err := repo.Resolve(ctx)
+	if err != nil {
+		return nil, err
+	}
+	m, err := repo.Manifest(ctx, desc)
+	if err != nil {
+		return nil, err
+	}
+	doc := &inspectDoc{
+		Image: ref.WithDigest(desc.Digest).String(), Digest: desc.Digest.String(),
+		ArtifactType: m.ArtifactType, Chunks: len(m.Layers), Annotations: m.Annotations,
+	}
+	for _, l := range m.Layers {
+		doc.StoredBytes += l.Size
+	}
+	pinned, err := ociimage.Open(ctx, ref.WithDigest(desc.Digest))
+	if err != nil {
+		return nil, err
+	}
+	switch m.ArtifactType {
+	case ociimage.ArtifactTypeVMState:
+		_, _, cfg, err := vmstate.LoadConfig(ctx, pinned)
+		if err != nil {
+			return nil, err
+		}
+		doc.VMState = &cfg
+		if link := m.Annotations[ociimage.AnnotationDiskImage]; link != "" && follow {
+			dref, err := ociimage.ParseReference(link)
+			if err != nil {
+				return nil, errcode.Wrap(errcode.InvalidInput, err, "the image's linked disk reference")
+			}
+			if doc.LinkedDisk, err = inspectRef(ctx, dref, false); err != nil {
+				return nil, errcode.Wrap(errcode.Of(err), err, "the linked disk image %s", link)
+			}
+		}
+	case ociimage.ArtifactTypeDisk:
+		_, _, cfg, err := rootfs.LoadDiskConfig(ctx, pinned)
+		if err != nil {
+			return nil, err
+		}
+		doc.Disk = &cfg
+	default:
+		return nil, errcode.New(errcode.InvalidInput, "%s is not a vmsnap image (artifact type %q)", ref, m.ArtifactType)
+	}
+	return doc, nil
+}
+
+func printInspect(w io.Writer, d *inspectDoc, indent string) {
+	fmt.Fprintf(w, "%simage:   %s\n", indent, d.Image)
+	fmt.Fprintf(w, "%schunks:  %d, %s stored\n", indent, d.Chunks, humanBytes(d.StoredBytes))
+	if c := d.VMState; c != nil {
+		r := c.Record
+		fmt.Fprintf(w, "%skind:    VM state (mode %s, taken %s)\n", indent, c.Mode, c.Created.Format("2006-01-02 15:04:05Z"))
+		fmt.Fprintf(w, "%sstream:  %s raw, %s\n", indent, humanBytes(c.RawBytes), c.Compression)
+		fmt.Fprintf(w, "%sQEMU:    %s (%s), %s, machine %s\n", indent, r.QEMUVersion, r.QEMUPackage, r.Arch, r.Machine)
+		fmt.Fprintf(w, "%sCPUs:    %d x %s\n", indent, r.CPUs, r.CPUModel)
+		fmt.Fprintf(w, "%smemory:  %s\n", indent, humanBytes(r.MemoryBytes))
+		fmt.Fprintf(w, "%sdevices: %d PCI functions (%s)\n", indent, len(r.Devices), r.DevicesHash)
+		for _, b := range r.Blocks {
+			fmt.Fprintf(w, "%sdisk:    %s %s %s\n", indent, b.Device, b.Format, humanBytes(b.VirtualSize))
+		}
+	}
+	if c := d.Disk; c != nil {
+		fmt.Fprintf(w, "%skind:    disk overlay (qcow2 v%d, %s virtual, taken %s)\n", indent, c.Version, humanBytes(int64(c.VirtualSize)), c.Created.Format("2006-01-02 15:04:05Z"))
+		if c.BackingFile != "" {
+			fmt.Fprintf(w, "%sbacking: %s (%s), relative to the overlay\n", indent, c.BackingFile, c.BackingFormat)
+		}
+	}
+	keys := make([]string, 0, len(d.Annotations))
+	for k := range d.Annotations {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		fmt.Fprintf(w, "%s  %s=%s\n", indent, k, d.Annotations[k])
+	}
+	if d.LinkedDisk != nil {
+		fmt.Fprintf(w, "%slinked disk image:\n", indent)
+		printInspect(w, d.LinkedDisk, indent+"  ")
+	}
+}

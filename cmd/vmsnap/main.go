@@ -1,0 +1,156 @@
+// Command vmsnap checkpoints a running QEMU VM into OCI images and restores
+// it, possibly on another node. It is a thin layer over the vmstate,
+// ociimage, rootfs and qmp packages: flags in, JSON out, error codes as exit
+// statuses.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"slices"
+	"syscall"
+
+	"github.com/spf13/cobra"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = "dev"
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// globalOutput is what every command shares about how it reports.
+type globalOutput struct {
+	json           bool
+	terminationLog string
+	stdout, stderr io.Writer
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	out := &globalOutput{stdout: stdout, stderr: stderr}
+	root := newRootCmd(out)
+	root.SetArgs(args)
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	err := root.ExecuteContext(ctx)
+	if err == nil {
+		return 0
+	}
+	var c *errcode.Error
+	if !errors.As(err, &c) {
+		// Only cobra's own parsing returns uncoded errors: every command
+		// wraps what it returns.
+		err = errcode.New(errcode.Usage, "%v (see vmsnap --help)", err)
+	}
+	// --json may not have been parsed if parsing itself failed.
+	out.json = out.json || slices.Contains(args, "--json")
+	reportError(out, err)
+	return errcode.Of(err).ExitStatus()
+}
+
+type errorDoc struct {
+	Error struct {
+		Code    errcode.Code `json:"code"`
+		Message string       `json:"message"`
+		Details []string     `json:"details,omitempty"`
+	} `json:"error"`
+}
+
+func reportError(out *globalOutput, err error) {
+	fmt.Fprintf(out.stderr, "vmsnap: %s: %v\n", errcode.Of(err), err)
+	var doc errorDoc
+	doc.Error.Code = errcode.Of(err)
+	doc.Error.Message = err.Error()
+	var c *errcode.Error
+	if errors.As(err, &c) {
+		doc.Error.Details = c.Details
+	}
+	if out.json {
+		writeJSON(out.stdout, doc)
+	}
+	writeTerminationLog(out, doc)
+}
+
+// report prints a command's result: JSON with --json, text otherwise, and
+// the JSON to the termination log when one is set.
+func report(out *globalOutput, doc any, text func(io.Writer)) {
+	if out.json {
+		writeJSON(out.stdout, doc)
+	} else {
+		text(out.stdout)
+	}
+	writeTerminationLog(out, doc)
+}
+
+func writeJSON(w io.Writer, v any) {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+func writeTerminationLog(out *globalOutput, doc any) {
+	if out.terminationLog == "" {
+		return
+	}
+	b, _ := json.Marshal(doc)
+	if err := os.WriteFile(out.terminationLog, append(b, '\n'), 0o644); err != nil {
+		fmt.Fprintf(out.stderr, "vmsnap: warning: could not write the termination log %s: %v\n", out.terminationLog, err)
+	}
+}
+
+func newRootCmd(out *globalOutput) *cobra.Command {
+	root := &cobra.Command{
+		Use:   "vmsnap",
+		Short: "Checkpoint a running QEMU VM into OCI images and restore it",
+		Long: `vmsnap checkpoints a running QEMU VM (memory, vCPU and device state, and its
+writable qcow2 disk overlay) into OCI images pinned by digest, and restores it
+into a fresh QEMU, on this node or another.
+
+Image references:
+  oci:DIR[:TAG]            an OCI image layout on local disk (no registry needed)
+  oci:DIR@sha256:HEX       the same, pinned by digest
+  HOST[:PORT]/REPO[:TAG]   a registry repository (or ...@sha256:HEX)
+
+A typical round trip:
+  vmsnap checkpoint --qmp /run/vm/qmp.sock --image oci:/snap:vm1 \
+      --disk /vm/overlay.qcow2 --disk-image oci:/snap:vm1-disk --json
+  vmsnap restore --disk-image oci:/snap@sha256:... --disk /new/overlay.qcow2
+  qemu-system-x86_64 ...same options... -incoming defer &
+  vmsnap restore --qmp /run/new/qmp.sock --image oci:/snap@sha256:...
+
+Exit status: 0 on success, otherwise the error code's status (see README).`,
+		SilenceErrors:     true,
+		SilenceUsage:      true,
+		Version:           version,
+		CompletionOptions: cobra.CompletionOptions{DisableDefaultCmd: true},
+	}
+	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
+		return errcode.New(errcode.Usage, "%v (see %s --help)", err, c.CommandPath())
+	})
+	root.AddCommand(newCheckpointCmd(out), newRestoreCmd(out), newInspectCmd(out))
+	return root
+}
+
+// addOutputFlags registers the flags every command has for its result.
+func addOutputFlags(c *cobra.Command, out *globalOutput, termLog bool) {
+	c.Flags().BoolVar(&out.json, "json", false, "print the result (or the error) as one JSON object on stdout")
+	if termLog {
+		c.Flags().StringVar(&out.terminationLog, "termination-log", "", "also write the result JSON to this file (a Kubernetes termination log)")
+	}
+}
+
+// coded makes sure every error a command returns has a code, so that run
+// can tell them from cobra's parsing errors.
+func coded(err error) error {
+	return errcode.Ensure(errcode.Internal, err, "%s", "unexpected failure")
+}

@@ -1,0 +1,131 @@
+// Package errcode is vmsnap's one error type: every failure that reaches a
+// caller carries a Code, and the CLI's exit status, its --json error object and
+// the agent's API responses are all derived from that code.
+//
+// Callers outside this module switch on the code without importing this
+// package: every *Error has an ErrorCode() string method, so
+//
+//	var coded interface{ ErrorCode() string }
+//	if errors.As(err, &coded) && coded.ErrorCode() == "DIGEST_MISMATCH" { ... }
+//
+// It is not a logging or wrapping framework: messages are written once, where
+// the failure is understood, and say what to do about it.
+package errcode
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+)
+
+// Code classifies a failure. The set is part of vmsnap's command contract.
+type Code string
+
+const (
+	Usage          Code = "USAGE"           // bad flags or arguments
+	VMNotFound     Code = "VM_NOT_FOUND"    // no QEMU behind the socket, pod or container named
+	QMPError       Code = "QMP_ERROR"       // QEMU refused a command or the monitor failed
+	CompatMismatch Code = "COMPAT_MISMATCH" // the target QEMU differs from the recorded VM
+	DigestMismatch Code = "DIGEST_MISMATCH" // stored bytes do not match their digest
+	TagNotAllowed  Code = "TAG_NOT_ALLOWED" // restore by tag without --allow-tag
+	AuthFailed     Code = "AUTH_FAILED"     // the registry refused our credentials
+	RegistryError  Code = "REGISTRY_ERROR"  // any other failure of the image store
+	Busy           Code = "BUSY"            // another operation holds the VM
+	InvalidInput   Code = "INVALID_INPUT"   // malformed image, header, record or request
+	Internal       Code = "INTERNAL"        // a bug or an unexpected local failure
+)
+
+// Codes lists every code in the order of their exit statuses.
+var Codes = []Code{Internal, Usage, VMNotFound, QMPError, CompatMismatch, DigestMismatch,
+	TagNotAllowed, AuthFailed, RegistryError, Busy, InvalidInput}
+
+// ExitStatus is the process exit status for a failure with this code.
+// 0 is success; INTERNAL is 1, the codes that follow count up from 2.
+func (c Code) ExitStatus() int {
+	for i, k := range Codes {
+		if k == c {
+			return i + 1
+		}
+	}
+	return 1
+}
+
+// Error is a failure with a code. Details, when present, list individual
+// findings (for example each difference of a compatibility check).
+type Error struct {
+	Code    Code
+	Msg     string
+	Details []string
+	Err     error
+}
+
+func (e *Error) Error() string {
+	var b strings.Builder
+	b.WriteString(e.Msg)
+	if len(e.Details) > 0 {
+		b.WriteString(": ")
+		b.WriteString(strings.Join(e.Details, "; "))
+	}
+	if e.Err != nil {
+		if b.Len() > 0 {
+			b.WriteString(": ")
+		}
+		b.WriteString(e.Err.Error())
+	}
+	return b.String()
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// ErrorCode lets callers outside this module classify the error.
+func (e *Error) ErrorCode() string { return string(e.Code) }
+
+// New returns an error with a code and a formatted message.
+func New(code Code, format string, args ...any) error {
+	return &Error{Code: code, Msg: fmt.Sprintf(format, args...)}
+}
+
+// Wrap returns an error with a code whose message is the formatted text
+// followed by err's. A nil err gives nil. If err already carries a code, the
+// new code still wins: the wrapper knows better what the failure means.
+func Wrap(code Code, err error, format string, args ...any) error {
+	if err == nil {
+		return nil
+	}
+	return &Error{Code: code, Msg: fmt.Sprintf(format, args...), Err: err}
+}
+
+// WithDetails returns an error with a code, a message and a list of findings.
+func WithDetails(code Code, details []string, format string, args ...any) error {
+	return &Error{Code: code, Msg: fmt.Sprintf(format, args...), Details: details}
+}
+
+// Of returns the code of the outermost coded error in err's chain. An error
+// without one is INTERNAL.
+func Of(err error) Code {
+	if err == nil {
+		return ""
+	}
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Code
+	}
+	return Internal
+}
+
+// Is reports whether err carries code c.
+func Is(err error, c Code) bool { return err != nil && Of(err) == c }
+
+// Ensure returns err unchanged if it carries a code, and wraps it with code c
+// otherwise. It is how a layer states the default meaning of failures from
+// below it without hiding more specific codes.
+func Ensure(c Code, err error, format string, args ...any) error {
+	if err == nil {
+		return nil
+	}
+	var e *Error
+	if errors.As(err, &e) {
+		return err
+	}
+	return Wrap(c, err, format, args...)
+}

@@ -1,0 +1,122 @@
+package ociimage
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+
+	"github.com/opencontainers/go-digest"
+	"github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+// Artifact is one snapshot image as its writer sees it: a typed config and
+// the chunk layers, already stored with PutBlob.
+type Artifact struct {
+	ArtifactType    string // ArtifactTypeVMState or ArtifactTypeDisk
+	ConfigMediaType string // the config media type that goes with ArtifactType
+	Config          any    // marshalled to JSON as the config blob
+	Layers          []ocispec.Descriptor
+	Annotations     map[string]string
+	Subject         *ocispec.Descriptor
+}
+
+// PushArtifact stores a's config blob and then its manifest, which
+// PutManifest tags if repo's reference has a tag. The layers must be stored
+// already. It returns the manifest's descriptor.
+func PushArtifact(ctx context.Context, repo Repository, a Artifact) (ocispec.Descriptor, error) {
+	if a.ArtifactType == "" || a.ConfigMediaType == "" {
+		return ocispec.Descriptor{}, errcode.New(errcode.Internal, "PushArtifact needs an artifact type and a config media type")
+	}
+	// Refuse here what PullArtifact would refuse, so that no unreadable
+	// image is ever written.
+	if err := checkChunkLayers(a.Layers); err != nil {
+		return ocispec.Descriptor{}, err
+	}
+	cfg, err := json.Marshal(a.Config)
+	if err != nil {
+		return ocispec.Descriptor{}, errcode.Wrap(errcode.Internal, err, "cannot encode the %s config", describeArtifact(a.ArtifactType, a.ConfigMediaType))
+	}
+	if len(cfg) > MaxConfigSize {
+		return ocispec.Descriptor{}, errcode.New(errcode.InvalidInput, "the config is %d bytes, more than the %d a config may have", len(cfg), MaxConfigSize)
+	}
+	cfgDesc := ocispec.Descriptor{MediaType: a.ConfigMediaType, Digest: digest.FromBytes(cfg), Size: int64(len(cfg))}
+	if err := repo.PutBlob(ctx, cfgDesc, cfg); err != nil {
+		return ocispec.Descriptor{}, err
+	}
+	return repo.PutManifest(ctx, ocispec.Manifest{
+		Versioned:    specs.Versioned{SchemaVersion: 2},
+		MediaType:    ocispec.MediaTypeImageManifest,
+		ArtifactType: a.ArtifactType,
+		Config:       cfgDesc,
+		Layers:       a.Layers,
+		Subject:      a.Subject,
+		Annotations:  a.Annotations,
+	})
+}
+
+// PullArtifact resolves repo's reference, checks that it is an artifactType
+// image vmsnap can read, and decodes its config into configOut, refusing
+// fields configOut does not know. It returns the manifest's descriptor and
+// the manifest; the chunks are the caller's to fetch.
+func PullArtifact(ctx context.Context, repo Repository, artifactType string, configOut any) (ocispec.Descriptor, ocispec.Manifest, error) {
+	wantConfig := configMediaType(artifactType)
+	if wantConfig == "" {
+		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.New(errcode.Internal, "PullArtifact: unknown artifact type %q", artifactType)
+	}
+	ref := repo.Reference()
+	desc, err := repo.Resolve(ctx)
+	if err != nil {
+		return ocispec.Descriptor{}, ocispec.Manifest{}, err
+	}
+	m, err := repo.Manifest(ctx, desc)
+	if err != nil {
+		return ocispec.Descriptor{}, ocispec.Manifest{}, err
+	}
+	if m.ArtifactType != artifactType {
+		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.New(errcode.InvalidInput, "%s is a %s, not a %s; check the reference",
+			ref, describeArtifact(m.ArtifactType, m.Config.MediaType), describeArtifact(artifactType, wantConfig))
+	}
+	if m.Config.MediaType != wantConfig {
+		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.New(errcode.InvalidInput,
+			"%s has a config of type %q, not %s; it was not written by this version of vmsnap", ref, m.Config.MediaType, wantConfig)
+	}
+	if err := checkChunkLayers(m.Layers); err != nil {
+		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.Wrap(errcode.InvalidInput, err, "%s", ref)
+	}
+
+	cfg, err := repo.Blob(ctx, m.Config, MaxConfigSize)
+	if err != nil {
+		return ocispec.Descriptor{}, ocispec.Manifest{}, err
+	}
+	dec := json.NewDecoder(bytes.NewReader(cfg))
+	// An unknown field is data this version would silently ignore, most
+	// likely a setting from a newer vmsnap that restore must honour.
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(configOut); err != nil {
+		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.Wrap(errcode.InvalidInput, err,
+			"cannot read the config of %s; if a newer vmsnap wrote it, upgrade vmsnap", ref)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.New(errcode.InvalidInput, "the config of %s has data after its JSON object", ref)
+	}
+	return desc, m, nil
+}
+
+// checkChunkLayers checks that every layer is a chunk vmsnap can hold in
+// memory. Errors are INVALID_INPUT.
+func checkChunkLayers(layers []ocispec.Descriptor) error {
+	for i, l := range layers {
+		if l.MediaType != MediaTypeChunk {
+			return errcode.New(errcode.InvalidInput, "layer %d has media type %q, not %s", i, l.MediaType, MediaTypeChunk)
+		}
+		if l.Size < 0 || l.Size > MaxChunkSize {
+			return errcode.New(errcode.InvalidInput, "layer %d is %d bytes, outside the 0 to %d a chunk may have", i, l.Size, MaxChunkSize)
+		}
+	}
+	return nil
+}

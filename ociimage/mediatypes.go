@@ -1,0 +1,73 @@
+package ociimage
+
+// The one place that knows vmsnap's media types and annotation keys.
+const (
+	// ArtifactTypeVMState marks a manifest that holds a VM's migration stream.
+	ArtifactTypeVMState = "application/vnd.vmsnap.vmstate.v1"
+	// ArtifactTypeDisk marks a manifest that holds a VM's qcow2 disk overlay.
+	ArtifactTypeDisk = "application/vnd.vmsnap.disk.v1"
+
+	// MediaTypeVMStateConfig is the config of a vmstate manifest: the
+	// compatibility record and the stream's facts (vmstate.Config).
+	MediaTypeVMStateConfig = "application/vnd.vmsnap.vmstate.config.v1+json"
+	// MediaTypeDiskConfig is the config of a disk manifest (rootfs.DiskConfig).
+	MediaTypeDiskConfig = "application/vnd.vmsnap.disk.config.v1+json"
+	// MediaTypeChunk is one zstd-compressed chunk of a byte stream; the
+	// stream is the concatenation of the layers in manifest order.
+	MediaTypeChunk = "application/vnd.vmsnap.chunk.v1.raw+zstd"
+
+	// AnnotationRawSize on a chunk layer: its size after decompression.
+	// Decompression refuses to produce more.
+	AnnotationRawSize = "dev.vmsnap.chunk.raw-size"
+	// AnnotationRawOffset on a chunk layer: where its bytes start in the stream.
+	AnnotationRawOffset = "dev.vmsnap.chunk.raw-offset"
+
+	// Manifest annotations for people and for linking the images of one checkpoint.
+	AnnotationMode        = "dev.vmsnap.mode"
+	AnnotationQEMUVersion = "dev.vmsnap.qemu.version"
+	AnnotationMachine     = "dev.vmsnap.qemu.machine"
+	AnnotationMemory      = "dev.vmsnap.vm.memory"
+	AnnotationRawBytes    = "dev.vmsnap.stream.raw-bytes"
+	AnnotationDiskImage   = "dev.vmsnap.disk.image" // on a vmstate manifest: the disk image REF@DIGEST
+	AnnotationDiskPath    = "dev.vmsnap.disk.path"  // on a disk manifest: the overlay's path at capture
+	AnnotationCreated     = "org.opencontainers.image.created"
+	AnnotationRefName     = "org.opencontainers.image.ref.name"
+	AnnotationTitle       = "org.opencontainers.image.title"
+	AnnotationDescription = "org.opencontainers.image.description"
+)
+
+// Limits that keep a hostile or corrupt image from exhausting memory.
+const (
+	MaxManifestSize = 4 << 20  // bytes of one manifest
+	MaxConfigSize   = 1 << 20  // bytes of one config blob
+	MaxLayers       = 1 << 20  // layers of one manifest
+	MaxChunkSize    = 64 << 20 // bytes of one chunk, compressed or raw
+	MaxIndexSize    = 16 << 20 // bytes of a layout's index.json (tens of thousands of entries)
+)
+
+// configMediaType is the config media type a manifest of artifactType must
+// carry, or "" for an artifact type vmsnap does not write.
+func configMediaType(artifactType string) string {
+	switch artifactType {
+	case ArtifactTypeVMState:
+		return MediaTypeVMStateConfig
+	case ArtifactTypeDisk:
+		return MediaTypeDiskConfig
+	}
+	return ""
+}
+
+// describeArtifact names an image's kind for people, in error messages.
+func describeArtifact(artifactType, configMediaType string) string {
+	switch {
+	case artifactType == ArtifactTypeVMState:
+		return "VM state image"
+	case artifactType == ArtifactTypeDisk:
+		return "disk image"
+	case artifactType == "" && configMediaType == "application/vnd.oci.image.config.v1+json":
+		return "container image"
+	case artifactType == "":
+		return "image without an artifact type"
+	}
+	return "image of type " + artifactType
+}

@@ -1,0 +1,48 @@
+// Package ociimage stores vmsnap's snapshots as OCI images: it parses image
+// references, and reads and writes manifests, configs and blobs in an OCI
+// image layout on local disk (oci:DIR) or in a registry.
+//
+// It knows nothing of QEMU or qcow2: a snapshot reaches it as a list of
+// already-compressed chunk blobs, a config and an artifact type. Every byte it
+// returns has been checked against its digest and declared size; every limit
+// on sizes lives in mediatypes.go.
+//
+// It is not a general image library: it writes one manifest per snapshot and
+// reads only the manifests vmsnap writes (image manifests, no indexes).
+package ociimage
+
+import (
+	"context"
+
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+)
+
+// Repository is one place snapshots are stored: an OCI layout directory or a
+// registry repository. Implementations are safe for concurrent use.
+type Repository interface {
+	// Reference is what the repository was opened from.
+	Reference() Reference
+
+	// HasBlob reports whether the store already holds the blob, so that a
+	// writer can skip it.
+	HasBlob(ctx context.Context, d digest.Digest) (bool, error)
+	// PutBlob stores data as the blob desc describes. It refuses data whose
+	// digest or size differ from desc (DIGEST_MISMATCH). Concurrent puts of
+	// the same blob are fine. A blob is visible to Blob only once complete.
+	PutBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) error
+	// PutManifest stores the manifest and, if the reference has a tag, points
+	// the tag at it. Call it last, once every blob it names is stored: a
+	// failed snapshot must never be tagged.
+	PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.Descriptor, error)
+
+	// Resolve returns the descriptor of the manifest the reference names, by
+	// its digest, or by its tag.
+	Resolve(ctx context.Context) (ocispec.Descriptor, error)
+	// Manifest fetches and verifies a manifest (digest, size, media type,
+	// MaxManifestSize, MaxLayers) and returns it parsed.
+	Manifest(ctx context.Context, desc ocispec.Descriptor) (ocispec.Manifest, error)
+	// Blob fetches a whole blob, refusing one larger than limit before a
+	// byte is read, and verifies its digest (DIGEST_MISMATCH) and size.
+	Blob(ctx context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error)
+}

@@ -1,0 +1,205 @@
+package rootfs
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate"
+)
+
+// DiskConfig is the config blob of a disk overlay image: enough to check,
+// before a byte is written at the target, that the overlay will fit the
+// VM recorded beside it.
+type DiskConfig struct {
+	Format        string    `json:"format"` // always "qcow2"
+	Version       uint64    `json:"version"`
+	VirtualSize   uint64    `json:"virtualSize"`
+	ClusterSize   uint64    `json:"clusterSize"`
+	BackingFile   string    `json:"backingFile,omitempty"` // relative to the overlay
+	BackingFormat string    `json:"backingFormat,omitempty"`
+	FileSize      int64     `json:"fileSize"`
+	Created       time.Time `json:"created"`
+}
+
+// InspectOverlay reads and validates the qcow2 header of an overlay that is
+// to be captured.
+func InspectOverlay(path string) (Header, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return Header{}, errcode.Wrap(errcode.InvalidInput, err, "opening the disk overlay")
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return Header{}, errcode.Wrap(errcode.Internal, err, "stat %s", path)
+	}
+	if !fi.Mode().IsRegular() {
+		return Header{}, errcode.New(errcode.InvalidInput, "disk overlay %s is not a regular file", path)
+	}
+	h, err := ReadHeader(f, fi.Size())
+	if err != nil {
+		return h, err
+	}
+	return h, h.Validate()
+}
+
+// CaptureResult is what Capture stored.
+type CaptureResult struct {
+	Manifest ocispec.Descriptor
+	Image    ociimage.Reference // pinned by digest
+	Config   DiskConfig
+	Stream   vmstate.StreamResult
+	Duration time.Duration
+}
+
+// Capture stores the qcow2 overlay at path as a disk image in repo, chunked
+// and compressed like VM state. The VM must not be writing to it: call it
+// while the VM is stopped (vmstate.CheckpointOptions.WhileStopped).
+func Capture(ctx context.Context, path string, repo ociimage.Repository, opts vmstate.StreamOptions) (*CaptureResult, error) {
+	start := time.Now()
+	h, err := InspectOverlay(path)
+	if err != nil {
+		return nil, err
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, errcode.Wrap(errcode.InvalidInput, err, "opening the disk overlay")
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "stat %s", path)
+	}
+	stream, err := vmstate.EncodeStream(ctx, f, repo, opts)
+	if err != nil {
+		return nil, err
+	}
+	if stream.RawBytes != fi.Size() {
+		return nil, errcode.New(errcode.Internal, "disk overlay %s changed size while it was captured (%d, now %d bytes): is the VM still running?", path, fi.Size(), stream.RawBytes)
+	}
+	cfg := DiskConfig{
+		Format: "qcow2", Version: h.Version, VirtualSize: h.VirtualSize, ClusterSize: h.ClusterSize(),
+		BackingFile: h.BackingFile, BackingFormat: h.BackingFormat, FileSize: stream.RawBytes,
+		Created: time.Now().UTC(),
+	}
+	desc, err := ociimage.PushArtifact(ctx, repo, ociimage.Artifact{
+		ArtifactType:    ociimage.ArtifactTypeDisk,
+		ConfigMediaType: ociimage.MediaTypeDiskConfig,
+		Config:          cfg,
+		Layers:          stream.Layers,
+		Annotations: map[string]string{
+			ociimage.AnnotationDiskPath: path,
+			ociimage.AnnotationRawBytes: strconv.FormatInt(stream.RawBytes, 10),
+			ociimage.AnnotationCreated:  cfg.Created.Format(time.RFC3339),
+			ociimage.AnnotationTitle:    filepath.Base(path),
+		},
+	})
+	if err != nil {
+		return nil, errcode.Ensure(errcode.RegistryError, err, "storing the disk manifest")
+	}
+	return &CaptureResult{
+		Manifest: desc, Image: repo.Reference().WithDigest(desc.Digest), Config: cfg,
+		Stream: stream, Duration: time.Since(start),
+	}, nil
+}
+
+// LoadDiskConfig fetches and checks a disk image's manifest and config.
+func LoadDiskConfig(ctx context.Context, repo ociimage.Repository) (ocispec.Descriptor, ocispec.Manifest, DiskConfig, error) {
+	var cfg DiskConfig
+	desc, m, err := ociimage.PullArtifact(ctx, repo, ociimage.ArtifactTypeDisk, &cfg)
+	if err != nil {
+		return desc, m, cfg, err
+	}
+	if cfg.Format != "qcow2" {
+		return desc, m, cfg, errcode.New(errcode.InvalidInput, "disk image holds format %q; vmsnap restores qcow2 overlays", cfg.Format)
+	}
+	total, err := vmstate.ValidateLayers(m.Layers)
+	if err != nil {
+		return desc, m, cfg, err
+	}
+	if total != cfg.FileSize {
+		return desc, m, cfg, errcode.New(errcode.InvalidInput, "disk image's chunks add up to %d bytes but its config declares %d", total, cfg.FileSize)
+	}
+	if cfg.BackingFile != "" && (filepath.IsAbs(cfg.BackingFile) || !filepath.IsLocal(cfg.BackingFile)) {
+		return desc, m, cfg, errcode.New(errcode.InvalidInput, "disk image names backing file %q, which is not a path below the overlay's directory", cfg.BackingFile)
+	}
+	return desc, m, cfg, nil
+}
+
+// RestoreResult is what Restore wrote.
+type RestoreResult struct {
+	Manifest ocispec.Descriptor
+	Config   DiskConfig
+	Bytes    int64
+	Duration time.Duration
+}
+
+// Restore writes the disk image in repo to path, before QEMU starts: every
+// chunk is verified before it is written, the file appears at path only
+// once complete and synced (an existing file there is replaced only then),
+// its header must match the image's config, and its backing file must
+// resolve beside it.
+func Restore(ctx context.Context, repo ociimage.Repository, path string, opts vmstate.StreamOptions) (*RestoreResult, error) {
+	start := time.Now()
+	desc, m, cfg, err := LoadDiskConfig(ctx, repo)
+	if err != nil {
+		return nil, err
+	}
+	// Check the backing file first: a restore that cannot boot is refused
+	// before anything is written.
+	if cfg.BackingFile != "" {
+		if err := CheckBacking(path, Header{BackingFile: cfg.BackingFile, BackingFormat: cfg.BackingFormat}); err != nil {
+			return nil, err
+		}
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "creating the overlay's directory")
+	}
+	out, err := CreateAtomic(path, 0o644)
+	if err != nil {
+		return nil, errcode.Ensure(errcode.Internal, err, "creating %s", path)
+	}
+	defer out.Abort()
+	head := &headWriter{max: 2 << 20} // the header lives in the first cluster, at most 2 MiB
+	n, err := vmstate.DecodeStream(ctx, m.Layers, repo, io.MultiWriter(out, head), opts)
+	if err != nil {
+		return nil, err
+	}
+	h, err := ReadHeader(bytes.NewReader(head.buf), n)
+	if err != nil {
+		return nil, err
+	}
+	if err := h.Validate(); err != nil {
+		return nil, err
+	}
+	if h.VirtualSize != cfg.VirtualSize || h.BackingFile != cfg.BackingFile || h.BackingFormat != cfg.BackingFormat {
+		return nil, errcode.New(errcode.InvalidInput, "the restored overlay's header (size %d, backing %q) does not match the image's config (size %d, backing %q)",
+			h.VirtualSize, h.BackingFile, cfg.VirtualSize, cfg.BackingFile)
+	}
+	if err := out.Commit(); err != nil {
+		return nil, err
+	}
+	return &RestoreResult{Manifest: desc, Config: cfg, Bytes: n, Duration: time.Since(start)}, nil
+}
+
+// headWriter keeps the first max bytes written to it.
+type headWriter struct {
+	buf []byte
+	max int
+}
+
+func (h *headWriter) Write(p []byte) (int, error) {
+	if room := h.max - len(h.buf); room > 0 {
+		h.buf = append(h.buf, p[:min(room, len(p))]...)
+	}
+	return len(p), nil
+}

@@ -1,0 +1,316 @@
+package vmstate
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+// Record is what a VM is, as far as loading its migration stream is
+// concerned. It is read from the source QEMU at checkpoint and from the
+// waiting target QEMU at restore; Compare says whether the stream will load.
+type Record struct {
+	QEMUVersion string   `json:"qemuVersion"`           // major.minor.micro
+	QEMUPackage string   `json:"qemuPackage,omitempty"` // for people; not compared
+	Arch        string   `json:"arch"`
+	Machine     string   `json:"machine"` // the resolved, versioned machine type
+	CPUs        int      `json:"cpus"`
+	CPUModel    string   `json:"cpuModel"`
+	MemoryBytes int64    `json:"memoryBytes"`
+	Devices     []string `json:"devices"`       // PCI functions, canonical and sorted
+	DevicesHash string   `json:"devicesDigest"` // sha256 of Devices, for a quick look
+	Blocks      []Block  `json:"blocks"`
+}
+
+// Block is one block device as the guest sees it. File names are left out:
+// they differ between nodes and do not matter to the stream.
+type Block struct {
+	Device      string `json:"device"`
+	QDev        string `json:"qdev,omitempty"`
+	Format      string `json:"format,omitempty"` // empty: no medium
+	VirtualSize int64  `json:"virtualSize,omitempty"`
+	ReadOnly    bool   `json:"readOnly,omitempty"`
+}
+
+// Executor is the part of the QMP client the record needs.
+type Executor interface {
+	Execute(ctx context.Context, command string, args, result any) error
+}
+
+// ReadRecord queries QEMU for the record. Every command it uses is answered
+// by a QEMU waiting with -incoming defer as well as by a running one.
+func ReadRecord(ctx context.Context, mon Executor) (Record, error) {
+	var r Record
+	var version struct {
+		QEMU    struct{ Major, Minor, Micro int } `json:"qemu"`
+		Package string                            `json:"package"`
+	}
+	if err := mon.Execute(ctx, "query-version", nil, &version); err != nil {
+		return r, err
+	}
+	r.QEMUVersion = fmt.Sprintf("%d.%d.%d", version.QEMU.Major, version.QEMU.Minor, version.QEMU.Micro)
+	r.QEMUPackage = strings.TrimSpace(version.Package)
+
+	var target struct{ Arch string }
+	if err := mon.Execute(ctx, "query-target", nil, &target); err != nil {
+		return r, err
+	}
+	r.Arch = target.Arch
+
+	if err := mon.Execute(ctx, "qom-get", map[string]string{"path": "/machine", "property": "type"}, &r.Machine); err != nil {
+		return r, err
+	}
+
+	var cpus []struct {
+		QOMPath string `json:"qom-path"`
+	}
+	if err := mon.Execute(ctx, "query-cpus-fast", nil, &cpus); err != nil {
+		return r, err
+	}
+	r.CPUs = len(cpus)
+	if len(cpus) > 0 {
+		if err := mon.Execute(ctx, "qom-get", map[string]string{"path": cpus[0].QOMPath, "property": "type"}, &r.CPUModel); err != nil {
+			return r, err
+		}
+	}
+
+	var mem struct {
+		Base    int64 `json:"base-memory"`
+		Plugged int64 `json:"plugged-memory"`
+	}
+	if err := mon.Execute(ctx, "query-memory-size-summary", nil, &mem); err != nil {
+		return r, err
+	}
+	r.MemoryBytes = mem.Base + mem.Plugged
+
+	devices, err := readPCI(ctx, mon)
+	if err != nil {
+		return r, err
+	}
+	r.Devices = devices
+	r.DevicesHash = devicesDigest(devices)
+
+	blocks, err := readBlocks(ctx, mon)
+	if err != nil {
+		return r, err
+	}
+	r.Blocks = blocks
+	return r, nil
+}
+
+type pciDevice struct {
+	Bus      int    `json:"bus"`
+	Slot     int    `json:"slot"`
+	Function int    `json:"function"`
+	QDevID   string `json:"qdev_id"`
+	Class    struct {
+		Class int `json:"class"`
+	} `json:"class_info"`
+	ID struct {
+		Vendor int `json:"vendor"`
+		Device int `json:"device"`
+	} `json:"id"`
+	PCIBridge *struct {
+		Devices []pciDevice `json:"devices"`
+	} `json:"pci_bridge"`
+}
+
+func readPCI(ctx context.Context, mon Executor) ([]string, error) {
+	var buses []struct {
+		Bus     int         `json:"bus"`
+		Devices []pciDevice `json:"devices"`
+	}
+	if err := mon.Execute(ctx, "query-pci", nil, &buses); err != nil {
+		return nil, err
+	}
+	var out []string
+	var walk func([]pciDevice)
+	walk = func(ds []pciDevice) {
+		for _, d := range ds {
+			s := fmt.Sprintf("%02x:%02x.%x %04x:%04x class=%04x", d.Bus, d.Slot, d.Function, d.ID.Vendor, d.ID.Device, d.Class.Class)
+			if d.QDevID != "" {
+				s += " id=" + d.QDevID
+			}
+			out = append(out, s)
+			if d.PCIBridge != nil {
+				walk(d.PCIBridge.Devices)
+			}
+		}
+	}
+	for _, b := range buses {
+		walk(b.Devices)
+	}
+	slices.Sort(out)
+	return out, nil
+}
+
+func devicesDigest(devices []string) string {
+	h := sha256.New()
+	for _, d := range devices {
+		h.Write([]byte(d))
+		h.Write([]byte{'\n'})
+	}
+	return "sha256:" + hex.EncodeToString(h.Sum(nil))
+}
+
+func readBlocks(ctx context.Context, mon Executor) ([]Block, error) {
+	var infos []struct {
+		Device   string `json:"device"`
+		QDev     string `json:"qdev"`
+		Inserted *struct {
+			Drv   string `json:"drv"`
+			RO    bool   `json:"ro"`
+			Image struct {
+				VirtualSize int64 `json:"virtual-size"`
+			} `json:"image"`
+		} `json:"inserted"`
+	}
+	if err := mon.Execute(ctx, "query-block", nil, &infos); err != nil {
+		return nil, err
+	}
+	var out []Block
+	for _, in := range infos {
+		b := Block{Device: in.Device, QDev: in.QDev}
+		if in.Inserted != nil {
+			b.Format = in.Inserted.Drv
+			b.ReadOnly = in.Inserted.RO
+			b.VirtualSize = in.Inserted.Image.VirtualSize
+		}
+		out = append(out, b)
+	}
+	slices.SortFunc(out, func(a, b Block) int { return strings.Compare(a.Device+a.QDev, b.Device+b.QDev) })
+	return out, nil
+}
+
+// Compare lists every way in which a QEMU described by target cannot load a
+// stream saved from src. An empty list means the stream will load. QEMU
+// loads streams from its own and older versions, so a newer target is fine.
+func Compare(src, target Record) []string {
+	var diffs []string
+	differ := func(what, a, b string) {
+		if a != b {
+			diffs = append(diffs, fmt.Sprintf("%s: snapshot has %s, target has %s", what, quote(a), quote(b)))
+		}
+	}
+	if cmpVersion(target.QEMUVersion, src.QEMUVersion) < 0 {
+		diffs = append(diffs, fmt.Sprintf("QEMU version: snapshot was taken by %s, target runs older %s (QEMU loads only streams from its own or older versions)", src.QEMUVersion, target.QEMUVersion))
+	}
+	differ("architecture", src.Arch, target.Arch)
+	differ("machine type", src.Machine, target.Machine)
+	differ("vCPU count", strconv.Itoa(src.CPUs), strconv.Itoa(target.CPUs))
+	differ("CPU model", src.CPUModel, target.CPUModel)
+	if src.MemoryBytes != target.MemoryBytes {
+		diffs = append(diffs, fmt.Sprintf("memory: snapshot has %d MiB, target has %d MiB", src.MemoryBytes>>20, target.MemoryBytes>>20))
+	}
+	if src.DevicesHash != target.DevicesHash {
+		for _, d := range setDiff(src.Devices, target.Devices) {
+			diffs = append(diffs, "PCI device missing on target: "+d)
+		}
+		for _, d := range setDiff(target.Devices, src.Devices) {
+			diffs = append(diffs, "PCI device not in snapshot: "+d)
+		}
+		if slices.Equal(src.Devices, target.Devices) {
+			diffs = append(diffs, "PCI device list digest differs")
+		}
+	}
+	srcBlocks := map[string]Block{}
+	for _, b := range src.Blocks {
+		srcBlocks[b.Device+"|"+b.QDev] = b
+	}
+	for _, t := range target.Blocks {
+		key := t.Device + "|" + t.QDev
+		s, ok := srcBlocks[key]
+		if !ok {
+			diffs = append(diffs, fmt.Sprintf("block device %s not in snapshot", blockName(t)))
+			continue
+		}
+		delete(srcBlocks, key)
+		differ("block device "+blockName(t)+" format", s.Format, t.Format)
+		if s.VirtualSize != t.VirtualSize {
+			diffs = append(diffs, fmt.Sprintf("block device %s size: snapshot has %d bytes, target has %d", blockName(t), s.VirtualSize, t.VirtualSize))
+		}
+		if s.ReadOnly != t.ReadOnly {
+			diffs = append(diffs, fmt.Sprintf("block device %s read-only: snapshot %t, target %t", blockName(t), s.ReadOnly, t.ReadOnly))
+		}
+	}
+	for _, s := range src.Blocks {
+		if _, ok := srcBlocks[s.Device+"|"+s.QDev]; ok {
+			diffs = append(diffs, fmt.Sprintf("block device %s missing on target", blockName(s)))
+		}
+	}
+	return diffs
+}
+
+// CheckCompatible returns COMPAT_MISMATCH listing every difference, or nil.
+func CheckCompatible(src, target Record) error {
+	if diffs := Compare(src, target); len(diffs) > 0 {
+		return errcode.WithDetails(errcode.CompatMismatch, diffs,
+			"the waiting QEMU cannot load this snapshot (%d difference(s)); start it with the same machine, CPU, memory and devices as the source", len(diffs))
+	}
+	return nil
+}
+
+func blockName(b Block) string {
+	if b.Device != "" {
+		return b.Device
+	}
+	return b.QDev
+}
+
+func quote(s string) string {
+	if s == "" {
+		return "(none)"
+	}
+	return strconv.Quote(s)
+}
+
+func setDiff(a, b []string) []string {
+	var out []string
+	for _, x := range a {
+		if !slices.Contains(b, x) {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// cmpVersion compares dotted versions numerically; unparsable parts count as 0.
+func cmpVersion(a, b string) int {
+	pa, pb := strings.Split(a, "."), strings.Split(b, ".")
+	for i := range max(len(pa), len(pb)) {
+		var x, y int
+		if i < len(pa) {
+			x, _ = strconv.Atoi(pa[i])
+		}
+		if i < len(pb) {
+			y, _ = strconv.Atoi(pb[i])
+		}
+		if x != y {
+			return x - y
+		}
+	}
+	return 0
+}
+
+// Validate checks a record read from an image before it is compared.
+func (r Record) Validate() error {
+	switch {
+	case r.QEMUVersion == "" || r.Arch == "" || r.Machine == "":
+		return errcode.New(errcode.InvalidInput, "compatibility record lacks the QEMU version, architecture or machine type")
+	case r.CPUs <= 0 || r.CPUs > 4096:
+		return errcode.New(errcode.InvalidInput, "compatibility record has %d vCPUs", r.CPUs)
+	case r.MemoryBytes <= 0:
+		return errcode.New(errcode.InvalidInput, "compatibility record has %d bytes of memory", r.MemoryBytes)
+	case len(r.Devices) > 4096 || len(r.Blocks) > 4096:
+		return errcode.New(errcode.InvalidInput, "compatibility record lists too many devices")
+	case devicesDigest(r.Devices) != r.DevicesHash:
+		return errcode.New(errcode.InvalidInput, "compatibility record's device digest does not match its device list")
+	}
+	return nil
+}

@@ -1,0 +1,166 @@
+package vmstate
+
+import (
+	"context"
+	"io"
+	"os"
+	"time"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+)
+
+// RestoreOptions tunes Restore.
+type RestoreOptions struct {
+	// Paused leaves the VM stopped once its state is loaded. A QEMU started
+	// without -S may run the guest for an instant before it is stopped.
+	Paused bool
+	Stream StreamOptions
+}
+
+// RestoreDurations are a restore's phases.
+type RestoreDurations struct {
+	Prepare time.Duration // manifest, config, compatibility check
+	Stream  time.Duration // fetch, verify, decompress, load
+	Total   time.Duration // command start to the VM running
+}
+
+// RestoreResult is what a restore did.
+type RestoreResult struct {
+	Manifest  ocispec.Descriptor
+	Config    Config
+	RawBytes  int64
+	Durations RestoreDurations
+	VMRunning bool
+}
+
+// LoadConfig fetches and checks a VM state image's manifest and config
+// without touching any QEMU.
+func LoadConfig(ctx context.Context, repo ociimage.Repository) (ocispec.Descriptor, ocispec.Manifest, Config, error) {
+	var cfg Config
+	desc, m, err := ociimage.PullArtifact(ctx, repo, ociimage.ArtifactTypeVMState, &cfg)
+	if err != nil {
+		return desc, m, cfg, err
+	}
+	if err := cfg.Record.Validate(); err != nil {
+		return desc, m, cfg, err
+	}
+	total, err := ValidateLayers(m.Layers)
+	if err != nil {
+		return desc, m, cfg, err
+	}
+	if total != cfg.RawBytes {
+		return desc, m, cfg, errcode.New(errcode.InvalidInput, "the image's chunks add up to %d bytes but its config declares %d", total, cfg.RawBytes)
+	}
+	return desc, m, cfg, nil
+}
+
+// Restore loads a VM state image into the QEMU behind mon, which must be
+// waiting with -incoming defer. It refuses a QEMU that does not match the
+// recorded VM before a byte is sent, sends only chunks that match their
+// digests, and starts the incoming migration only once the first chunk has
+// been verified, so that an image that is bad from its start never reaches
+// QEMU at all.
+func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts RestoreOptions) (*RestoreResult, error) {
+	start := time.Now()
+	res := &RestoreResult{}
+	st, err := queryStatus(ctx, mon)
+	if err != nil {
+		return nil, err
+	}
+	if st.Status != "inmigrate" {
+		return nil, errcode.New(errcode.InvalidInput, "QEMU is %s, not waiting for an incoming migration: start it with -incoming defer and the same machine options as the source", st.Status)
+	}
+
+	var m ocispec.Manifest
+	res.Manifest, m, res.Config, err = LoadConfig(ctx, repo)
+	if err != nil {
+		return nil, err
+	}
+	target, err := ReadRecord(ctx, mon)
+	if err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "reading the waiting QEMU's compatibility record")
+	}
+	if err := CheckCompatible(res.Config.Record, target); err != nil {
+		return nil, err
+	}
+	if _, err := prepareMigration(ctx, mon, false, false); err != nil {
+		return nil, err
+	}
+	sub := mon.Subscribe()
+	defer sub.Close()
+	res.Durations.Prepare = time.Since(start)
+
+	streamStart := time.Now()
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "creating the migration pipe")
+	}
+	defer w.Close()
+	growPipe(w)
+	in := &lazyIncoming{w: w, start: func() error {
+		name, err := passFile(ctx, mon, r)
+		r.Close() // QEMU holds its own copy now
+		if err != nil {
+			return err
+		}
+		return errcode.Ensure(errcode.QMPError,
+			mon.Execute(ctx, "migrate-incoming", map[string]string{"uri": "fd:" + name}, nil), "starting the incoming migration")
+	}}
+	res.RawBytes, err = DecodeStream(ctx, m.Layers, repo, in, opts.Stream)
+	w.Close() // end of stream for QEMU: it loads what it has and finishes or fails
+	if !in.started {
+		r.Close()
+	}
+	if err != nil {
+		if in.started {
+			return nil, errcode.Wrap(errcode.Of(err), err, "the restore stopped part-way and the waiting QEMU discarded the partial state")
+		}
+		return nil, err
+	}
+	if _, err := waitMigration(ctx, mon, sub, nil); err != nil {
+		return nil, err
+	}
+	res.Durations.Stream = time.Since(streamStart)
+
+	st, err = queryStatus(ctx, mon)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case opts.Paused && st.Running:
+		err = mon.Execute(ctx, "stop", nil, nil)
+	case !opts.Paused && !st.Running:
+		err = mon.Execute(ctx, "cont", nil, nil)
+	}
+	if err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "setting the restored VM's run state")
+	}
+	res.VMRunning = !opts.Paused
+	res.Durations.Total = time.Since(start)
+	return res, nil
+}
+
+// lazyIncoming starts QEMU's incoming migration on the first write, that is
+// once the first chunk has been fetched and verified.
+type lazyIncoming struct {
+	w       io.Writer
+	start   func() error
+	started bool
+}
+
+func (l *lazyIncoming) Write(p []byte) (int, error) {
+	if !l.started {
+		l.started = true
+		if err := l.start(); err != nil {
+			return 0, err
+		}
+	}
+	n, err := l.w.Write(p)
+	if err != nil {
+		err = errcode.Wrap(errcode.QMPError, err, "QEMU stopped reading the state stream (see QEMU's log for why)")
+	}
+	return n, err
+}

@@ -1,0 +1,295 @@
+package vmstate
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"io"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+)
+
+// memStore is an in-memory BlobSink and BlobSource.
+type memStore struct {
+	mu    sync.Mutex
+	blobs map[digest.Digest][]byte
+	puts  atomic.Int64
+	// putHook, if set, runs before every put; an error fails the put.
+	putHook func() error
+}
+
+func newMemStore() *memStore { return &memStore{blobs: map[digest.Digest][]byte{}} }
+
+func (m *memStore) HasBlob(_ context.Context, d digest.Digest) (bool, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	_, ok := m.blobs[d]
+	return ok, nil
+}
+
+func (m *memStore) PutBlob(_ context.Context, desc ocispec.Descriptor, data []byte) error {
+	if m.putHook != nil {
+		if err := m.putHook(); err != nil {
+			return err
+		}
+	}
+	m.puts.Add(1)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.blobs[desc.Digest] = bytes.Clone(data)
+	return nil
+}
+
+// Blob verifies like a real store does.
+func (m *memStore) Blob(_ context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	b, ok := m.blobs[desc.Digest]
+	if !ok {
+		return nil, errcode.New(errcode.RegistryError, "no blob %s", desc.Digest)
+	}
+	if digest.FromBytes(b) != desc.Digest {
+		return nil, errcode.New(errcode.DigestMismatch, "blob %s is corrupt", desc.Digest)
+	}
+	return bytes.Clone(b), nil
+}
+
+// testStream is part random (incompressible), part zeros, part repetitive,
+// and not a multiple of any chunk size used.
+func testStream(t testing.TB, n int) []byte {
+	b := make([]byte, n)
+	if _, err := rand.Read(b[:n/3]); err != nil {
+		t.Fatal(err)
+	}
+	for i := 2 * n / 3; i < n; i++ {
+		b[i] = byte(i % 251)
+	}
+	return b
+}
+
+func TestStreamRoundTrip(t *testing.T) {
+	data := testStream(t, 5<<20+12345)
+	for _, tc := range []struct{ chunk, workers int }{{1 << 20, 1}, {1 << 20, 4}, {64 << 10, 3}, {8 << 20, 2}} {
+		t.Run(strconv.Itoa(tc.chunk)+"x"+strconv.Itoa(tc.workers), func(t *testing.T) {
+			store := newMemStore()
+			opts := StreamOptions{ChunkSize: tc.chunk, Workers: tc.workers}
+			res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			wantChunks := (len(data) + tc.chunk - 1) / tc.chunk
+			if len(res.Layers) != wantChunks || res.RawBytes != int64(len(data)) {
+				t.Fatalf("got %d chunks, %d bytes; want %d chunks, %d bytes", len(res.Layers), res.RawBytes, wantChunks, len(data))
+			}
+			// Uploaded may be less than stored: identical chunks within one
+			// stream are stored once.
+			if res.StoredBytes >= res.RawBytes || res.UploadedBytes <= 0 || res.UploadedBytes > res.StoredBytes {
+				t.Fatalf("stored %d uploaded %d of raw %d: compression or accounting is off", res.StoredBytes, res.UploadedBytes, res.RawBytes)
+			}
+			total, err := ValidateLayers(res.Layers)
+			if err != nil || total != int64(len(data)) {
+				t.Fatalf("ValidateLayers = %d, %v", total, err)
+			}
+			var out bytes.Buffer
+			n, err := DecodeStream(context.Background(), res.Layers, store, &out, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n != int64(len(data)) || !bytes.Equal(out.Bytes(), data) {
+				t.Fatalf("round trip differs: %d bytes back of %d", n, len(data))
+			}
+		})
+	}
+}
+
+func TestStreamDedup(t *testing.T) {
+	data := testStream(t, 3<<20)
+	store := newMemStore()
+	opts := StreamOptions{ChunkSize: 256 << 10}
+	first, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Change one byte in the middle: only its chunk is new.
+	data[len(data)/2] ^= 0xff
+	second, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	changed := second.Layers[len(data)/2/(256<<10)]
+	if second.UploadedBytes != changed.Size {
+		t.Fatalf("second stream uploaded %d bytes, want only the changed chunk's %d (first uploaded %d)", second.UploadedBytes, changed.Size, first.UploadedBytes)
+	}
+}
+
+func TestDecodeRefusesCorruptChunkBeforeWritingIt(t *testing.T) {
+	data := testStream(t, 4<<20)
+	store := newMemStore()
+	opts := StreamOptions{ChunkSize: 512 << 10, Workers: 3}
+	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := 5
+	store.blobs[res.Layers[bad].Digest][10] ^= 1
+	var out bytes.Buffer
+	n, err := DecodeStream(context.Background(), res.Layers, store, &out, opts)
+	if errcode.Of(err) != errcode.DigestMismatch {
+		t.Fatalf("err = %v, want DIGEST_MISMATCH", err)
+	}
+	if want := int64(bad * (512 << 10)); n != want || int64(out.Len()) != want {
+		t.Fatalf("wrote %d bytes (%d reported) before the bad chunk, want exactly the %d verified ones", out.Len(), n, want)
+	}
+	if !bytes.Equal(out.Bytes(), data[:out.Len()]) {
+		t.Fatal("the verified prefix differs from the original")
+	}
+}
+
+func TestDecodeRefusesLyingRawSize(t *testing.T) {
+	data := testStream(t, 1<<20)
+	store := newMemStore()
+	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, StreamOptions{ChunkSize: 256 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, declared := range []string{"1000", strconv.Itoa(512 << 10)} {
+		layers := cloneLayers(res.Layers)
+		layers[1].Annotations[ociimage.AnnotationRawSize] = declared
+		delete(layers[2].Annotations, ociimage.AnnotationRawOffset) // offsets would catch it first
+		delete(layers[3].Annotations, ociimage.AnnotationRawOffset)
+		_, err := DecodeStream(context.Background(), layers, store, io.Discard, StreamOptions{})
+		if errcode.Of(err) != errcode.InvalidInput {
+			t.Errorf("declared %s: err = %v, want INVALID_INPUT", declared, err)
+		}
+	}
+}
+
+func TestValidateLayersRefusesBadManifests(t *testing.T) {
+	good := ocispec.Descriptor{
+		MediaType: ociimage.MediaTypeChunk, Digest: digest.FromString("x"), Size: 10,
+		Annotations: map[string]string{ociimage.AnnotationRawSize: "100", ociimage.AnnotationRawOffset: "0"},
+	}
+	mut := func(f func(d *ocispec.Descriptor)) []ocispec.Descriptor {
+		d := cloneLayers([]ocispec.Descriptor{good})[0]
+		f(&d)
+		return []ocispec.Descriptor{d}
+	}
+	cases := map[string][]ocispec.Descriptor{
+		"media type":    mut(func(d *ocispec.Descriptor) { d.MediaType = "application/vnd.oci.image.layer.v1.tar" }),
+		"negative size": mut(func(d *ocispec.Descriptor) { d.Size = -1 }),
+		"huge size":     mut(func(d *ocispec.Descriptor) { d.Size = 1 << 40 }),
+		"bad digest":    mut(func(d *ocispec.Descriptor) { d.Digest = "sha256:nothex" }),
+		"no raw size":   mut(func(d *ocispec.Descriptor) { delete(d.Annotations, ociimage.AnnotationRawSize) }),
+		"huge raw size": mut(func(d *ocispec.Descriptor) { d.Annotations[ociimage.AnnotationRawSize] = "99999999999" }),
+		"zero raw size": mut(func(d *ocispec.Descriptor) { d.Annotations[ociimage.AnnotationRawSize] = "0" }),
+		"wrong offset":  mut(func(d *ocispec.Descriptor) { d.Annotations[ociimage.AnnotationRawOffset] = "7" }),
+		"text raw size": mut(func(d *ocispec.Descriptor) { d.Annotations[ociimage.AnnotationRawSize] = "ten" }),
+	}
+	for name, layers := range cases {
+		if _, err := ValidateLayers(layers); errcode.Of(err) != errcode.InvalidInput {
+			t.Errorf("%s: err = %v, want INVALID_INPUT", name, err)
+		}
+	}
+	if n, err := ValidateLayers([]ocispec.Descriptor{good}); err != nil || n != 100 {
+		t.Fatalf("good layer: %d, %v", n, err)
+	}
+}
+
+func TestEncodeStopsOnSinkFailure(t *testing.T) {
+	store := newMemStore()
+	var n atomic.Int32
+	boom := errors.New("disk full")
+	store.putHook = func() error {
+		if n.Add(1) == 3 {
+			return boom
+		}
+		return nil
+	}
+	_, err := EncodeStream(context.Background(), bytes.NewReader(testStream(t, 4<<20)), store, StreamOptions{ChunkSize: 256 << 10})
+	if !errors.Is(err, boom) || errcode.Of(err) != errcode.RegistryError {
+		t.Fatalf("err = %v, want the sink's error as REGISTRY_ERROR", err)
+	}
+}
+
+// countingReader counts what has been read from it, for back-pressure.
+type countingReader struct {
+	r io.Reader
+	n atomic.Int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n.Add(int64(n))
+	return n, err
+}
+
+// A stalled store must stall the reader (and so QEMU) instead of letting
+// chunks pile up in memory.
+func TestEncodeBackPressure(t *testing.T) {
+	const chunk, workers = 64 << 10, 2
+	store := newMemStore()
+	release := make(chan struct{})
+	store.putHook = func() error { <-release; return nil }
+	src := &countingReader{r: bytes.NewReader(testStream(t, 8<<20))}
+	done := make(chan error, 1)
+	go func() {
+		_, err := EncodeStream(context.Background(), src, store, StreamOptions{ChunkSize: chunk, Workers: workers})
+		done <- err
+	}()
+	time.Sleep(300 * time.Millisecond)
+	// workers hold one chunk each, the queue holds `workers`, the reader one.
+	if got, limit := src.n.Load(), int64((2*workers+1)*chunk); got > limit {
+		t.Fatalf("read %d bytes while the store was stalled; the bound is %d", got, limit)
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if src.n.Load() != 8<<20 {
+		t.Fatalf("read %d bytes after release, want all", src.n.Load())
+	}
+}
+
+func TestEncodeHonoursCancellation(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	pr, pw := io.Pipe()
+	done := make(chan error, 1)
+	go func() {
+		_, err := EncodeStream(ctx, pr, newMemStore(), StreamOptions{ChunkSize: 64 << 10})
+		done <- err
+	}()
+	go func() { _, _ = pw.Write(make([]byte, 200<<10)) }()
+	time.Sleep(100 * time.Millisecond)
+	cancel()
+	pw.CloseWithError(context.Canceled) // what closing the pipe does in Checkpoint
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("err = %v, want context.Canceled", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("EncodeStream did not return after cancellation")
+	}
+}
+
+func cloneLayers(in []ocispec.Descriptor) []ocispec.Descriptor {
+	out := make([]ocispec.Descriptor, len(in))
+	for i, d := range in {
+		out[i] = d
+		out[i].Annotations = map[string]string{}
+		for k, v := range d.Annotations {
+			out[i].Annotations[k] = v
+		}
+	}
+	return out
+}
