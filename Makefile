@@ -4,7 +4,7 @@ GO ?= go
 BIN := bin/vmsnap
 VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 # Debian packages the tests and the demo use.
-DEBS := qemu-system-x86 qemu-utils busybox-static zstd cpio
+DEBS := qemu-system-x86 qemu-utils busybox-static zstd cpio containerd runc docker-registry skopeo apache2-utils
 # Where the test guest (kernel + initramfs) is cached between runs.
 export VMSNAP_TEST_CACHE ?= $(HOME)/.cache/vmsnap-test
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -19,22 +19,6 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
-// Open returns the repository ref names. It does not touch the store: a
-// layout directory is created by the first write, and reads of a missing one
-// fail then.
-func Open(ctx context.Context, ref Reference) (Repository, error) {
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
-	switch {
-	case ref.IsLayout():
-		return &Layout{ref: ref, dir: ref.Layout}, nil
-	case ref.Registry != "":
-		return nil, errcode.New(errcode.RegistryError, "registry references are not supported in this build yet; use oci:DIR")
-	}
-	return nil, errcode.New(errcode.InvalidInput, "empty image reference; %s", referenceForms)
-}
-
 // lockName is the file whose flock serialises updates of index.json. The
 // index itself cannot be locked: it is replaced by rename, so a lock on it
 // would be on the old file.

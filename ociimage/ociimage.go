@@ -45,4 +45,9 @@ type Repository interface {
 	// Blob fetches a whole blob, refusing one larger than limit before a
 	// byte is read, and verifies its digest (DIGEST_MISMATCH) and size.
 	Blob(ctx context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error)
+
+	// Referrers lists the manifests in the repository whose subject is the
+	// manifest desc names (a disk image's VM state images), each described
+	// with its artifact type and annotations. None is not an error.
+	Referrers(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error)
 }

@@ -129,14 +129,15 @@ func TestWithDigest(t *testing.T) {
 	}
 }
 
-func TestOpenRegistryNotSupported(t *testing.T) {
+func TestOpenPicksTheImplementation(t *testing.T) {
 	r, err := ParseReference("registry.example.com/web:v1")
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = Open(t.Context(), r)
-	if errcode.Of(err) != errcode.RegistryError || !strings.Contains(err.Error(), "oci:DIR") {
-		t.Fatalf("Open(registry) = %v, want REGISTRY_ERROR pointing at oci:DIR", err)
+	t.Setenv("DOCKER_CONFIG", t.TempDir())
+	repo, err := Open(t.Context(), r)
+	if _, ok := repo.(*Registry); !ok || err != nil {
+		t.Fatalf("Open(registry) = %T, %v, want a *Registry (and no request yet)", repo, err)
 	}
 	if _, err := Open(t.Context(), Reference{}); errcode.Of(err) != errcode.InvalidInput {
 		t.Fatalf("Open(zero Reference) = %v, want INVALID_INPUT", err)

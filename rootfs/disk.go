@@ -164,7 +164,8 @@ func Restore(ctx context.Context, repo ociimage.Repository, path string, opts vm
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "creating the overlay's directory")
 	}
-	out, err := CreateAtomic(path, 0o644)
+	// Guest data: readable by the owner and the group QEMU shares (fsGroup), no one else.
+	out, err := CreateAtomic(path, 0o660)
 	if err != nil {
 		return nil, errcode.Ensure(errcode.Internal, err, "creating %s", path)
 	}

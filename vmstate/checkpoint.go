@@ -2,6 +2,7 @@ package vmstate
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -54,11 +55,19 @@ type CheckpointOptions struct {
 	Stream StreamOptions
 	// WhileStopped runs once the memory stream is complete and before the
 	// VM runs again, so that what it reads (the disk overlay) agrees with
-	// memory. The annotations it returns go on the state manifest. Live mode
-	// does not stop the VM and refuses a WhileStopped hook.
-	WhileStopped func(ctx context.Context) (map[string]string, error)
+	// memory. What it returns links the state manifest to what it stored.
+	// Live mode does not stop the VM and refuses a WhileStopped hook.
+	WhileStopped func(ctx context.Context) (Link, error)
 	// Annotations are added to the state manifest.
 	Annotations map[string]string
+}
+
+// Link ties the state manifest to an image stored beside it (the disk
+// overlay): annotations that name it, and the manifest as the state
+// manifest's subject, so that either image finds the other.
+type Link struct {
+	Annotations map[string]string
+	Subject     *ocispec.Descriptor
 }
 
 // Durations of a checkpoint's phases.
@@ -96,7 +105,7 @@ const cleanupTimeout = 30 * time.Second
 func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts CheckpointOptions) (res *CheckpointResult, err error) {
 	start := time.Now()
 	if opts.Mode == "" {
-		opts.Mode = ModePause
+		opts.Mode = ModeSnapshot
 	}
 	if opts.Mode == ModeLive && opts.WhileStopped != nil {
 		return nil, errcode.New(errcode.Usage, "live mode does not stop the VM, so a disk overlay captured beside it would not match memory: use --mode snapshot or pause to capture the disk")
@@ -112,44 +121,66 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	case "inmigrate":
 		return nil, errcode.New(errcode.InvalidInput, "this QEMU is waiting for an incoming migration: there is no VM state to checkpoint yet")
 	case "postmigrate", "finish-migrate":
-		// A previous pause-mode checkpoint left it so: capturing again is fine.
+		// QEMU refuses to migrate a VM a migration has already stopped.
+		return nil, errcode.New(errcode.InvalidInput, "this VM was stopped by an earlier pause-mode checkpoint (QEMU state %s) and QEMU will not migrate it again: restore that snapshot into a new QEMU, or continue this VM first (QMP cont)", st.Status)
 	}
 	wasRunning := st.Running
+	// Background snapshot would start a paused VM when it ends; a paused VM
+	// needs no background snapshot anyway.
+	background := opts.Mode == ModeLive && wasRunning
 
 	record, err := ReadRecord(ctx, mon)
 	if err != nil {
 		return nil, errcode.Ensure(errcode.QMPError, err, "reading the VM's compatibility record")
 	}
+	opts.Stream.ChunkSize = chunkSizeFor(record.MemoryBytes, opts.Stream.ChunkSize)
 	res.Config = Config{Record: record, Mode: opts.Mode, Created: time.Now().UTC(), Compression: "zstd", ChunkSize: opts.Stream.ChunkSize}
 
-	restoreSettings, err := prepareMigration(ctx, mon, opts.Mode == ModeLive, true)
-	if err != nil {
-		return nil, err
+	cleanupCtx := func(d time.Duration) (context.Context, context.CancelFunc) {
+		return context.WithTimeout(context.WithoutCancel(ctx), d)
 	}
-	cleanupCtx := func() (context.Context, context.CancelFunc) {
-		return context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+	stoppedMemory := int64(0) // the VM will not run during the migration
+	if opts.Mode != ModeLive || !wasRunning {
+		stoppedMemory = record.MemoryBytes
 	}
+	restoreSettings, err := prepareMigration(ctx, mon, migrationSettings{source: true, background: background, stoppedMemory: stoppedMemory})
 	defer func() {
-		cctx, cancel := cleanupCtx()
+		cctx, cancel := cleanupCtx(cleanupTimeout)
 		defer cancel()
 		restoreSettings(cctx)
 	}()
+	if err != nil {
+		return nil, err
+	}
 
 	var stoppedAt time.Time
 	migrating := false
+	phase := "preparing"
 	defer func() {
 		if err == nil {
 			return
 		}
-		cctx, cancel := cleanupCtx()
-		defer cancel()
+		// Each step gets its own budget: a migration stuck cancelling must
+		// not use up the time to continue the VM.
 		if migrating {
+			cctx, cancel := cleanupCtx(5 * time.Second)
 			cancelMigration(cctx, mon)
+			cancel()
 		}
+		state := ""
 		if wasRunning {
+			cctx, cancel := cleanupCtx(cleanupTimeout)
 			if cerr := ensureRunning(cctx, mon); cerr != nil {
-				err = fmt.Errorf("%w (and the VM could not be continued: %v)", err, cerr)
+				state = fmt.Sprintf("; the VM could not be continued: %v", cerr)
+			} else {
+				state = "; the VM was continued"
 			}
+			cancel()
+		}
+		if ctx.Err() != nil && errcode.Of(err) == errcode.Internal {
+			err = errcode.Wrap(errcode.Internal, err, "the checkpoint was interrupted while %s (%v)%s", phase, context.Cause(ctx), state)
+		} else if state != "" {
+			err = fmt.Errorf("%w%s", err, state)
 		}
 		res = nil
 	}()
@@ -168,9 +199,18 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	if err != nil {
 		return res, err
 	}
+	fdTaken := false
+	defer func() {
+		if !fdTaken { // migrate never took it: QEMU would keep it open forever
+			cctx, cancel := cleanupCtx(5 * time.Second)
+			_ = mon.Execute(cctx, "closefd", map[string]string{"fdname": fdName}, nil)
+			cancel()
+		}
+	}()
 	res.Durations.Prepare = time.Since(start)
 
 	if opts.Mode != ModeLive && st.Running {
+		phase = "stopping the VM"
 		if err = mon.Execute(ctx, "stop", nil, nil); err != nil {
 			return res, errcode.Ensure(errcode.QMPError, err, "stopping the VM")
 		}
@@ -190,13 +230,20 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		defer close(finished)
 		stream, streamErr = EncodeStream(streamCtx, r, repo, opts.Stream)
 		if streamErr != nil {
+			// QEMU may be blocked writing into the full pipe while it holds
+			// its big lock (the final pass of a migration does), and then
+			// its monitor answers nothing: a broken pipe frees it.
+			r.Close()
 			failed <- streamErr
 		}
 	}()
+	phase = "streaming the VM state"
+	// Set before asking: if the reply is lost, the migration may still run.
+	migrating = true
 	if err = mon.Execute(ctx, "migrate", map[string]any{"uri": "fd:" + fdName}, nil); err != nil {
 		err = errcode.Ensure(errcode.QMPError, err, "starting the migration")
 	} else {
-		migrating = true
+		fdTaken = true
 		var info migrationInfo
 		info, err = waitMigration(ctx, mon, sub, failed)
 		if err == nil && opts.Mode == ModeLive && info.Downtime != nil {
@@ -207,9 +254,18 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		stopStream()
 		r.Close() // unblocks a read waiting on QEMU
 		<-finished
+		// When our side failed first (the store), QEMU's failure is only
+		// the broken pipe that followed: report the cause.
+		if streamErr != nil && !errors.Is(streamErr, context.Canceled) {
+			err = streamErr
+		}
 		return res, err
 	}
+	// QEMU closes its end once done; if it hangs instead, the caller's
+	// deadline still ends the read.
+	unblock := context.AfterFunc(ctx, func() { r.Close() })
 	<-finished
+	unblock()
 	if err = streamErr; err != nil {
 		return res, err
 	}
@@ -232,13 +288,14 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	for k, v := range opts.Annotations {
 		annotations[k] = v
 	}
+	var link Link
+	phase = "capturing the disk"
 	if opts.WhileStopped != nil {
 		hookStart := time.Now()
-		extra, herr := opts.WhileStopped(ctx)
-		if herr != nil {
-			return res, herr
+		if link, err = opts.WhileStopped(ctx); err != nil {
+			return res, err
 		}
-		for k, v := range extra {
+		for k, v := range link.Annotations {
 			annotations[k] = v
 		}
 		res.Durations.Stopped = time.Since(hookStart)
@@ -251,6 +308,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		res.Downtime = time.Since(stoppedAt)
 	}
 
+	phase = "storing the manifest"
 	pushStart := time.Now()
 	res.Manifest, err = ociimage.PushArtifact(ctx, repo, ociimage.Artifact{
 		ArtifactType:    ociimage.ArtifactTypeVMState,
@@ -258,6 +316,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		Config:          res.Config,
 		Layers:          res.Stream.Layers,
 		Annotations:     annotations,
+		Subject:         link.Subject,
 	})
 	if err != nil {
 		return res, errcode.Ensure(errcode.RegistryError, err, "storing the state manifest")
@@ -274,60 +333,119 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	return res, nil
 }
 
-// prepareMigration raises the bandwidth limit (QEMU throttles migration to
-// 128 MiB/s by default, which only makes sense for a running VM sharing a
-// network), turns on MIGRATION events and sets background-snapshot as
-// asked. The returned function puts the previous settings back.
-func prepareMigration(ctx context.Context, mon Monitor, background, source bool) (func(context.Context), error) {
-	var params struct {
-		MaxBandwidth *int64 `json:"max-bandwidth"`
-	}
-	if err := mon.Execute(ctx, "query-migrate-parameters", nil, &params); err != nil {
-		return nil, errcode.Ensure(errcode.QMPError, err, "query-migrate-parameters")
+// migrationSettings says what kind of migration prepareMigration sets up.
+type migrationSettings struct {
+	source     bool // the sending side (else a restore target)
+	background bool // background-snapshot: the VM runs on
+	// stoppedMemory, if not 0, is the memory of a VM that stays stopped
+	// during the whole migration.
+	stoppedMemory int64
+}
+
+// prepareMigration makes the next migration a plain precopy stream into one
+// descriptor: it turns off every capability but MIGRATION events (and
+// background-snapshot, when asked for), since others (multifd, return-path,
+// postcopy, block, pause-before-switchover, validate-uuid, ...) either need
+// more channels than our pipe, a peer that answers, or a target configured
+// alike.
+//
+// On the source it also sets the pace. A running VM (live mode) gets an
+// unlimited bandwidth: QEMU's default of 128 MiB/s only makes sense for a VM
+// sharing a network. A stopped VM gets the opposite: a low bandwidth and the
+// highest downtime limit, which makes QEMU skip the iterative phase after
+// its first bandwidth estimate and send all of memory in one unthrottled
+// final pass. That is faster, and it lays out the stream the same way every
+// time, so that a second checkpoint of an unchanged VM produces the same
+// chunks (which the store already has) instead of a stream shifted by
+// section markers placed by timing.
+//
+// The returned function puts the previous settings back; it is never nil,
+// even with an error, and undoes whatever was changed.
+func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (func(context.Context), error) {
+	var undoCaps []map[string]any
+	undoParams := map[string]any{}
+	undo := func(ctx context.Context) {
+		// Best effort: these only matter to whoever migrates this QEMU next.
+		if len(undoParams) > 0 {
+			_ = mon.Execute(ctx, "migrate-set-parameters", undoParams, nil)
+		}
+		if len(undoCaps) > 0 {
+			_ = mon.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": undoCaps}, nil)
+		}
 	}
 	var caps []struct {
 		Capability string `json:"capability"`
 		State      bool   `json:"state"`
 	}
 	if err := mon.Execute(ctx, "query-migrate-capabilities", nil, &caps); err != nil {
-		return nil, errcode.Ensure(errcode.QMPError, err, "query-migrate-capabilities")
+		return undo, errcode.Ensure(errcode.QMPError, err, "query-migrate-capabilities")
 	}
-	prev := map[string]bool{}
+	var change, revert []map[string]any
 	for _, c := range caps {
-		prev[c.Capability] = c.State
-	}
-	want := map[string]bool{"events": true}
-	if source {
-		if _, ok := prev["background-snapshot"]; ok || background {
-			want["background-snapshot"] = background
+		want := false
+		switch c.Capability {
+		case "events":
+			want = true
+		case "background-snapshot":
+			want = set.background && set.source
+		}
+		if c.State != want {
+			change = append(change, map[string]any{"capability": c.Capability, "state": want})
+			revert = append(revert, map[string]any{"capability": c.Capability, "state": c.State})
 		}
 	}
-	var set, undo []map[string]any
-	for c, state := range want {
-		if prev[c] != state {
-			set = append(set, map[string]any{"capability": c, "state": state})
-			undo = append(undo, map[string]any{"capability": c, "state": prev[c]})
+	if len(change) > 0 {
+		if err := mon.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": change}, nil); err != nil {
+			return undo, errcode.Ensure(errcode.QMPError, err, "setting the migration capabilities")
+		}
+		undoCaps = revert
+	}
+	if !set.source {
+		return undo, nil
+	}
+	var params struct {
+		MaxBandwidth  *int64 `json:"max-bandwidth"`
+		DowntimeLimit *int64 `json:"downtime-limit"`
+	}
+	if err := mon.Execute(ctx, "query-migrate-parameters", nil, &params); err != nil {
+		return undo, errcode.Ensure(errcode.QMPError, err, "query-migrate-parameters")
+	}
+	want := map[string]any{}
+	if params.MaxBandwidth != nil {
+		want["max-bandwidth"] = int64(1) << 40
+	}
+	if set.stoppedMemory > 0 && params.MaxBandwidth != nil && params.DowntimeLimit != nil {
+		// QEMU completes once what is left fits in bandwidth x downtime
+		// limit: make sure all of memory does, with room to spare.
+		const maxDowntimeMs = 2000000 // the largest QEMU accepts
+		want["downtime-limit"] = int64(maxDowntimeMs)
+		want["max-bandwidth"] = max(int64(1)<<20, set.stoppedMemory/(maxDowntimeMs/1000/2))
+	}
+	if len(want) > 0 {
+		if err := mon.Execute(ctx, "migrate-set-parameters", want, nil); err != nil {
+			return undo, errcode.Ensure(errcode.QMPError, err, "setting the migration parameters")
+		}
+		if _, ok := want["max-bandwidth"]; ok {
+			undoParams["max-bandwidth"] = *params.MaxBandwidth
+		}
+		if _, ok := want["downtime-limit"]; ok {
+			undoParams["downtime-limit"] = *params.DowntimeLimit
 		}
 	}
-	if len(set) > 0 {
-		if err := mon.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": set}, nil); err != nil {
-			return nil, errcode.Ensure(errcode.QMPError, err, "migrate-set-capabilities")
-		}
+	return undo, nil
+}
+
+// maxStreamChunks keeps a manifest well under ociimage.MaxManifestSize
+// (a chunk's descriptor takes about 250 bytes).
+const maxStreamChunks = 8192
+
+// chunkSizeFor picks a chunk size so that a stream about the size of the
+// VM's memory fits in maxStreamChunks chunks.
+func chunkSizeFor(memory int64, chunk int) int {
+	for memory/int64(chunk) >= maxStreamChunks && chunk < ociimage.MaxChunkSize {
+		chunk *= 2
 	}
-	if source && params.MaxBandwidth != nil {
-		if err := mon.Execute(ctx, "migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}, nil); err != nil {
-			return nil, errcode.Ensure(errcode.QMPError, err, "raising the migration bandwidth limit")
-		}
-	}
-	return func(ctx context.Context) {
-		// Best effort: these only matter to whoever migrates this QEMU next.
-		if source && params.MaxBandwidth != nil {
-			_ = mon.Execute(ctx, "migrate-set-parameters", map[string]any{"max-bandwidth": *params.MaxBandwidth}, nil)
-		}
-		if len(undo) > 0 {
-			_ = mon.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": undo}, nil)
-		}
-	}, nil
+	return min(chunk, ociimage.MaxChunkSize)
 }
 
 // cancelMigration cancels a migration and waits until QEMU has left it.

@@ -3,13 +3,16 @@ package vmstate
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
 func openLayout(t testing.TB, ref string) ociimage.Repository {
@@ -32,10 +35,10 @@ func TestCheckpointModes(t *testing.T) {
 	}{{ModeSnapshot, true}, {ModePause, false}} {
 		t.Run(string(tc.mode), func(t *testing.T) {
 			state := testStream(t, 3<<20)
-			q := newFakeQEMU(t, "running", state)
+			q := qmptest.NewFakeQEMU(t, "running", state)
 			dir := t.TempDir()
 			repo := openLayout(t, "oci:"+dir+":vm")
-			res, err := Checkpoint(context.Background(), q.dial(t), repo, CheckpointOptions{Mode: tc.mode, Stream: StreamOptions{ChunkSize: 1 << 20}})
+			res, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: tc.mode, Stream: StreamOptions{ChunkSize: 1 << 20}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -48,13 +51,13 @@ func TestCheckpointModes(t *testing.T) {
 			if !res.Image.IsDigest() || res.Image.Digest != res.Manifest.Digest {
 				t.Fatalf("image %s is not pinned to manifest %s", res.Image, res.Manifest.Digest)
 			}
-			cmds := q.commands()
+			cmds := q.Commands()
 			stop, migrate := slices.Index(cmds, "stop"), slices.Index(cmds, "migrate")
 			if stop < 0 || migrate < stop || slices.Index(cmds, "migrate-set-parameters") > migrate {
 				t.Fatalf("want bandwidth raised, then stop, then migrate; got %v", cmds)
 			}
-			if q.bw != 128<<20 {
-				t.Fatalf("max-bandwidth left at %d, want it put back", q.bw)
+			if q.Bandwidth != 128<<20 {
+				t.Fatalf("max-bandwidth left at %d, want it put back", q.Bandwidth)
 			}
 			// The tag names the stored manifest, and the stream reads back.
 			tagged := openLayout(t, "oci:"+dir+":vm")
@@ -78,10 +81,10 @@ func TestCheckpointModes(t *testing.T) {
 func TestCheckpointFailureContinuesVMAndLeavesNoTag(t *testing.T) {
 	for _, mode := range []Mode{ModePause, ModeSnapshot} {
 		t.Run(string(mode), func(t *testing.T) {
-			q := newFakeQEMU(t, "running", testStream(t, 2<<20))
-			q.failMigrate = 100 << 10
+			q := qmptest.NewFakeQEMU(t, "running", testStream(t, 2<<20))
+			q.FailMigrate = 100 << 10
 			dir := t.TempDir()
-			_, err := Checkpoint(context.Background(), q.dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{Mode: mode})
+			_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{Mode: mode})
 			if errcode.Of(err) != errcode.QMPError {
 				t.Fatalf("err = %v, want QMP_ERROR", err)
 			}
@@ -96,14 +99,14 @@ func TestCheckpointFailureContinuesVMAndLeavesNoTag(t *testing.T) {
 }
 
 func TestCheckpointStoreFailureContinuesVM(t *testing.T) {
-	q := newFakeQEMU(t, "running", testStream(t, 2<<20))
+	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 2<<20))
 	dir := t.TempDir()
 	// A file where the layout directory should be: every blob write fails.
 	blocked := filepath.Join(dir, "layout")
 	if err := os.WriteFile(blocked, []byte("not a directory"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	_, err := Checkpoint(context.Background(), q.dial(t), openLayout(t, "oci:"+blocked+":vm"), CheckpointOptions{Mode: ModePause})
+	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+blocked+":vm"), CheckpointOptions{Mode: ModePause})
 	if err == nil {
 		t.Fatal("checkpoint into an unwritable store succeeded")
 	}
@@ -113,15 +116,15 @@ func TestCheckpointStoreFailureContinuesVM(t *testing.T) {
 }
 
 func TestCheckpointHookFailureContinuesVM(t *testing.T) {
-	q := newFakeQEMU(t, "running", testStream(t, 1<<20))
+	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
 	dir := t.TempDir()
 	hookErr := errcode.New(errcode.InvalidInput, "bad overlay")
-	_, err := Checkpoint(context.Background(), q.dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{
+	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{
 		Mode:         ModePause,
-		WhileStopped: func(context.Context) (map[string]string, error) { return nil, hookErr },
+		WhileStopped: func(context.Context) (Link, error) { return Link{}, hookErr },
 	})
-	if err != hookErr {
-		t.Fatalf("err = %v, want the hook's", err)
+	if !errors.Is(err, hookErr) || errcode.Of(err) != errcode.InvalidInput || !strings.Contains(err.Error(), "the VM was continued") {
+		t.Fatalf("err = %v, want the hook's, saying the VM was continued", err)
 	}
 	if q.Status() != "running" {
 		t.Fatalf("VM is %s, want running", q.Status())
@@ -129,28 +132,28 @@ func TestCheckpointHookFailureContinuesVM(t *testing.T) {
 }
 
 func TestCheckpointRefusesIncomingQEMU(t *testing.T) {
-	q := newFakeQEMU(t, "inmigrate", nil)
-	_, err := Checkpoint(context.Background(), q.dial(t), openLayout(t, "oci:"+t.TempDir()), CheckpointOptions{})
+	q := qmptest.NewFakeQEMU(t, "inmigrate", nil)
+	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()), CheckpointOptions{})
 	if errcode.Of(err) != errcode.InvalidInput {
 		t.Fatalf("err = %v, want INVALID_INPUT", err)
 	}
 }
 
 func TestLiveModeRefusesDiskHook(t *testing.T) {
-	q := newFakeQEMU(t, "running", nil)
-	_, err := Checkpoint(context.Background(), q.dial(t), openLayout(t, "oci:"+t.TempDir()), CheckpointOptions{
-		Mode: ModeLive, WhileStopped: func(context.Context) (map[string]string, error) { return nil, nil },
+	q := qmptest.NewFakeQEMU(t, "running", nil)
+	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()), CheckpointOptions{
+		Mode: ModeLive, WhileStopped: func(context.Context) (Link, error) { return Link{}, nil },
 	})
-	if errcode.Of(err) != errcode.Usage || slices.Contains(q.commands(), "migrate") {
-		t.Fatalf("err = %v, commands %v; want USAGE before any migration", err, q.commands())
+	if errcode.Of(err) != errcode.Usage || slices.Contains(q.Commands(), "migrate") {
+		t.Fatalf("err = %v, commands %v; want USAGE before any migration", err, q.Commands())
 	}
 }
 
 // checkpointInto stores state as an image and returns its pinned reference.
 func checkpointInto(t *testing.T, dir string, state []byte) ociimage.Reference {
 	t.Helper()
-	src := newFakeQEMU(t, "running", state)
-	res, err := Checkpoint(context.Background(), src.dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{Mode: ModePause, Stream: StreamOptions{ChunkSize: 512 << 10}})
+	src := qmptest.NewFakeQEMU(t, "running", state)
+	res, err := Checkpoint(context.Background(), src.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{Mode: ModePause, Stream: StreamOptions{ChunkSize: 512 << 10}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -162,18 +165,18 @@ func TestRestoreLoadsExactStateAndContinues(t *testing.T) {
 		state := testStream(t, 3<<20)
 		dir := t.TempDir()
 		ref := checkpointInto(t, dir, state)
-		dst := newFakeQEMU(t, "inmigrate", state)
-		res, err := Restore(context.Background(), dst.dial(t), openLayout(t, ref.String()), RestoreOptions{Paused: paused})
+		dst := qmptest.NewFakeQEMU(t, "inmigrate", state)
+		res, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{Paused: paused})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !bytes.Equal(dst.received, state) || res.RawBytes != int64(len(state)) {
-			t.Fatalf("target received %d bytes, want the %d captured", len(dst.received), len(state))
+		if !bytes.Equal(dst.Received, state) || res.RawBytes != int64(len(state)) {
+			t.Fatalf("target received %d bytes, want the %d captured", len(dst.Received), len(state))
 		}
 		if want := map[bool]string{false: "running", true: "paused"}[paused]; dst.Status() != want {
 			t.Fatalf("paused=%v: target is %s, want %s", paused, dst.Status(), want)
 		}
-		if !dst.caps["events"] {
+		if !dst.Caps["events"] {
 			t.Fatal("restore did not turn on MIGRATION events on the target")
 		}
 	}
@@ -182,15 +185,15 @@ func TestRestoreLoadsExactStateAndContinues(t *testing.T) {
 func TestRestoreRefusesMismatchBeforeSendingAByte(t *testing.T) {
 	dir := t.TempDir()
 	ref := checkpointInto(t, dir, testStream(t, 1<<20))
-	dst := newFakeQEMU(t, "inmigrate", nil)
-	dst.memory = 512 << 20
-	_, err := Restore(context.Background(), dst.dial(t), openLayout(t, ref.String()), RestoreOptions{})
+	dst := qmptest.NewFakeQEMU(t, "inmigrate", nil)
+	dst.Memory = 512 << 20
+	_, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{})
 	if errcode.Of(err) != errcode.CompatMismatch {
 		t.Fatalf("err = %v, want COMPAT_MISMATCH", err)
 	}
 	for _, c := range []string{"getfd", "migrate-incoming", "cont"} {
-		if slices.Contains(dst.commands(), c) {
-			t.Fatalf("target received %s after a mismatch: %v", c, dst.commands())
+		if slices.Contains(dst.Commands(), c) {
+			t.Fatalf("target received %s after a mismatch: %v", c, dst.Commands())
 		}
 	}
 	if dst.Status() != "inmigrate" {
@@ -207,13 +210,13 @@ func TestRestoreCorruptFirstChunkNeverReachesQEMU(t *testing.T) {
 		t.Fatal(err)
 	}
 	flipByte(t, filepath.Join(dir, "blobs", "sha256", m.Layers[0].Digest.Encoded()))
-	dst := newFakeQEMU(t, "inmigrate", nil)
-	_, err = Restore(context.Background(), dst.dial(t), repo, RestoreOptions{})
+	dst := qmptest.NewFakeQEMU(t, "inmigrate", nil)
+	_, err = Restore(context.Background(), dst.Dial(t), repo, RestoreOptions{})
 	if errcode.Of(err) != errcode.DigestMismatch {
 		t.Fatalf("err = %v, want DIGEST_MISMATCH", err)
 	}
-	if slices.Contains(dst.commands(), "migrate-incoming") || dst.Status() != "inmigrate" {
-		t.Fatalf("QEMU saw the stream: %v, status %s", dst.commands(), dst.Status())
+	if slices.Contains(dst.Commands(), "migrate-incoming") || dst.Status() != "inmigrate" {
+		t.Fatalf("QEMU saw the stream: %v, status %s", dst.Commands(), dst.Status())
 	}
 }
 
@@ -227,25 +230,25 @@ func TestRestoreCorruptLaterChunkFailsTheLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	flipByte(t, filepath.Join(dir, "blobs", "sha256", m.Layers[len(m.Layers)-1].Digest.Encoded()))
-	dst := newFakeQEMU(t, "inmigrate", state)
-	_, err = Restore(context.Background(), dst.dial(t), repo, RestoreOptions{})
+	dst := qmptest.NewFakeQEMU(t, "inmigrate", state)
+	_, err = Restore(context.Background(), dst.Dial(t), repo, RestoreOptions{})
 	if errcode.Of(err) != errcode.DigestMismatch {
 		t.Fatalf("err = %v, want DIGEST_MISMATCH", err)
 	}
-	if slices.Contains(dst.commands(), "cont") || dst.Status() == "running" {
-		t.Fatalf("the target runs after a corrupt restore: %v", dst.commands())
+	if slices.Contains(dst.Commands(), "cont") || dst.Status() == "running" {
+		t.Fatalf("the target runs after a corrupt restore: %v", dst.Commands())
 	}
-	dst.done.Wait()
-	if len(dst.received) >= len(state) {
-		t.Fatalf("target received %d bytes: the corrupt chunk reached it", len(dst.received))
+	dst.WaitMigrations()
+	if len(dst.Received) >= len(state) {
+		t.Fatalf("target received %d bytes: the corrupt chunk reached it", len(dst.Received))
 	}
 }
 
 func TestRestoreRefusesRunningQEMU(t *testing.T) {
 	dir := t.TempDir()
 	ref := checkpointInto(t, dir, testStream(t, 1<<20))
-	dst := newFakeQEMU(t, "running", nil)
-	_, err := Restore(context.Background(), dst.dial(t), openLayout(t, ref.String()), RestoreOptions{})
+	dst := qmptest.NewFakeQEMU(t, "running", nil)
+	_, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{})
 	if errcode.Of(err) != errcode.InvalidInput {
 		t.Fatalf("err = %v, want INVALID_INPUT", err)
 	}
@@ -260,5 +263,86 @@ func flipByte(t testing.TB, path string) {
 	b[len(b)/2] ^= 0x01
 	if err := os.WriteFile(path, b, 0o644); err != nil {
 		t.Fatal(err)
+	}
+}
+
+func TestCheckpointRefusesVMStoppedByEarlierMigration(t *testing.T) {
+	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
+	dir := t.TempDir()
+	if _, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":a"), CheckpointOptions{Mode: ModePause}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":b"), CheckpointOptions{Mode: ModePause})
+	if errcode.Of(err) != errcode.InvalidInput || !strings.Contains(err.Error(), "cont") {
+		t.Fatalf("err = %v, want INVALID_INPUT saying what to do", err)
+	}
+	if n := strings.Count(strings.Join(q.Commands(), " "), "getfd"); n != 1 {
+		t.Fatalf("%d getfd: the refused checkpoint passed a descriptor", n)
+	}
+}
+
+func TestLiveModeOfPausedVMStaysPaused(t *testing.T) {
+	q := qmptest.NewFakeQEMU(t, "paused", testStream(t, 1<<20))
+	res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":a"), CheckpointOptions{Mode: ModeLive})
+	if err != nil {
+		t.Fatal(err)
+	}
+	q.Lock()
+	bg := q.Caps["background-snapshot"]
+	q.Unlock()
+	if res.VMRunning || bg {
+		t.Fatalf("a paused VM ran (%v) or kept background-snapshot on (%v)", res.VMRunning, bg)
+	}
+}
+
+func TestCheckpointTurnsOffForeignCapabilitiesAndRestoresThem(t *testing.T) {
+	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
+	q.Lock()
+	q.Caps["multifd"], q.Caps["return-path"] = true, true
+	q.Unlock()
+	var during map[string]bool
+	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":a"), CheckpointOptions{
+		WhileStopped: func(context.Context) (Link, error) {
+			q.Lock()
+			during = map[string]bool{"multifd": q.Caps["multifd"], "return-path": q.Caps["return-path"], "events": q.Caps["events"]}
+			q.Unlock()
+			return Link{}, nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if during["multifd"] || during["return-path"] || !during["events"] {
+		t.Fatalf("capabilities during the checkpoint: %v", during)
+	}
+	q.Lock()
+	defer q.Unlock()
+	if !q.Caps["multifd"] || !q.Caps["return-path"] || q.Caps["events"] {
+		t.Fatalf("capabilities not put back: %v", q.Caps)
+	}
+}
+
+func TestFailedMigrateClosesThePassedDescriptor(t *testing.T) {
+	q := qmptest.NewFakeQEMU(t, "running", nil)
+	q.Lock()
+	q.RefuseMigrate = true
+	q.Unlock()
+	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":a"), CheckpointOptions{})
+	if errcode.Of(err) != errcode.QMPError {
+		t.Fatalf("err = %v", err)
+	}
+	if !slices.Contains(q.Commands(), "closefd") || q.Status() != "running" {
+		t.Fatalf("commands %v, status %s: want closefd and a running VM", q.Commands(), q.Status())
+	}
+}
+
+func TestChunkSizeGrowsWithMemory(t *testing.T) {
+	for _, c := range []struct {
+		mem  int64
+		want int
+	}{{256 << 20, 4 << 20}, {16 << 30, 4 << 20}, {32 << 30, 8 << 20}, {64 << 30, 16 << 20}, {1 << 40, 64 << 20}} {
+		if got := chunkSizeFor(c.mem, 4<<20); got != c.want {
+			t.Errorf("chunkSizeFor(%d GiB) = %d MiB, want %d MiB", c.mem>>30, got>>20, c.want>>20)
+		}
 	}
 }

@@ -198,7 +198,9 @@ func Compare(src, target Record) []string {
 			diffs = append(diffs, fmt.Sprintf("%s: snapshot has %s, target has %s", what, quote(a), quote(b)))
 		}
 	}
-	if cmpVersion(target.QEMUVersion, src.QEMUVersion) < 0 {
+	// Micro releases of one minor version load each other's streams (they
+	// share machine types), so rolling back a micro update is fine.
+	if cmpVersion(majorMinor(target.QEMUVersion), majorMinor(src.QEMUVersion)) < 0 {
 		diffs = append(diffs, fmt.Sprintf("QEMU version: snapshot was taken by %s, target runs older %s (QEMU loads only streams from its own or older versions)", src.QEMUVersion, target.QEMUVersion))
 	}
 	differ("architecture", src.Arch, target.Arch)
@@ -278,6 +280,11 @@ func setDiff(a, b []string) []string {
 		}
 	}
 	return out
+}
+
+func majorMinor(v string) string {
+	parts := strings.SplitN(v, ".", 3)
+	return strings.Join(parts[:min(len(parts), 2)], ".")
 }
 
 // cmpVersion compares dotted versions numerically; unparsable parts count as 0.

@@ -28,6 +28,11 @@ func TestCompareIdenticalAndNewerQEMU(t *testing.T) {
 	if d := Compare(src, newer); len(d) != 0 {
 		t.Fatalf("a newer QEMU with the same machine type must be accepted: %v", d)
 	}
+	micro := sampleRecord()
+	micro.QEMUVersion = "7.2.11"
+	if d := Compare(src, micro); len(d) != 0 {
+		t.Fatalf("an older micro release of the same minor version must be accepted: %v", d)
+	}
 	older := sampleRecord()
 	older.QEMUVersion = "7.1.9"
 	if d := Compare(src, older); len(d) != 1 || !strings.Contains(d[0], "older") {

@@ -51,6 +51,9 @@ func LoadConfig(ctx context.Context, repo ociimage.Repository) (ocispec.Descript
 	if err != nil {
 		return desc, m, cfg, err
 	}
+	if len(m.Layers) == 0 {
+		return desc, m, cfg, errcode.New(errcode.InvalidInput, "the image holds no VM state chunks")
+	}
 	if total != cfg.RawBytes {
 		return desc, m, cfg, errcode.New(errcode.InvalidInput, "the image's chunks add up to %d bytes but its config declares %d", total, cfg.RawBytes)
 	}
@@ -86,7 +89,8 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	if err := CheckCompatible(res.Config.Record, target); err != nil {
 		return nil, err
 	}
-	if _, err := prepareMigration(ctx, mon, false, false); err != nil {
+	if _, err := prepareMigration(ctx, mon, migrationSettings{}); err != nil {
+		// A target is discarded on failure: its settings need no undo.
 		return nil, err
 	}
 	sub := mon.Subscribe()
@@ -106,17 +110,31 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 		if err != nil {
 			return err
 		}
-		return errcode.Ensure(errcode.QMPError,
-			mon.Execute(ctx, "migrate-incoming", map[string]string{"uri": "fd:" + name}, nil), "starting the incoming migration")
+		if err := mon.Execute(ctx, "migrate-incoming", map[string]string{"uri": "fd:" + name}, nil); err != nil {
+			_ = mon.Execute(ctx, "closefd", map[string]string{"fdname": name}, nil)
+			return errcode.Ensure(errcode.QMPError, err, "starting the incoming migration")
+		}
+		return nil
 	}}
+	// A QEMU that stops reading must not hold us past the caller's deadline.
+	unblock := context.AfterFunc(ctx, func() { _ = w.SetWriteDeadline(time.Unix(1, 0)) })
 	res.RawBytes, err = DecodeStream(ctx, m.Layers, repo, in, opts.Stream)
+	unblock()
 	w.Close() // end of stream for QEMU: it loads what it has and finishes or fails
 	if !in.started {
 		r.Close()
+		if err == nil {
+			err = errcode.New(errcode.InvalidInput, "the image holds no VM state")
+		}
 	}
 	if err != nil {
 		if in.started {
-			return nil, errcode.Wrap(errcode.Of(err), err, "the restore stopped part-way and the waiting QEMU discarded the partial state")
+			// QEMU has part of a stream. If the cut fell after the stream's
+			// end marker it may even load and run it: make sure it does not.
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+			_ = mon.Execute(cctx, "quit", nil, nil)
+			cancel()
+			return nil, errcode.Wrap(errcode.Of(err), err, "the restore stopped part-way, so the waiting QEMU was told to quit: start a new one to try again")
 		}
 		return nil, err
 	}

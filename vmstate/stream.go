@@ -107,12 +107,13 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 				return
 			}
 			defer enc.Close()
-			var out []byte
 			for job := range jobs {
 				if ctx.Err() != nil {
 					continue // drain
 				}
-				out = enc.EncodeAll(job.raw, out[:0])
+				// A fresh buffer per chunk: a store may hold on to data
+				// (an HTTP body) after PutBlob returns.
+				out := enc.EncodeAll(job.raw, make([]byte, 0, len(job.raw)/2))
 				desc := ocispec.Descriptor{
 					MediaType: ociimage.MediaTypeChunk,
 					Digest:    digest.NewDigestFromBytes(digest.SHA256, sha256Sum(out)),

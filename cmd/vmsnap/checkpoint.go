@@ -8,10 +8,9 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/vmsnap/vmsnap/agent"
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/qmp"
-	"github.com/vmsnap/vmsnap/rootfs"
 	"github.com/vmsnap/vmsnap/vmstate"
 )
 
@@ -21,18 +20,45 @@ type streamFlags struct {
 }
 
 func (f *streamFlags) add(c *cobra.Command) {
-	c.Flags().IntVar(&f.chunkSize, "chunk-size", 4<<20, "raw bytes per chunk (each chunk is one compressed, digest-addressed blob)")
+	c.Flags().IntVar(&f.chunkSize, "chunk-size", 4<<20, "raw bytes per chunk (each chunk is one compressed, digest-addressed blob; grows for VMs over 32 GiB)")
 	c.Flags().IntVar(&f.workers, "workers", 0, "chunks compressed, stored, fetched or decompressed at once (default: number of CPUs, at least 2)")
 }
 
-func (f *streamFlags) options(p *progress) vmstate.StreamOptions {
-	return vmstate.StreamOptions{ChunkSize: f.chunkSize, Workers: f.workers, Progress: p.update}
+func (f *streamFlags) options() vmstate.StreamOptions {
+	return vmstate.StreamOptions{ChunkSize: f.chunkSize, Workers: f.workers}
+}
+
+// agentFlags make a command a client of the node agent (what a Job runs):
+// the VM is named by pod UID and container, its paths as that container
+// sees them.
+type agentFlags struct {
+	address, podUID, container string
+}
+
+func (f *agentFlags) add(c *cobra.Command) {
+	c.Flags().StringVar(&f.address, "agent", "", "ask the node agent at unix:///PATH instead of acting here (a Job's way); --qmp and --disk are then paths inside the QEMU container")
+	c.Flags().StringVar(&f.podUID, "pod-uid", "", "with --agent: the UID of the VM's pod (never its name)")
+	c.Flags().StringVar(&f.container, "container", "", "with --agent: the name of the QEMU container in the pod")
+}
+
+func (f *agentFlags) vm(qmpPath, diskPath string) api.VMRef {
+	return api.VMRef{PodUID: f.podUID, Container: f.container, QMPPath: qmpPath, DiskPath: diskPath}
+}
+
+// check refuses pod flags without --agent: they mean nothing locally.
+func (f *agentFlags) check() error {
+	if f.address == "" && (f.podUID != "" || f.container != "") {
+		return errcode.New(errcode.Usage, "--pod-uid and --container name a VM for the node agent: add --agent unix:///PATH/agent.sock")
+	}
+	return nil
 }
 
 type checkpointFlags struct {
 	qmp, image, disk, diskImage, mode string
 	timeout                           time.Duration
 	stream                            streamFlags
+	registry                          registryFlags
+	agent                             agentFlags
 }
 
 func newCheckpointCmd(out *globalOutput) *cobra.Command {
@@ -53,7 +79,20 @@ Modes:
             holds its state at the start; cannot be combined with --disk
 
 The manifest is stored last: a failed checkpoint never leaves a tag behind.
-The printed image reference is pinned by digest; restore takes that form.`,
+Chunks are uploaded while QEMU still produces the stream; blobs the store
+already has are skipped, so a repeated checkpoint uploads only what changed.
+
+Registries: credentials come from a Docker config directory (--registry-config,
+else $DOCKER_CONFIG, else ~/.docker), never from flags. TLS is verified (add a
+private CA with --ca-file); plain HTTP only for hosts named with
+--insecure-registry. Access is checked before the VM is stopped.
+The printed image reference is pinned by digest; restore takes that form.
+
+Through the node agent (a Kubernetes Job's way):
+  vmsnap checkpoint --agent unix:///run/vmsnap/agent.sock --pod-uid UID --container qemu \
+      --qmp /run/vm/qmp.sock --image REG/REPO:TAG --json --termination-log /dev/termination-log
+prints progress on stderr while it waits and the same JSON result as a local
+checkpoint; the agent pushes with its own registry credentials.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			return coded(runCheckpoint(c.Context(), out, f))
@@ -66,158 +105,94 @@ The printed image reference is pinned by digest; restore takes that form.`,
 	c.Flags().StringVar(&f.mode, "mode", string(vmstate.ModeSnapshot), "pause, snapshot or live (see above)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
 	f.stream.add(c)
+	f.registry.add(c)
+	f.agent.add(c)
 	addOutputFlags(c, out, true)
 	return c
 }
-
-// checkpointDoc is the JSON result of a checkpoint.
-type checkpointDoc struct {
-	VMState    vmstateDoc `json:"vmstate"`
-	Disk       *diskDoc   `json:"disk,omitempty"`
-	Mode       string     `json:"mode"`
-	DowntimeMs float64    `json:"downtimeMs"`
-	VMRunning  bool       `json:"vmRunning"`
-	TotalMs    float64    `json:"totalMs"`
-}
-
-type vmstateDoc struct {
-	Image         string             `json:"image"`
-	Digest        string             `json:"digest"`
-	RawBytes      int64              `json:"rawBytes"`
-	StoredBytes   int64              `json:"storedBytes"`
-	UploadedBytes int64              `json:"uploadedBytes"`
-	Chunks        int                `json:"chunks"`
-	QEMUVersion   string             `json:"qemuVersion"`
-	Machine       string             `json:"machine"`
-	MemoryBytes   int64              `json:"memoryBytes"`
-	DurationsMs   map[string]float64 `json:"durationsMs"`
-}
-
-type diskDoc struct {
-	Image         string             `json:"image"`
-	Digest        string             `json:"digest"`
-	Path          string             `json:"path"`
-	RawBytes      int64              `json:"rawBytes"`
-	StoredBytes   int64              `json:"storedBytes"`
-	UploadedBytes int64              `json:"uploadedBytes"`
-	Chunks        int                `json:"chunks"`
-	VirtualSize   uint64             `json:"virtualSize"`
-	BackingFile   string             `json:"backingFile,omitempty"`
-	DurationsMs   map[string]float64 `json:"durationsMs"`
-}
-
-func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) error {
 	if f.qmp == "" || f.image == "" {
 		return errcode.New(errcode.Usage, "checkpoint needs --qmp SOCK and --image REF")
 	}
-	if (f.disk == "") != (f.diskImage == "") {
-		return errcode.New(errcode.Usage, "--disk and --disk-image go together: the overlay to capture and where to store it")
+	if err := f.agent.check(); err != nil {
+		return err
 	}
 	mode, err := vmstate.ParseMode(f.mode)
 	if err != nil {
 		return err
 	}
-	if mode == vmstate.ModeLive && f.disk != "" {
-		return errcode.New(errcode.Usage, "--mode live keeps the VM running, so its disk would not match the captured memory: use --mode snapshot or pause with --disk")
-	}
-	ref, err := ociimage.ParseReference(f.image)
-	if err != nil {
-		return err
-	}
 	ctx, cancel := context.WithTimeout(ctx, f.timeout)
 	defer cancel()
-	repo, err := ociimage.Open(ctx, ref)
-	if err != nil {
-		return err
-	}
-	var diskRepo ociimage.Repository
-	if f.disk != "" {
-		dref, err := ociimage.ParseReference(f.diskImage)
+	var res *api.CheckpointResult
+	if f.agent.address != "" {
+		o, err := viaAgent(ctx, out, f.agent.address, func(c *agent.Client) (api.Operation, error) {
+			return c.Checkpoint(ctx, api.CheckpointRequest{
+				VM: f.agent.vm(f.qmp, f.disk), Image: f.image, DiskImage: f.diskImage, Mode: string(mode),
+				ChunkSize: f.stream.chunkSize, Workers: f.stream.workers,
+			})
+		})
 		if err != nil {
 			return err
 		}
-		if diskRepo, err = ociimage.Open(ctx, dref); err != nil {
+		res = o.Checkpoint
+	} else {
+		p := newPhasedProgress(out.stderr)
+		res, err = agent.Checkpoint(ctx, agent.CheckpointSpec{
+			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, Mode: mode,
+			Stream: f.stream.options(), Store: f.registry.options(), Progress: p.update,
+		})
+		p.finish()
+		if err != nil {
 			return err
 		}
-		// Refuse a bad overlay before the VM is touched.
-		if _, err := rootfs.InspectOverlay(f.disk); err != nil {
-			return err
-		}
 	}
-
-	mon, err := qmp.Dial(ctx, f.qmp)
-	if err != nil {
-		return err
-	}
-	defer mon.Close()
-
-	p := newProgress(out.stderr, "checkpoint")
-	opts := vmstate.CheckpointOptions{Mode: mode, Stream: f.stream.options(p)}
-	var disk *rootfs.CaptureResult
-	if diskRepo != nil {
-		opts.WhileStopped = func(ctx context.Context) (map[string]string, error) {
-			p.finish()
-			dp := newProgress(out.stderr, "disk")
-			defer dp.finish()
-			var err error
-			disk, err = rootfs.Capture(ctx, f.disk, diskRepo, f.stream.options(dp))
-			if err != nil {
-				return nil, err
-			}
-			return map[string]string{ociimage.AnnotationDiskImage: disk.Image.String()}, nil
-		}
-	}
-	res, err := vmstate.Checkpoint(ctx, mon, repo, opts)
-	p.finish()
-	if err != nil {
-		return err
-	}
-
-	doc := checkpointDoc{
-		VMState: vmstateDoc{
-			Image:         res.Image.String(),
-			Digest:        res.Manifest.Digest.String(),
-			RawBytes:      res.Stream.RawBytes,
-			StoredBytes:   res.Stream.StoredBytes,
-			UploadedBytes: res.Stream.UploadedBytes,
-			Chunks:        len(res.Stream.Layers),
-			QEMUVersion:   res.Config.Record.QEMUVersion,
-			Machine:       res.Config.Record.Machine,
-			MemoryBytes:   res.Config.Record.MemoryBytes,
-			DurationsMs: map[string]float64{
-				"prepare": ms(res.Durations.Prepare), "stream": ms(res.Durations.Stream),
-				"push": ms(res.Durations.Push), "total": ms(res.Durations.Total),
-			},
-		},
-		Mode:       string(mode),
-		DowntimeMs: ms(res.Downtime),
-		VMRunning:  res.VMRunning,
-		TotalMs:    ms(res.Durations.Total),
-	}
-	if disk != nil {
-		doc.Disk = &diskDoc{
-			Image: disk.Image.String(), Digest: disk.Manifest.Digest.String(), Path: f.disk,
-			RawBytes: disk.Stream.RawBytes, StoredBytes: disk.Stream.StoredBytes, UploadedBytes: disk.Stream.UploadedBytes,
-			Chunks: len(disk.Stream.Layers), VirtualSize: disk.Config.VirtualSize, BackingFile: disk.Config.BackingFile,
-			DurationsMs: map[string]float64{"total": ms(disk.Duration)},
-		}
-	}
-	report(out, doc, func(w io.Writer) {
-		fmt.Fprintf(w, "vmstate: %s\n", doc.VMState.Image)
-		fmt.Fprintf(w, "  %s of state stored as %s in %d chunks (%s new) in %.2fs; guest downtime %.0f ms\n",
-			humanBytes(doc.VMState.RawBytes), humanBytes(doc.VMState.StoredBytes), doc.VMState.Chunks,
-			humanBytes(doc.VMState.UploadedBytes), doc.TotalMs/1000, doc.DowntimeMs)
-		if doc.Disk != nil {
-			fmt.Fprintf(w, "disk:    %s\n", doc.Disk.Image)
-			fmt.Fprintf(w, "  %s overlay stored as %s (%s new)\n", humanBytes(doc.Disk.RawBytes), humanBytes(doc.Disk.StoredBytes), humanBytes(doc.Disk.UploadedBytes))
-		}
-		state := "running"
-		if !doc.VMRunning {
-			state = "stopped"
-		}
-		fmt.Fprintf(w, "the VM is %s (mode %s)\n", state, doc.Mode)
-	})
+	report(out, res, func(w io.Writer) { printCheckpoint(w, res) })
 	return nil
+}
+
+func printCheckpoint(w io.Writer, r *api.CheckpointResult) {
+	fmt.Fprintf(w, "vmstate: %s\n", r.VMState.Image)
+	fmt.Fprintf(w, "  %s of state stored as %s in %d chunks (%s new) in %.2fs; guest downtime %.0f ms\n",
+		humanBytes(r.VMState.RawBytes), humanBytes(r.VMState.StoredBytes), r.VMState.Chunks,
+		humanBytes(r.VMState.UploadedBytes), r.TotalMs/1000, r.DowntimeMs)
+	if r.Disk != nil {
+		fmt.Fprintf(w, "disk:    %s\n", r.Disk.Image)
+		fmt.Fprintf(w, "  %s overlay stored as %s (%s new)\n", humanBytes(r.Disk.RawBytes), humanBytes(r.Disk.StoredBytes), humanBytes(r.Disk.UploadedBytes))
+	}
+	state := "running"
+	if !r.VMRunning {
+		state = "stopped"
+	}
+	fmt.Fprintf(w, "the VM is %s (mode %s)\n", state, r.Mode)
+}
+
+// viaAgent starts an operation on the node agent and follows it to its
+// end, with progress lines on stderr, and returns it or its error.
+func viaAgent(ctx context.Context, out *globalOutput, address string, start func(*agent.Client) (api.Operation, error)) (api.Operation, error) {
+	c, err := agent.NewClient(address)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	o, err := start(c)
+	if err != nil {
+		return o, err
+	}
+	fmt.Fprintf(out.stderr, "vmsnap: %s %s of pod %s accepted by the agent (%s)\n", o.Kind, o.ID, o.VM.PodUID, o.State)
+	last := o.State
+	var lastPrint time.Time
+	o, err = c.Wait(ctx, o.ID, func(o api.Operation) {
+		switch {
+		case o.State != last:
+			fmt.Fprintf(out.stderr, "vmsnap: %s %s\n", o.Kind, o.State)
+			last = o.State
+		case o.Progress != nil && time.Since(lastPrint) > 2*time.Second:
+			fmt.Fprintf(out.stderr, "vmsnap: %s %s: %s\n", o.Kind, o.Progress.Phase, humanBytes(o.Progress.Bytes))
+			lastPrint = time.Now()
+		}
+	})
+	if err != nil {
+		return o, err
+	}
+	return o, agent.Result(o)
 }

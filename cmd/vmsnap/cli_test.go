@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"github.com/vmsnap/vmsnap/agent/api"
 	"os"
 	"path/filepath"
 	"strings"
@@ -80,7 +81,7 @@ func TestTerminationLogGetsTheErrorToo(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var doc errorDoc
+	var doc api.ErrorDoc
 	if err := json.Unmarshal(b, &doc); err != nil || doc.Error.Code != errcode.VMNotFound {
 		t.Fatalf("termination log %q: %v", b, err)
 	}

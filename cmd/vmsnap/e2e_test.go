@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"github.com/vmsnap/vmsnap/agent/api"
 	"os"
 	"path/filepath"
 	"strings"
@@ -46,10 +47,10 @@ func cliJSON[T any](t testing.TB, args ...string) T {
 
 // cliError runs vmsnap with --json, expects failure with code, and returns
 // the error object.
-func cliError(t testing.TB, code errcode.Code, args ...string) errorDoc {
+func cliError(t testing.TB, code errcode.Code, args ...string) api.ErrorDoc {
 	t.Helper()
 	out, exit := cli(t, append(args, "--json")...)
-	var doc errorDoc
+	var doc api.ErrorDoc
 	if err := json.Unmarshal(out, &doc); err != nil {
 		t.Fatalf("no JSON error object on stdout: %v\n%s", err, out)
 	}
@@ -150,7 +151,7 @@ func TestE2EPauseModeRoundTrip(t *testing.T) {
 	src, before := bootSource(t, dir)
 	store := filepath.Join(t.TempDir(), "store")
 
-	cp := cliJSON[checkpointDoc](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm1",
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm1",
 		"--disk", filepath.Join(dir, "overlay.qcow2"), "--disk-image", "oci:"+store+":vm1-disk", "--mode", "pause")
 	if cp.VMRunning || runState(t, src) == "running" {
 		t.Fatalf("pause mode left the source running (%s)", runState(t, src))
@@ -172,12 +173,12 @@ func TestE2EPauseModeRoundTrip(t *testing.T) {
 
 	tdir := targetDir(t, dir)
 	disk := filepath.Join(tdir, "overlay.qcow2")
-	rd := cliJSON[restoreDoc](t, "restore", "--disk-image", cp.Disk.Image, "--disk", disk)
+	rd := cliJSON[api.RestoreResult](t, "restore", "--disk-image", cp.Disk.Image, "--disk", disk)
 	if rd.Disk == nil || rd.Disk.Bytes != cp.Disk.RawBytes {
 		t.Fatalf("disk restore result: %+v", rd)
 	}
 	target := startTarget(t, tdir, disk, 0)
-	rs := cliJSON[restoreDoc](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
+	rs := cliJSON[api.RestoreResult](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
 	if rs.VMState == nil || !rs.VMState.VMRunning || rs.VMState.RawBytes != cp.VMState.RawBytes {
 		t.Fatalf("state restore result: %+v", rs)
 	}
@@ -191,7 +192,7 @@ func TestE2ESnapshotModeKeepsSourceRunning(t *testing.T) {
 	dir := testguest.FreeShortDir(t)
 	src, before := bootSource(t, dir)
 	store := filepath.Join(t.TempDir(), "store")
-	cp := cliJSON[checkpointDoc](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":snap",
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":snap",
 		"--disk", filepath.Join(dir, "overlay.qcow2"), "--disk-image", "oci:"+store+":snap-disk", "--mode", "snapshot")
 	if !cp.VMRunning || runState(t, src) != "running" {
 		t.Fatal("snapshot mode did not continue the source")
@@ -206,9 +207,9 @@ func TestE2ESnapshotModeKeepsSourceRunning(t *testing.T) {
 
 	tdir := targetDir(t, dir)
 	disk := filepath.Join(tdir, "overlay.qcow2")
-	cliJSON[restoreDoc](t, "restore", "--disk-image", cp.Disk.Image, "--disk", disk)
+	cliJSON[api.RestoreResult](t, "restore", "--disk-image", cp.Disk.Image, "--disk", disk)
 	target := startTarget(t, tdir, disk, 0)
-	cliJSON[restoreDoc](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
+	cliJSON[api.RestoreResult](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
 	// The target resumes at the moment of the snapshot, which is before the
 	// source's latest line.
 	now, _ := src.LastStatus()
@@ -225,7 +226,7 @@ func TestE2ELiveModeKeepsSourceRunning(t *testing.T) {
 	copyFile(t, filepath.Join(dir, "overlay.qcow2"), disk)
 
 	store := filepath.Join(t.TempDir(), "store")
-	cp := cliJSON[checkpointDoc](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":live", "--mode", "live")
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":live", "--mode", "live")
 	if !cp.VMRunning || runState(t, src) != "running" {
 		t.Fatal("live mode did not keep the source running")
 	}
@@ -238,7 +239,7 @@ func TestE2ELiveModeKeepsSourceRunning(t *testing.T) {
 		t.Fatalf("source stopped counting after a live checkpoint: %v", err)
 	}
 	target := startTarget(t, tdir, disk, 0)
-	cliJSON[restoreDoc](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
+	cliJSON[api.RestoreResult](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
 	now, _ := src.LastStatus()
 	assertResumed(t, target, before, before.Counter+1, now.Counter+1)
 
@@ -269,7 +270,7 @@ func checkpointOnce(t *testing.T) (srcDir, store, image, diskImage string) {
 		// The directory outlives this test: other tests use the image.
 		s.srcDir, s.store = dir, filepath.Join(dir, "store")
 		src, _ := bootSource(t, dir)
-		cp := cliJSON[checkpointDoc](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+s.store+":shared",
+		cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+s.store+":shared",
 			"--disk", filepath.Join(dir, "overlay.qcow2"), "--disk-image", "oci:"+s.store+":shared-disk")
 		s.image, s.diskImg = cp.VMState.Image, cp.Disk.Image
 	})
@@ -291,7 +292,7 @@ func TestE2ECompatMismatchIsRefusedBeforeLoading(t *testing.T) {
 	srcDir, _, image, diskImage := checkpointOnce(t)
 	tdir := targetDir(t, srcDir)
 	disk := filepath.Join(tdir, "overlay.qcow2")
-	cliJSON[restoreDoc](t, "restore", "--disk-image", diskImage, "--disk", disk)
+	cliJSON[api.RestoreResult](t, "restore", "--disk-image", diskImage, "--disk", disk)
 	target := startTarget(t, tdir, disk, 512) // the source has 256 MiB
 	doc := cliError(t, errcode.CompatMismatch, "restore", "--qmp", target.QMPPath(), "--image", image)
 	if !strings.Contains(strings.Join(doc.Error.Details, "\n"), "memory: snapshot has 256 MiB, target has 512 MiB") {
@@ -325,7 +326,7 @@ func TestE2ECorruptChunkIsRefused(t *testing.T) {
 			flipByte(t, filepath.Join(own, "blobs", "sha256", layers[tc.chunk]))
 			tdir := targetDir(t, srcDir)
 			disk := filepath.Join(tdir, "overlay.qcow2")
-			cliJSON[restoreDoc](t, "restore", "--disk-image", diskImage, "--disk", disk)
+			cliJSON[api.RestoreResult](t, "restore", "--disk-image", diskImage, "--disk", disk)
 			target := startTarget(t, tdir, disk, 0)
 			cliError(t, errcode.DigestMismatch, "restore", "--qmp", target.QMPPath(), "--image", "oci:"+own+"@"+ref.Digest.String())
 			if !tc.qemuTouched {

@@ -15,18 +15,23 @@ import (
 )
 
 func newInspectCmd(out *globalOutput) *cobra.Command {
+	var reg registryFlags
 	c := &cobra.Command{
 		Use:   "inspect REF",
 		Short: "Show what a snapshot image holds, and the disk image linked to it",
 		Long: `Show a VM state or disk overlay image: its digest, the recorded VM (QEMU
 version, machine, CPUs, memory, devices, disks), sizes and chunks. For a VM
-state image taken with --disk, the linked disk image is shown too.
-Nothing is restored; every byte read is verified against its digest.`,
+state image taken with --disk, the linked disk image is shown too; for a disk
+image, the VM state images that refer to it (their manifest's subject) in the
+same repository. Nothing is restored; every byte read is verified against its
+digest. Registry access works as for checkpoint (--registry-config, --ca-file,
+--insecure-registry).`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
-			return coded(runInspect(c.Context(), out, args[0]))
+			return coded(runInspect(c.Context(), out, args[0], reg.options()))
 		},
 	}
+	reg.add(c)
 	addOutputFlags(c, out, false)
 	return c
 }
@@ -41,14 +46,23 @@ type inspectDoc struct {
 	VMState      *vmstate.Config    `json:"vmstate,omitempty"`
 	Disk         *rootfs.DiskConfig `json:"disk,omitempty"`
 	LinkedDisk   *inspectDoc        `json:"linkedDisk,omitempty"`
+	// Referrers are the VM state images whose subject is this disk image.
+	Referrers []referrerDoc `json:"referrers,omitempty"`
 }
 
-func runInspect(ctx context.Context, out *globalOutput, s string) error {
+type referrerDoc struct {
+	Image        string            `json:"image"`
+	Digest       string            `json:"digest"`
+	ArtifactType string            `json:"artifactType"`
+	Annotations  map[string]string `json:"annotations,omitempty"`
+}
+
+func runInspect(ctx context.Context, out *globalOutput, s string, opts []ociimage.Option) error {
 	ref, err := ociimage.ParseReference(s)
 	if err != nil {
 		return err
 	}
-	doc, err := inspectRef(ctx, ref, true)
+	doc, err := inspectRef(ctx, ref, true, opts)
 	if err != nil {
 		return err
 	}
@@ -56,8 +70,8 @@ func runInspect(ctx context.Context, out *globalOutput, s string) error {
 	return nil
 }
 
-func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool) (*inspectDoc, error) {
-	repo, err := ociimage.Open(ctx, ref)
+func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts []ociimage.Option) (*inspectDoc, error) {
+	repo, err := ociimage.Open(ctx, ref, opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -76,7 +90,7 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool) (*insp
 	for _, l := range m.Layers {
 		doc.StoredBytes += l.Size
 	}
-	pinned, err := ociimage.Open(ctx, ref.WithDigest(desc.Digest))
+	pinned, err := ociimage.Open(ctx, ref.WithDigest(desc.Digest), opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -92,7 +106,7 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool) (*insp
 			if err != nil {
 				return nil, errcode.Wrap(errcode.InvalidInput, err, "the image's linked disk reference")
 			}
-			if doc.LinkedDisk, err = inspectRef(ctx, dref, false); err != nil {
+			if doc.LinkedDisk, err = inspectRef(ctx, dref, false, opts); err != nil {
 				return nil, errcode.Wrap(errcode.Of(err), err, "the linked disk image %s", link)
 			}
 		}
@@ -102,6 +116,22 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool) (*insp
 			return nil, err
 		}
 		doc.Disk = &cfg
+		if follow {
+			refs, err := pinned.Referrers(ctx, desc)
+			if err != nil {
+				return nil, err
+			}
+			for _, r := range refs {
+				// Some registries report the config's media type as the
+				// artifact type of a referrer.
+				if r.ArtifactType == ociimage.ArtifactTypeVMState || r.ArtifactType == ociimage.MediaTypeVMStateConfig {
+					doc.Referrers = append(doc.Referrers, referrerDoc{
+						Image: ref.WithDigest(r.Digest).String(), Digest: r.Digest.String(),
+						ArtifactType: ociimage.ArtifactTypeVMState, Annotations: r.Annotations,
+					})
+				}
+			}
+		}
 	default:
 		return nil, errcode.New(errcode.InvalidInput, "%s is not a vmsnap image (artifact type %q)", ref, m.ArtifactType)
 	}
@@ -140,5 +170,11 @@ func printInspect(w io.Writer, d *inspectDoc, indent string) {
 	if d.LinkedDisk != nil {
 		fmt.Fprintf(w, "%slinked disk image:\n", indent)
 		printInspect(w, d.LinkedDisk, indent+"  ")
+	}
+	if len(d.Referrers) > 0 {
+		fmt.Fprintf(w, "%sVM state images of this disk:\n", indent)
+		for _, r := range d.Referrers {
+			fmt.Fprintf(w, "%s  %s (mode %s, taken %s)\n", indent, r.Image, r.Annotations[ociimage.AnnotationMode], r.Annotations[ociimage.AnnotationCreated])
+		}
 	}
 }

@@ -7,7 +7,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -46,8 +46,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err == nil {
 		return 0
 	}
-	var c *errcode.Error
-	if !errors.As(err, &c) {
+	if !errcode.Has(err) {
 		// Only cobra's own parsing returns uncoded errors: every command
 		// wraps what it returns.
 		err = errcode.New(errcode.Usage, "%v (see vmsnap --help)", err)
@@ -58,27 +57,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return errcode.Of(err).ExitStatus()
 }
 
-type errorDoc struct {
-	Error struct {
-		Code    errcode.Code `json:"code"`
-		Message string       `json:"message"`
-		Details []string     `json:"details,omitempty"`
-	} `json:"error"`
-}
-
 func reportError(out *globalOutput, err error) {
 	fmt.Fprintf(out.stderr, "vmsnap: %s: %v\n", errcode.Of(err), err)
-	var doc errorDoc
-	doc.Error.Code = errcode.Of(err)
-	doc.Error.Message = err.Error()
-	var c *errcode.Error
-	if errors.As(err, &c) {
-		doc.Error.Details = c.Details
-	}
+	doc := api.ErrorDoc{Error: api.ErrorOf(err)}
 	if out.json {
 		writeJSON(out.stdout, doc)
 	}
-	writeTerminationLog(out, doc)
+	// Kubernetes keeps 4096 bytes of a termination message.
+	writeTerminationLog(out, api.ErrorDoc{Error: doc.Error.Truncated(4096)})
 }
 
 // report prints a command's result: JSON with --json, text otherwise, and
@@ -97,6 +83,11 @@ func writeJSON(w io.Writer, v any) {
 	enc.SetIndent("", "  ")
 	_ = enc.Encode(v)
 }
+
+// defaultTerminationLog is where Kubernetes reads a container's
+// termination message; it is used when it exists and no --termination-log
+// is given.
+const defaultTerminationLog = "/dev/termination-log"
 
 func writeTerminationLog(out *globalOutput, doc any) {
 	if out.terminationLog == "" {
@@ -137,7 +128,8 @@ Exit status: 0 on success, otherwise the error code's status (see README).`,
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		return errcode.New(errcode.Usage, "%v (see %s --help)", err, c.CommandPath())
 	})
-	root.AddCommand(newCheckpointCmd(out), newRestoreCmd(out), newInspectCmd(out))
+	root.AddCommand(newCheckpointCmd(out), newRestoreCmd(out), newInspectCmd(out), newStreamCmd(),
+		newAgentCmd(out), newManifestsCmd(out))
 	return root
 }
 
@@ -145,7 +137,12 @@ Exit status: 0 on success, otherwise the error code's status (see README).`,
 func addOutputFlags(c *cobra.Command, out *globalOutput, termLog bool) {
 	c.Flags().BoolVar(&out.json, "json", false, "print the result (or the error) as one JSON object on stdout")
 	if termLog {
-		c.Flags().StringVar(&out.terminationLog, "termination-log", "", "also write the result JSON to this file (a Kubernetes termination log)")
+		def := ""
+		if _, err := os.Stat(defaultTerminationLog); err == nil {
+			def = defaultTerminationLog
+		}
+		c.Flags().StringVar(&out.terminationLog, "termination-log", def,
+			"also write the result (or error) JSON to this file, for a controller to read from the pod's status (default "+defaultTerminationLog+" when it exists)")
 	}
 }
 

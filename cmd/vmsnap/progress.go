@@ -83,3 +83,44 @@ func humanBytes(n int64) string {
 	}
 	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
 }
+
+// phasedProgress shows one progress line per phase of an operation
+// ("vmstate", then "disk", ...). A nil one (not a terminal) does nothing.
+type phasedProgress struct {
+	w     io.Writer
+	mu    sync.Mutex
+	phase string
+	cur   *progress
+}
+
+func newPhasedProgress(w io.Writer) *phasedProgress {
+	if f, ok := w.(*os.File); !ok || !isTerminal(f) {
+		return nil
+	}
+	return &phasedProgress{w: w}
+}
+
+// update matches agent.Progress.
+func (p *phasedProgress) update(phase string, done int64) {
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	if phase != p.phase {
+		p.cur.finish()
+		p.phase, p.cur = phase, &progress{w: p.w, label: phase, start: time.Now()}
+	}
+	cur := p.cur
+	p.mu.Unlock()
+	cur.update(done)
+}
+
+func (p *phasedProgress) finish() {
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.cur.finish()
+	p.cur, p.phase = nil, ""
+}

@@ -8,25 +8,26 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/vmsnap/vmsnap/agent"
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/qmp"
-	"github.com/vmsnap/vmsnap/rootfs"
-	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 type restoreFlags struct {
-	qmp, image, disk, diskImage string
-	paused, allowTag            bool
-	timeout                     time.Duration
-	stream                      streamFlags
+	qmp, image, disk, diskImage, toDir string
+	paused, allowTag                   bool
+	maxBytes                           int64
+	timeout                            time.Duration
+	stream                             streamFlags
+	registry                           registryFlags
+	agent                              agentFlags
 }
 
 func newRestoreCmd(out *globalOutput) *cobra.Command {
 	var f restoreFlags
 	c := &cobra.Command{
-		Use:   "restore (--disk-image REF@DIGEST --disk PATH | --qmp SOCK --image REF@DIGEST [--paused])",
-		Short: "Put a disk overlay in place, or load VM state into a waiting QEMU",
+		Use:   "restore (--disk-image REF@DIGEST --disk PATH | --qmp SOCK --image REF@DIGEST [--paused] | --image REF@DIGEST --to-dir DIR)",
+		Short: "Put a disk overlay in place, load VM state into a waiting QEMU, or stage a snapshot",
 		Long: `Restore a checkpoint in two steps, because QEMU opens its disk when it starts:
 
   1. Before QEMU starts, put the disk overlay in place:
@@ -42,121 +43,134 @@ func newRestoreCmd(out *globalOutput) *cobra.Command {
      the command fails with COMPAT_MISMATCH, listing each one. Every chunk is
      verified against its digest before QEMU sees a byte of it.
 
-Images are taken by digest only (as printed by checkpoint), unless --allow-tag.`,
+In a Kubernetes pod, a restore init container does step 1 and stages the
+state in the pod's volume, verified, within --max-bytes:
+       vmsnap restore --image REF@sha256:... --to-dir /vm/state \
+           [--disk-image REF@sha256:... --disk /vm/disk/overlay.qcow2]
+and the QEMU container then starts with
+       -incoming "exec:vmsnap stream --dir /vm/state"
+Alternatively QEMU starts with -incoming defer and the node agent loads the
+state (which checks compatibility first):
+       vmsnap restore --agent unix:///run/vmsnap/agent.sock --pod-uid UID \
+           --container qemu --qmp /run/vm/qmp.sock --image REF@sha256:...
+Its result carries the VM's new endpoint (pod UID, container, QMP path).
+
+Images are taken by digest only (as printed by checkpoint), unless --allow-tag.
+From a registry, several chunks are fetched at once and each is verified
+before its bytes are used; registry credentials and TLS work as for
+checkpoint (--registry-config, --ca-file, --insecure-registry).`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			return coded(runRestore(c.Context(), out, f))
 		},
 	}
 	c.Flags().StringVar(&f.qmp, "qmp", "", "monitor socket of a QEMU started with -incoming defer")
-	c.Flags().StringVar(&f.image, "image", "", "the VM state image, REF@sha256:... (with --qmp)")
+	c.Flags().StringVar(&f.image, "image", "", "the VM state image, REF@sha256:... (with --qmp or --to-dir)")
 	c.Flags().StringVar(&f.diskImage, "disk-image", "", "the disk overlay image, REF@sha256:... (with --disk)")
 	c.Flags().StringVar(&f.disk, "disk", "", "where to put the restored qcow2 overlay (with --disk-image)")
+	c.Flags().StringVar(&f.toDir, "to-dir", "", "stage the VM state image, verified, in this directory for `vmsnap stream --dir`")
+	c.Flags().Int64Var(&f.maxBytes, "max-bytes", 0, "with --to-dir: refuse an image larger than this many bytes (0: no limit)")
 	c.Flags().BoolVar(&f.paused, "paused", false, "leave the VM stopped once loaded (start QEMU with -S so it never runs)")
 	c.Flags().BoolVar(&f.allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up after this long")
 	f.stream.add(c)
+	f.registry.add(c)
+	f.agent.add(c)
 	addOutputFlags(c, out, true)
 	return c
 }
 
-type restoreDoc struct {
-	VMState *restoreStateDoc `json:"vmstate,omitempty"`
-	Disk    *restoreDiskDoc  `json:"disk,omitempty"`
-}
-
-type restoreStateDoc struct {
-	Image       string             `json:"image"`
-	Digest      string             `json:"digest"`
-	RawBytes    int64              `json:"rawBytes"`
-	VMRunning   bool               `json:"vmRunning"`
-	DurationsMs map[string]float64 `json:"durationsMs"`
-}
-
-type restoreDiskDoc struct {
-	Image       string             `json:"image"`
-	Digest      string             `json:"digest"`
-	Path        string             `json:"path"`
-	Bytes       int64              `json:"bytes"`
-	DurationsMs map[string]float64 `json:"durationsMs"`
-}
-
-// openPinned parses a reference for restore: digests only, unless allowed.
-func openPinned(ctx context.Context, s, flag string, allowTag bool) (ociimage.Repository, error) {
-	ref, err := ociimage.ParseReference(s)
-	if err != nil {
-		return nil, err
-	}
-	if !ref.IsDigest() && !allowTag {
-		return nil, errcode.New(errcode.TagNotAllowed,
-			"%s %s names a tag, which can move: give the digest that checkpoint printed (REF@sha256:...), or pass --allow-tag", flag, s)
-	}
-	return ociimage.Open(ctx, ref)
-}
-
 func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
-	stateForm := f.qmp != "" || f.image != ""
+	if err := f.agent.check(); err != nil {
+		return err
+	}
 	diskForm := f.disk != "" || f.diskImage != ""
 	switch {
-	case stateForm && diskForm:
-		return errcode.New(errcode.Usage, "restore the disk (--disk-image, --disk) before QEMU starts, and the state (--qmp, --image) into the QEMU started afterwards: these are two commands")
-	case stateForm && (f.qmp == "" || f.image == ""):
-		return errcode.New(errcode.Usage, "restoring VM state needs both --qmp SOCK and --image REF@DIGEST")
 	case diskForm && (f.disk == "" || f.diskImage == ""):
 		return errcode.New(errcode.Usage, "restoring a disk overlay needs both --disk-image REF@DIGEST and --disk PATH")
-	case !stateForm && !diskForm:
-		return errcode.New(errcode.Usage, "nothing to restore: give --disk-image and --disk, or --qmp and --image (see vmsnap restore --help)")
+	case f.qmp != "" && f.toDir != "":
+		return errcode.New(errcode.Usage, "--qmp loads the state into a waiting QEMU, --to-dir stages it for one that starts later: choose one")
+	case f.qmp != "" && diskForm:
+		return errcode.New(errcode.Usage, "restore the disk (--disk-image, --disk) before QEMU starts, and the state (--qmp, --image) into the QEMU started afterwards: these are two commands")
+	case f.qmp != "" && f.image == "":
+		return errcode.New(errcode.Usage, "restoring VM state needs both --qmp SOCK and --image REF@DIGEST")
+	case f.toDir != "" && f.image == "":
+		return errcode.New(errcode.Usage, "--to-dir stages a VM state image: give --image REF@DIGEST")
+	case f.image != "" && f.qmp == "" && f.toDir == "":
+		return errcode.New(errcode.Usage, "--image needs a destination: --qmp SOCK (a waiting QEMU) or --to-dir DIR")
+	case f.qmp == "" && f.toDir == "" && !diskForm:
+		return errcode.New(errcode.Usage, "nothing to restore: give --disk-image and --disk, or --qmp and --image, or --image and --to-dir (see vmsnap restore --help)")
+	case f.agent.address != "" && (f.qmp == "" || diskForm || f.toDir != ""):
+		return errcode.New(errcode.Usage, "through --agent, restore loads VM state into a waiting QEMU: give --qmp (the path in the container) and --image only")
 	}
 	ctx, cancel := context.WithTimeout(ctx, f.timeout)
 	defer cancel()
 
-	if diskForm {
-		repo, err := openPinned(ctx, f.diskImage, "--disk-image", f.allowTag)
-		if err != nil {
-			return err
-		}
-		p := newProgress(out.stderr, "disk")
-		res, err := rootfs.Restore(ctx, repo, f.disk, f.stream.options(p))
-		p.finish()
-		if err != nil {
-			return err
-		}
-		doc := restoreDoc{Disk: &restoreDiskDoc{
-			Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
-			Path: f.disk, Bytes: res.Bytes, DurationsMs: map[string]float64{"total": ms(res.Duration)},
-		}}
-		report(out, doc, func(w io.Writer) {
-			fmt.Fprintf(w, "disk overlay restored to %s (%s, verified) in %.2fs\n", f.disk, humanBytes(res.Bytes), res.Duration.Seconds())
+	if f.agent.address != "" {
+		o, err := viaAgent(ctx, out, f.agent.address, func(c *agent.Client) (api.Operation, error) {
+			return c.Restore(ctx, api.RestoreRequest{
+				VM: f.agent.vm(f.qmp, ""), Image: f.image, AllowTag: f.allowTag, Paused: f.paused, Workers: f.stream.workers,
+			})
 		})
+		if err != nil {
+			return err
+		}
+		report(out, o.Restore, func(w io.Writer) { printRestore(w, o.Restore) })
 		return nil
 	}
 
-	repo, err := openPinned(ctx, f.image, "--image", f.allowTag)
-	if err != nil {
-		return err
+	res := &api.RestoreResult{}
+	p := newPhasedProgress(out.stderr)
+	defer p.finish()
+	store := f.registry.options()
+	if diskForm {
+		d, err := agent.RestoreDisk(ctx, agent.DiskRestoreSpec{
+			Image: f.diskImage, Path: f.disk, AllowTag: f.allowTag, Stream: f.stream.options(), Store: store, Progress: p.update,
+		})
+		if err != nil {
+			return err
+		}
+		res.Disk = d
 	}
-	mon, err := qmp.Dial(ctx, f.qmp)
-	if err != nil {
-		return err
+	if f.toDir != "" {
+		st, err := agent.Stage(ctx, agent.StageSpec{
+			Image: f.image, Dir: f.toDir, AllowTag: f.allowTag, MaxBytes: f.maxBytes, Jobs: f.stream.workers, Store: store,
+		})
+		if err != nil {
+			return err
+		}
+		res.Staged = st
 	}
-	defer mon.Close()
-	p := newProgress(out.stderr, "restore")
-	res, err := vmstate.Restore(ctx, mon, repo, vmstate.RestoreOptions{Paused: f.paused, Stream: f.stream.options(p)})
+	if f.qmp != "" {
+		r, err := agent.RestoreState(ctx, agent.RestoreSpec{
+			QMPPath: f.qmp, Image: f.image, AllowTag: f.allowTag, Paused: f.paused,
+			Stream: f.stream.options(), Store: store, Progress: p.update,
+		})
+		if err != nil {
+			return err
+		}
+		res.VMState = r.VMState
+	}
 	p.finish()
-	if err != nil {
-		return err
+	report(out, res, func(w io.Writer) { printRestore(w, res) })
+	return nil
+}
+
+func printRestore(w io.Writer, r *api.RestoreResult) {
+	if d := r.Disk; d != nil {
+		fmt.Fprintf(w, "disk overlay restored to %s (%s, verified) in %.2fs\n", d.Path, humanBytes(d.Bytes), d.DurationsMs["total"]/1000)
 	}
-	doc := restoreDoc{VMState: &restoreStateDoc{
-		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
-		RawBytes: res.RawBytes, VMRunning: res.VMRunning,
-		DurationsMs: map[string]float64{"prepare": ms(res.Durations.Prepare), "stream": ms(res.Durations.Stream), "total": ms(res.Durations.Total)},
-	}}
-	report(out, doc, func(w io.Writer) {
+	if s := r.Staged; s != nil {
+		fmt.Fprintf(w, "VM state staged in %s (%s, verified): start QEMU with -incoming \"exec:vmsnap stream --dir %s\"\n", s.Dir, humanBytes(s.Bytes), s.Dir)
+	}
+	if s := r.VMState; s != nil {
 		state := "running"
-		if !res.VMRunning {
+		if !s.VMRunning {
 			state = "paused"
 		}
-		fmt.Fprintf(w, "VM state restored (%s, verified) in %.2fs; the VM is %s\n", humanBytes(res.RawBytes), res.Durations.Total.Seconds(), state)
-	})
-	return nil
+		fmt.Fprintf(w, "VM state restored (%s, verified) in %.2fs; the VM is %s\n", humanBytes(s.RawBytes), s.DurationsMs["total"]/1000, state)
+	}
+	if e := r.Endpoint; e != nil {
+		fmt.Fprintf(w, "the VM now lives in pod %s, container %s, monitor %s\n", e.PodUID, e.Container, e.QMPPath)
+	}
 }

@@ -110,6 +110,12 @@ func Of(err error) Code {
 	if errors.As(err, &e) {
 		return e.Code
 	}
+	// Errors that crossed a process boundary (the agent's API) carry their
+	// code without being an *Error.
+	var c interface{ ErrorCode() string }
+	if errors.As(err, &c) {
+		return Code(c.ErrorCode())
+	}
 	return Internal
 }
 
@@ -120,12 +126,39 @@ func Is(err error, c Code) bool { return err != nil && Of(err) == c }
 // otherwise. It is how a layer states the default meaning of failures from
 // below it without hiding more specific codes.
 func Ensure(c Code, err error, format string, args ...any) error {
-	if err == nil {
-		return nil
-	}
-	var e *Error
-	if errors.As(err, &e) {
+	if err == nil || Has(err) {
 		return err
 	}
 	return Wrap(c, err, format, args...)
+}
+
+// Has reports whether err carries a code: an *Error, or an error from
+// elsewhere (the agent's API) with an ErrorCode method.
+func Has(err error) bool {
+	var e *Error
+	var c interface{ ErrorCode() string }
+	return errors.As(err, &e) || errors.As(err, &c)
+}
+
+// Summary is err's message without the details list, for documents that
+// carry the details separately.
+func Summary(err error) string {
+	var e *Error
+	if errors.As(err, &e) && len(e.Details) > 0 && e == err {
+		return (&Error{Code: e.Code, Msg: e.Msg, Err: e.Err}).Error()
+	}
+	return err.Error()
+}
+
+// DetailsOf returns the findings of the outermost coded error in err's chain.
+func DetailsOf(err error) []string {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Details
+	}
+	var d interface{ ErrorDetails() []string }
+	if errors.As(err, &d) {
+		return d.ErrorDetails()
+	}
+	return nil
 }

@@ -245,6 +245,9 @@ func (s *Server) serve(cn *conn) {
 	for {
 		n, oobn, _, _, err := cn.c.ReadMsgUnix(buf, oob)
 		n, oobn = max(n, 0), max(oobn, 0) // a failed read may report -1
+		if n > 0 {
+			acquireWrites(cn.c)
+		}
 		files := s.receiveFiles(oob[:oobn])
 		pendingLine = append(pendingLine, buf[:n]...)
 		var lines [][]byte
@@ -275,6 +278,19 @@ func (s *Server) serve(cn *conn) {
 		if err != nil {
 			return
 		}
+	}
+}
+
+// acquireWrites tells the race detector that what the client did before
+// writing the bytes just read happened before what the handler does next, as
+// it does with a real QEMU in another process. The detector models that for
+// read(2) and write(2), but not for the recvmsg(2) the server must use to
+// receive descriptors; a zero-length read(2), which returns at once, supplies
+// the edge. Commands the client sends with sendmsg(2) (ExecuteWithFile) still
+// carry no edge: guard state shared by a test and its handler with a mutex.
+func acquireWrites(c *net.UnixConn) {
+	if rc, err := c.SyscallConn(); err == nil {
+		rc.Control(func(fd uintptr) { syscall.Read(int(fd), nil) })
 	}
 }
 

@@ -2,6 +2,7 @@ package qmptest_test
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"errors"
 	"net"
@@ -11,6 +12,7 @@ import (
 
 	goqmp "github.com/digitalocean/go-qemu/qmp"
 
+	"github.com/vmsnap/vmsnap/qmp"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
@@ -113,4 +115,25 @@ func mustJSON(t *testing.T, v any) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// Under -race this fails unless the server tells the detector that a command
+// is handled after everything its sender did before sending it.
+func TestHandlerSeesStateSetBeforeTheCommand(t *testing.T) {
+	var answer string
+	srv := qmptest.NewServer(t, func(*qmptest.Server, qmptest.Command, []*os.File) (any, *qmp.Error) {
+		return answer, nil
+	})
+	answer = "set after NewServer, without a lock"
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := qmp.Dial(ctx, srv.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	var got string
+	if err := c.Execute(ctx, "answer", nil, &got); err != nil || got != answer {
+		t.Fatalf("got %q, %v", got, err)
+	}
 }

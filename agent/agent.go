@@ -1,0 +1,262 @@
+// Package agent runs checkpoints and restores of QEMU VMs on a node.
+//
+// The operations themselves (Checkpoint, RestoreState, RestoreDisk, Stage)
+// are plain functions on host paths, used by the CLI in its own process and
+// by the node daemon alike. The daemon (Server) adds what a node needs:
+//
+//   - a JSON HTTP API on a unix socket (mode 0660, a configurable group);
+//   - finding a VM by pod UID and container name through a Resolver
+//     (containerd on a real node), never by pod name;
+//   - one operation per VM at a time (BUSY for a second) and a bounded
+//     number per node;
+//   - a journal under the state directory, so that after a crash the
+//     daemon continues any VM an unfinished checkpoint had stopped;
+//   - dropping every record of a VM whose container is deleted or replaced,
+//     cancelling its operations, so callers get VM_NOT_FOUND at once;
+//   - an event stream (server-sent events), health, readiness and
+//     Prometheus metrics.
+//
+// It is not a controller: it acts only on requests, for VMs on its node.
+package agent
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+)
+
+// Config configures a Server.
+type Config struct {
+	Socket      string // unix socket path of the API
+	SocketGroup string // group (name or GID) that may use the socket; empty: the agent's own
+	StateDir    string // journal and staging; must survive a restart of the agent
+	// MaxConcurrent bounds the operations running at once on this node
+	// (default 2); more wait as pending.
+	MaxConcurrent int
+	Resolver      Resolver
+	Store         []ociimage.Option // registry credentials, CA, ...
+	Logger        *slog.Logger
+}
+
+// Server is the node daemon.
+type Server struct {
+	cfg     Config
+	log     *slog.Logger
+	ops     *table
+	events  *broker
+	metrics *metrics
+	journal *journal
+	slots   chan struct{}
+
+	ready   chan struct{} // closed once the resolver's watch runs
+	readyMu sync.Once
+}
+
+// New prepares a server: it opens the journal and recovers what a previous
+// run left unfinished (continuing VMs it had stopped) before it accepts any
+// request.
+func New(ctx context.Context, cfg Config) (*Server, error) {
+	if cfg.Resolver == nil {
+		return nil, errcode.New(errcode.Usage, "the agent needs a resolver to find VMs")
+	}
+	if cfg.StateDir == "" {
+		return nil, errcode.New(errcode.Usage, "the agent needs --state-dir")
+	}
+	if cfg.MaxConcurrent <= 0 {
+		cfg.MaxConcurrent = 2
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	}
+	j, err := openJournal(cfg.StateDir)
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{
+		cfg:     cfg,
+		log:     cfg.Logger,
+		ops:     newTable(),
+		events:  newBroker(),
+		metrics: newMetrics(),
+		journal: j,
+		slots:   make(chan struct{}, cfg.MaxConcurrent),
+		ready:   make(chan struct{}),
+	}
+	s.recover(ctx)
+	return s, nil
+}
+
+// Registry is the Prometheus registry of the server's metrics.
+func (s *Server) Registry() *prometheus.Registry { return s.metrics.reg }
+
+// Serve listens on the configured socket and serves until ctx ends, then
+// cancels running operations (each puts its VM back as on any failure) and
+// returns.
+func (s *Server) Serve(ctx context.Context) error {
+	ln, err := listen(s.cfg.Socket, s.cfg.SocketGroup)
+	if err != nil {
+		return err
+	}
+	return s.ServeListener(ctx, ln)
+}
+
+// ServeListener serves on ln until ctx ends.
+func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go s.watch(ctx)
+	srv := &http.Server{
+		Handler:           s.Handler(),
+		ReadHeaderTimeout: 10 * time.Second,
+		BaseContext:       func(net.Listener) context.Context { return ctx },
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	s.log.Info("agent listening", "socket", ln.Addr().String(), "stateDir", s.cfg.StateDir, "maxConcurrent", s.cfg.MaxConcurrent)
+	select {
+	case err := <-errc:
+		return errcode.Wrap(errcode.Internal, err, "serving the agent API")
+	case <-ctx.Done():
+	}
+	shutdown, done := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer done()
+	s.events.close() // event streams end, so Shutdown does not wait for them
+	_ = srv.Shutdown(shutdown)
+	s.ops.cancelAll(errcode.New(errcode.Internal, "the agent is shutting down"))
+	s.ops.wait(shutdown)
+	return nil
+}
+
+// watch drops everything about VMs whose containers go away.
+func (s *Server) watch(ctx context.Context) {
+	for ctx.Err() == nil {
+		gone, err := s.cfg.Resolver.Watch(ctx)
+		if err != nil {
+			s.log.Error("watching containers failed; retrying", "err", err)
+			select {
+			case <-time.After(2 * time.Second):
+			case <-ctx.Done():
+			}
+			continue
+		}
+		s.readyMu.Do(func() { close(s.ready) })
+		for g := range gone {
+			s.forget(g)
+		}
+	}
+}
+
+// forget cancels the operations of a VM whose container is gone and removes
+// every record of them: later requests about the VM get VM_NOT_FOUND.
+func (s *Server) forget(g Gone) {
+	why := errcode.New(errcode.VMNotFound, "the container %s of pod %s was deleted or replaced", g.Container, g.PodUID)
+	for _, op := range s.ops.forVM(g) {
+		s.log.Info("VM gone: cancelling its operation", "op", op.id, "pod", g.PodUID, "container", g.Container, "containerID", g.ContainerID)
+		op.cancel(why)
+		s.ops.remove(op, why)
+	}
+}
+
+func listen(path, group string) (net.Listener, error) {
+	if path == "" {
+		return nil, errcode.New(errcode.Usage, "the agent needs --socket PATH")
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "creating the socket's directory")
+	}
+	// A socket left by a previous run is ours to replace; anything else is not.
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return nil, errcode.New(errcode.Usage, "%s exists and is not a socket: choose another --socket", path)
+		}
+		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+			c.Close()
+			return nil, errcode.New(errcode.Busy, "another agent already listens at %s", path)
+		}
+		_ = os.Remove(path)
+	}
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "listening at %s", path)
+	}
+	gid := -1
+	if group != "" {
+		if gid, err = lookupGroup(group); err != nil {
+			ln.Close()
+			return nil, err
+		}
+	}
+	if err := os.Chown(path, -1, gid); err != nil && gid >= 0 {
+		ln.Close()
+		return nil, errcode.Wrap(errcode.Internal, err, "giving the socket to group %s", group)
+	}
+	// Owner and group only: the socket starts checkpoints of any VM here.
+	if err := os.Chmod(path, 0o660); err != nil {
+		ln.Close()
+		return nil, errcode.Wrap(errcode.Internal, err, "setting the socket's mode")
+	}
+	return ln, nil
+}
+
+func lookupGroup(group string) (int, error) {
+	if gid, err := strconv.Atoi(group); err == nil {
+		return gid, nil
+	}
+	g, err := user.LookupGroup(group)
+	if err != nil {
+		return -1, errcode.Wrap(errcode.Usage, err, "socket group %q", group)
+	}
+	gid, _ := strconv.Atoi(g.Gid)
+	return gid, nil
+}
+
+// recover finishes what a previous run of the agent left in its journal.
+func (s *Server) recover(ctx context.Context) {
+	entries, err := s.journal.list()
+	if err != nil {
+		s.log.Error("reading the journal", "err", err)
+		return
+	}
+	for _, e := range entries {
+		log := s.log.With("op", e.Op.ID, "kind", e.Op.Kind, "pod", e.Op.VM.PodUID)
+		outcome := "the agent stopped during this operation"
+		if e.Op.Kind == "checkpoint" && e.VMWasRunning && e.Op.Checkpoint == nil && e.Op.Target != nil {
+			if err := continueVM(ctx, e.Op.Target.QMPPath); err != nil {
+				log.Error("could not continue the VM an unfinished checkpoint had stopped", "err", err)
+				outcome += fmt.Sprintf("; continuing the VM failed: %v", err)
+			} else {
+				log.Info("continued the VM an unfinished checkpoint had stopped")
+				outcome += "; the VM was continued"
+			}
+		}
+		op := e.Op
+		op.Updated = time.Now().UTC()
+		op.Progress = nil
+		if op.Checkpoint != nil {
+			// It had succeeded; only the last bookkeeping was lost.
+			op.State = "succeeded"
+		} else {
+			op.State = "failed"
+			apiErr := toAPIError(errcode.New(errcode.Internal, "%s", outcome))
+			op.Error = &apiErr
+		}
+		s.ops.addFinished(&op)
+		s.metrics.finished(op.Kind, op.State, 0)
+		if err := s.journal.remove(e.Op.ID); err != nil {
+			log.Error("removing the journal entry", "err", err)
+		}
+	}
+}

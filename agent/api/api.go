@@ -1,0 +1,246 @@
+// Package api holds the JSON documents vmsnap exchanges: the results the
+// CLI prints with --json, the requests and operations of the node agent's
+// HTTP API, and its events. The CLI running locally, the agent, and the
+// Job client talking to the agent all produce and read these same types, so
+// a controller sees one shape whichever way a checkpoint ran.
+package api
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+// CheckpointResult is what a checkpoint produced.
+type CheckpointResult struct {
+	VMState    VMStateResult `json:"vmstate"`
+	Disk       *DiskResult   `json:"disk,omitempty"`
+	Mode       string        `json:"mode"`
+	DowntimeMs float64       `json:"downtimeMs"`
+	VMRunning  bool          `json:"vmRunning"`
+	TotalMs    float64       `json:"totalMs"`
+}
+
+// VMStateResult describes a stored VM state image.
+type VMStateResult struct {
+	Image         string             `json:"image"` // REF@sha256:...
+	Digest        string             `json:"digest"`
+	RawBytes      int64              `json:"rawBytes"`
+	StoredBytes   int64              `json:"storedBytes"`
+	UploadedBytes int64              `json:"uploadedBytes"`
+	Chunks        int                `json:"chunks"`
+	QEMUVersion   string             `json:"qemuVersion"`
+	Machine       string             `json:"machine"`
+	MemoryBytes   int64              `json:"memoryBytes"`
+	DurationsMs   map[string]float64 `json:"durationsMs"`
+}
+
+// DiskResult describes a stored disk overlay image.
+type DiskResult struct {
+	Image         string             `json:"image"`
+	Digest        string             `json:"digest"`
+	Path          string             `json:"path"`
+	RawBytes      int64              `json:"rawBytes"`
+	StoredBytes   int64              `json:"storedBytes"`
+	UploadedBytes int64              `json:"uploadedBytes"`
+	Chunks        int                `json:"chunks"`
+	VirtualSize   uint64             `json:"virtualSize"`
+	BackingFile   string             `json:"backingFile,omitempty"`
+	DurationsMs   map[string]float64 `json:"durationsMs"`
+}
+
+// RestoreResult is what a restore did: the state loaded into a QEMU, a disk
+// overlay put in place, or both staged in a directory.
+type RestoreResult struct {
+	VMState  *RestoredState `json:"vmstate,omitempty"`
+	Disk     *RestoredDisk  `json:"disk,omitempty"`
+	Staged   *StagedState   `json:"staged,omitempty"`
+	Endpoint *Endpoint      `json:"endpoint,omitempty"`
+}
+
+// RestoredState describes VM state loaded into a waiting QEMU.
+type RestoredState struct {
+	Image       string             `json:"image"`
+	Digest      string             `json:"digest"`
+	RawBytes    int64              `json:"rawBytes"`
+	VMRunning   bool               `json:"vmRunning"`
+	DurationsMs map[string]float64 `json:"durationsMs"`
+}
+
+// RestoredDisk describes a disk overlay put in place.
+type RestoredDisk struct {
+	Image       string             `json:"image"`
+	Digest      string             `json:"digest"`
+	Path        string             `json:"path"`
+	Bytes       int64              `json:"bytes"`
+	DurationsMs map[string]float64 `json:"durationsMs"`
+}
+
+// StagedState describes a VM state image pulled and verified into a
+// directory, for `vmsnap stream --dir`.
+type StagedState struct {
+	Image  string `json:"image"`
+	Digest string `json:"digest"`
+	Dir    string `json:"dir"`
+	Bytes  int64  `json:"bytes"`
+}
+
+// Endpoint is where a restored VM now lives. Whoever routes to the VM
+// updates from it at once instead of waiting for a watch.
+type Endpoint struct {
+	PodUID    string `json:"podUID"`
+	Container string `json:"container"`
+	QMPPath   string `json:"qmp"`
+}
+
+// Error is the error object of the CLI's --json output and of the agent's
+// failed responses and operations.
+type Error struct {
+	Code    errcode.Code `json:"code"`
+	Message string       `json:"message"`
+	Details []string     `json:"details,omitempty"`
+}
+
+// ErrorDoc wraps an Error as the CLI prints it: {"error": {...}}.
+type ErrorDoc struct {
+	Error Error `json:"error"`
+}
+
+// ErrorOf converts any error into its JSON form.
+func ErrorOf(err error) Error {
+	e := Error{Code: errcode.Of(err), Message: err.Error()}
+	if d := errcode.DetailsOf(err); len(d) > 0 {
+		e.Details = d
+		e.Message = errcode.Summary(err)
+	}
+	return e
+}
+
+// Truncated returns the error cut down to fit max bytes of JSON, dropping
+// details from the end first (a Kubernetes termination log holds 4096
+// bytes, and a cut JSON document is worth nothing to a controller).
+func (e Error) Truncated(max int) Error {
+	fits := func(e Error) bool {
+		b, _ := json.Marshal(ErrorDoc{Error: e})
+		return len(b) <= max
+	}
+	if fits(e) {
+		return e
+	}
+	all := e.Details
+	for n := len(all) - 1; n >= 0; n-- {
+		e.Details = append(append([]string(nil), all[:n]...), fmt.Sprintf("... and %d more", len(all)-n))
+		if fits(e) {
+			return e
+		}
+	}
+	e.Details = nil
+	for len(e.Message) > 16 && !fits(e) {
+		e.Message = e.Message[:len(e.Message)*3/4] + "..."
+	}
+	return e
+}
+
+// Error makes a decoded Error usable as a Go error that keeps its code
+// (errcode.Of) and details (errcode.DetailsOf).
+func (e *Error) Error() string          { return e.Message }
+func (e *Error) ErrorCode() string      { return string(e.Code) }
+func (e *Error) ErrorDetails() []string { return e.Details }
+
+// Durations helper: milliseconds with microsecond precision.
+func Ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// VMRef names a VM the way a controller knows it: the pod by UID (never by
+// name alone: a pod recreated under the same name is another VM), the QEMU
+// container by name, and paths as seen inside that container.
+type VMRef struct {
+	PodUID    string `json:"podUID"`
+	Container string `json:"container"`
+	QMPPath   string `json:"qmp"`            // QMP socket path inside the container
+	DiskPath  string `json:"disk,omitempty"` // qcow2 overlay path inside the container
+}
+
+// Target is a VM resolved to this node: the container that runs it and the
+// host paths of its QMP socket and disk overlay.
+type Target struct {
+	PodUID      string `json:"podUID"`
+	Container   string `json:"container"`
+	ContainerID string `json:"containerID"`
+	QMPPath     string `json:"qmpHostPath"`
+	DiskPath    string `json:"diskHostPath,omitempty"`
+}
+
+// CheckpointRequest asks the agent to checkpoint a VM on its node.
+type CheckpointRequest struct {
+	VM        VMRef  `json:"vm"`
+	Image     string `json:"image"`
+	DiskImage string `json:"diskImage,omitempty"` // with VM.DiskPath
+	Mode      string `json:"mode,omitempty"`      // pause, snapshot (default) or live
+	ChunkSize int    `json:"chunkSize,omitempty"`
+	Workers   int    `json:"workers,omitempty"`
+}
+
+// RestoreRequest asks the agent to load VM state into a QEMU on its node
+// that waits with -incoming defer (the disk overlay is put in place before
+// QEMU starts, by the restore init container).
+type RestoreRequest struct {
+	VM       VMRef  `json:"vm"`
+	Image    string `json:"image"` // REF@sha256:...
+	AllowTag bool   `json:"allowTag,omitempty"`
+	Paused   bool   `json:"paused,omitempty"`
+	Workers  int    `json:"workers,omitempty"`
+}
+
+// Operation kinds and states.
+const (
+	KindCheckpoint = "checkpoint"
+	KindRestore    = "restore"
+
+	StatePending   = "pending"   // waiting for a slot on the node
+	StateRunning   = "running"   // under way
+	StateSucceeded = "succeeded" // Result is set
+	StateFailed    = "failed"    // Error is set
+	StateCancelled = "cancelled" // cancelled by a caller or because the VM went away; Error says which
+)
+
+// Operation is one checkpoint or restore run by the agent.
+type Operation struct {
+	ID       string             `json:"id"`
+	Kind     string             `json:"kind"`
+	State    string             `json:"state"`
+	VM       VMRef              `json:"vm"`
+	Target   *Target            `json:"target,omitempty"`
+	Created  time.Time          `json:"created"`
+	Updated  time.Time          `json:"updated"`
+	Progress *OperationProgress `json:"progress,omitempty"`
+	// Exactly one of these is set once the operation has ended.
+	Checkpoint *CheckpointResult `json:"checkpoint,omitempty"`
+	Restore    *RestoreResult    `json:"restore,omitempty"`
+	Error      *Error            `json:"error,omitempty"`
+}
+
+// Done reports whether the operation has ended.
+func (o *Operation) Done() bool {
+	switch o.State {
+	case StateSucceeded, StateFailed, StateCancelled:
+		return true
+	}
+	return false
+}
+
+// OperationProgress is how far an operation has come.
+type OperationProgress struct {
+	Phase string `json:"phase"` // vmstate, disk, restore
+	Bytes int64  `json:"bytes"`
+}
+
+// Event is one message of the agent's event stream: an operation changed.
+// A restore's final event carries the VM's new endpoint in
+// Operation.Restore.Endpoint.
+type Event struct {
+	Type      string    `json:"type"` // "operation"
+	Time      time.Time `json:"time"`
+	Operation Operation `json:"operation"`
+}

@@ -1,0 +1,416 @@
+// Package containerd finds the QEMU of a Kubernetes pod on this node through
+// the node's containerd: it implements agent.Resolver.
+//
+// A VM is named the way a controller knows it: the pod by UID, the QEMU
+// container by name, and the QMP socket and disk overlay by their paths
+// inside that container. Resolve finds the container the kubelet's CRI
+// plugin labelled io.kubernetes.pod.uid=UID and
+// io.kubernetes.container.name=NAME (never by pod name: a pod recreated
+// under the same name is another VM), takes the one whose task is running,
+// and maps the paths to host paths through the bind mounts (the pod's
+// volumes) of its OCI spec. Watch reports containers that are deleted or
+// whose main process exited, so that the agent can drop every record about
+// them at once.
+//
+// It talks to containerd only through its gRPC API with the
+// github.com/containerd/containerd/v2 client, which also works against
+// containerd 1.6 and 1.7. It never enters the container's namespaces and
+// never execs into it.
+package containerd
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	tasksapi "github.com/containerd/containerd/api/services/tasks/v1"
+	tasktypes "github.com/containerd/containerd/api/types/task"
+	"github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/containers"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
+	"github.com/containerd/errdefs"
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/vmsnap/vmsnap/agent"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+const (
+	// DefaultAddress is containerd's usual gRPC socket on a node.
+	DefaultAddress = "/run/containerd/containerd.sock"
+	// DefaultNamespace is the containerd namespace of the kubelet's CRI
+	// plugin.
+	DefaultNamespace = "k8s.io"
+
+	// The labels the CRI plugin puts on every container of a pod.
+	LabelPodUID        = "io.kubernetes.pod.uid"
+	LabelContainerName = "io.kubernetes.container.name"
+	// LabelKind is "sandbox" on a pod's pause container, which is skipped.
+	LabelKind = "io.cri-containerd.kind"
+)
+
+// Resolver is an agent.Resolver backed by a containerd. It is safe for
+// concurrent use.
+type Resolver struct {
+	client    *client.Client
+	namespace string
+	log       *slog.Logger
+	retryMax  time.Duration
+
+	mu sync.Mutex
+	// known holds the identity of each container Resolve returned, by
+	// container ID, until containerd reports it deleted: a deleted
+	// container's labels cannot be asked for any more.
+	known map[string]agent.Gone
+}
+
+var _ agent.Resolver = (*Resolver)(nil)
+
+// Option configures a Resolver.
+type Option func(*Resolver)
+
+// WithLogger sets the logger (slog.Default() otherwise). The resolver logs
+// only trouble with the event stream, at warning level.
+func WithLogger(l *slog.Logger) Option { return func(r *Resolver) { r.log = l } }
+
+// WithRetryMax bounds the wait between attempts to subscribe again to
+// containerd's events after the stream failed (5s by default).
+func WithRetryMax(d time.Duration) Option { return func(r *Resolver) { r.retryMax = d } }
+
+// New connects to the containerd at address (DefaultAddress when empty) and
+// checks that it answers within ctx (10s at most when ctx has no deadline).
+// namespace is the containerd namespace to look in; DefaultNamespace
+// ("k8s.io") when empty.
+func New(ctx context.Context, address, namespace string, opts ...Option) (*Resolver, error) {
+	if address == "" {
+		address = DefaultAddress
+	}
+	if namespace == "" {
+		namespace = DefaultNamespace
+	}
+	r := &Resolver{namespace: namespace, log: slog.Default(), retryMax: 5 * time.Second, known: map[string]agent.Gone{}}
+	for _, o := range opts {
+		o(r)
+	}
+	// A missing socket is a deployment error worth saying at once: the
+	// client would retry it until ctx ends.
+	if sock, ok := strings.CutPrefix(address, "unix://"); ok || strings.HasPrefix(address, "/") {
+		if !ok {
+			sock = address
+		}
+		if _, err := os.Stat(sock); err != nil {
+			return nil, errcode.Wrap(errcode.Internal, err, "no containerd socket at %s (on a node it is %s; an agent in a pod needs it mounted)", sock, DefaultAddress)
+		}
+	}
+	c, err := client.New(address, client.WithDefaultNamespace(namespace), client.WithTimeout(5*time.Second))
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "containerd at %s", address)
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+	}
+	if _, err := c.Version(ctx); err != nil {
+		c.Close()
+		return nil, errcode.Wrap(errcode.Internal, err, "containerd at %s does not answer", address)
+	}
+	r.client = c
+	return r, nil
+}
+
+// Close closes the connection to containerd. Watch channels close when
+// their contexts end, not here.
+func (r *Resolver) Close() error { return r.client.Close() }
+
+// Namespace is the containerd namespace the resolver looks in.
+func (r *Resolver) Namespace() string { return r.namespace }
+
+// Resolve finds the running container of ref's pod and maps ref's paths to
+// host paths. Errors carry a code:
+//   - VM_NOT_FOUND: an empty pod UID (at once, without asking containerd);
+//     no container of that pod, or none with that name, or none of them
+//     running; the QMP socket or disk not there.
+//   - INVALID_INPUT: a malformed pod UID or container name; a path that is
+//     relative, has a ".." component, is not on a bind mount (a volume), or
+//     goes through a symbolic link inside the volume; a QMP path that is not
+//     a socket, a disk that is not a regular file.
+//   - INTERNAL: containerd failed.
+func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (agent.Target, error) {
+	if ref.PodUID == "" {
+		return agent.Target{}, errcode.New(errcode.VMNotFound, "no VM: the request names no pod UID (a VM is named by its pod's UID, never by pod name)")
+	}
+	if !validPodUID(ref.PodUID) {
+		return agent.Target{}, errcode.New(errcode.InvalidInput, "pod UID %q is malformed: want a UUID such as 3f2c1a9e-8b7d-4c6e-9f10-2a3b4c5d6e7f", clip(ref.PodUID))
+	}
+	if ref.Container == "" {
+		return agent.Target{}, errcode.New(errcode.InvalidInput, "no container name: name the QEMU container of pod %s", ref.PodUID)
+	}
+	if !validContainerName(ref.Container) {
+		return agent.Target{}, errcode.New(errcode.InvalidInput, "container name %q is malformed: want a DNS label such as \"qemu\"", clip(ref.Container))
+	}
+	if ref.QMPPath == "" {
+		return agent.Target{}, errcode.New(errcode.InvalidInput, "no QMP socket path: give the path of QEMU's QMP socket as seen inside container %q", ref.Container)
+	}
+	qmpIn, err := containerPath("QMP socket", ref.QMPPath)
+	if err != nil {
+		return agent.Target{}, err
+	}
+	var diskIn string
+	if ref.DiskPath != "" {
+		if diskIn, err = containerPath("disk", ref.DiskPath); err != nil {
+			return agent.Target{}, err
+		}
+	}
+
+	ctx = namespaces.WithNamespace(ctx, r.namespace)
+	c, err := r.find(ctx, ref.PodUID, ref.Container)
+	if err != nil {
+		return agent.Target{}, err
+	}
+	var spec specs.Spec
+	if c.Spec == nil {
+		return agent.Target{}, errcode.New(errcode.Internal, "container %s has no OCI spec", c.ID)
+	}
+	if err := json.Unmarshal(c.Spec.GetValue(), &spec); err != nil {
+		return agent.Target{}, errcode.Wrap(errcode.Internal, err, "container %s: reading its OCI spec", c.ID)
+	}
+	t := agent.Target{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID}
+	if t.QMPPath, err = hostPath(spec.Mounts, "QMP socket", qmpIn, fs.ModeSocket); err != nil {
+		return agent.Target{}, err
+	}
+	if diskIn != "" {
+		if t.DiskPath, err = hostPath(spec.Mounts, "disk", diskIn, 0); err != nil {
+			return agent.Target{}, err
+		}
+	}
+	r.mu.Lock()
+	r.known[c.ID] = agent.Gone{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID}
+	r.mu.Unlock()
+	return t, nil
+}
+
+// find returns the newest container of pod uid named name whose task runs.
+func (r *Resolver) find(ctx context.Context, uid, name string) (containers.Container, error) {
+	list, err := r.client.ContainerService().List(ctx, fmt.Sprintf(`labels.%q==%q`, LabelPodUID, uid))
+	if err != nil {
+		return containers.Container{}, errcode.Wrap(errcode.Internal, err, "asking containerd for the containers of pod %s", uid)
+	}
+	var names []string
+	var candidates []containers.Container
+	for _, c := range list {
+		if c.Labels[LabelKind] == "sandbox" {
+			continue
+		}
+		n := c.Labels[LabelContainerName]
+		if n == name {
+			candidates = append(candidates, c)
+		} else if n != "" && !slices.Contains(names, n) {
+			names = append(names, n)
+		}
+	}
+	if len(candidates) == 0 {
+		if len(names) == 0 {
+			return containers.Container{}, errcode.New(errcode.VMNotFound, "no pod with UID %s on this node (containerd namespace %s): unknown pod UID, or the pod runs on another node or is gone", uid, r.namespace)
+		}
+		slices.Sort(names)
+		return containers.Container{}, errcode.New(errcode.VMNotFound, "pod %s has no container named %q on this node (its containers: %s)", uid, name, strings.Join(names, ", "))
+	}
+	// After restarts the kubelet keeps exited containers of the same name
+	// next to the running one: take the newest running one.
+	slices.SortFunc(candidates, func(a, b containers.Container) int { return b.CreatedAt.Compare(a.CreatedAt) })
+	var states []string
+	for _, c := range candidates {
+		resp, err := r.client.TaskService().Get(ctx, &tasksapi.GetRequest{ContainerID: c.ID})
+		if err != nil {
+			if errdefs.IsNotFound(err) {
+				states = append(states, shortID(c.ID)+" has no task")
+				continue
+			}
+			return containers.Container{}, errcode.Wrap(errcode.Internal, err, "asking containerd for the task of container %s", c.ID)
+		}
+		if st := resp.GetProcess().GetStatus(); st != tasktypes.Status_RUNNING {
+			states = append(states, shortID(c.ID)+" is "+strings.ToLower(st.String()))
+			continue
+		}
+		return c, nil
+	}
+	return containers.Container{}, errcode.New(errcode.VMNotFound, "container %q of pod %s is not running (%s)", name, uid, strings.Join(states, "; "))
+}
+
+// containerPath checks a path as seen inside the container and returns it
+// cleaned.
+func containerPath(what, p string) (string, error) {
+	if !strings.HasPrefix(p, "/") {
+		return "", errcode.New(errcode.InvalidInput, "%s path %q is not absolute: give it as seen inside the container", what, clip(p))
+	}
+	if strings.ContainsRune(p, 0) {
+		return "", errcode.New(errcode.InvalidInput, "%s path %q contains a NUL byte", what, clip(p))
+	}
+	if slices.Contains(strings.Split(p, "/"), "..") {
+		return "", errcode.New(errcode.InvalidInput, "%s path %q has a \"..\" component: give the path without one", what, clip(p))
+	}
+	return path.Clean(p), nil
+}
+
+// hostPath maps p, a clean absolute path inside the container, to the host
+// through the mount that p is on (the one with the longest destination
+// that contains p; of equal ones the last, which is mounted on top). That
+// mount must be a bind mount: a pod's volumes are. The path below the mount
+// must exist, have no symbolic link in it (links in a volume are the
+// container's to set, and the agent runs as root on the host) and end in a
+// socket (mode fs.ModeSocket) or a regular file (mode 0).
+func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, error) {
+	best := -1
+	for i, m := range mounts {
+		d := path.Clean("/" + m.Destination)
+		if !within(p, d) {
+			continue
+		}
+		if best < 0 || len(d) >= len(path.Clean("/"+mounts[best].Destination)) {
+			best = i
+		}
+	}
+	if best < 0 {
+		return "", errcode.New(errcode.InvalidInput,
+			"%s %s is in the container's own root filesystem, not on a volume: the %s must be on a volume "+
+				"(a bind mount such as an emptyDir) shared with the node; paths in the container's root filesystem are not supported",
+			what, p, what)
+	}
+	m := mounts[best]
+	dest := path.Clean("/" + m.Destination)
+	if !isBind(m) {
+		typ := m.Type
+		if typ == "" {
+			typ = "non-bind"
+		}
+		return "", errcode.New(errcode.InvalidInput,
+			"%s %s is on the container's %s mount at %s, not on a volume: the %s must be on a volume (a bind mount such as an emptyDir) shared with the node",
+			what, p, typ, dest, what)
+	}
+	src := m.Source
+	if !strings.HasPrefix(src, "/") || slices.Contains(strings.Split(src, "/"), "..") {
+		return "", errcode.New(errcode.InvalidInput, "%s %s is on a bind mount whose source %q is not a plain absolute path", what, p, src)
+	}
+	src = path.Clean(src)
+	rel := strings.TrimPrefix(strings.TrimPrefix(p, dest), "/")
+	host := path.Join(src, rel)
+	if !within(host, src) {
+		return "", errcode.New(errcode.InvalidInput, "%s %s maps to %s, outside its volume's source %s", what, p, host, src)
+	}
+
+	// The source is the kubelet's (or a hostPath volume's): follow it. Below
+	// it, nothing may be a link.
+	fi, err := os.Stat(src)
+	if err != nil {
+		return "", errcode.New(errcode.VMNotFound,
+			"%s %s: the volume mounted at %s (host path %s) is not there as the agent sees it (%v); if the agent runs in a container, mount the kubelet's pod directory into it at the same path",
+			what, p, dest, src, err)
+	}
+	cur := src
+	if rel != "" {
+		parts := strings.Split(rel, "/")
+		for i, part := range parts {
+			cur = path.Join(cur, part)
+			if fi, err = os.Lstat(cur); err != nil {
+				if errors.Is(err, fs.ErrNotExist) {
+					return "", errcode.New(errcode.VMNotFound, "no %s at %s in the container (host path %s does not exist)", what, p, cur)
+				}
+				return "", errcode.Wrap(errcode.Internal, err, "%s %s", what, p)
+			}
+			if fi.Mode()&fs.ModeSymlink != 0 {
+				return "", errcode.New(errcode.InvalidInput, "%s %s: %s in the volume is a symbolic link; vmsnap does not follow links inside a container's volume", what, p, path.Join(dest, strings.Join(parts[:i+1], "/")))
+			}
+		}
+	}
+	switch {
+	case mode == fs.ModeSocket && fi.Mode().Type() != fs.ModeSocket:
+		return "", errcode.New(errcode.InvalidInput, "%s %s (host path %s) is not a unix socket (%s)", what, p, host, fi.Mode().Type())
+	case mode == 0 && !fi.Mode().IsRegular():
+		return "", errcode.New(errcode.InvalidInput, "%s %s (host path %s) is not a regular file (%s)", what, p, host, fi.Mode().Type())
+	}
+	return host, nil
+}
+
+// within reports whether p is dir or below it (both clean and absolute).
+func within(p, dir string) bool {
+	return p == dir || dir == "/" || strings.HasPrefix(p, dir+"/")
+}
+
+func isBind(m specs.Mount) bool {
+	if m.Type == "bind" || m.Type == "rbind" {
+		return true
+	}
+	// A mount with no type (or "none") is a bind mount if its options say so.
+	if m.Type == "" || m.Type == "none" {
+		return slices.Contains(m.Options, "bind") || slices.Contains(m.Options, "rbind")
+	}
+	return false
+}
+
+// validPodUID accepts the two forms of a pod UID: a UUID (8-4-4-4-12 hex
+// digits; what the API server gives) and 32 hex digits (the kubelet's UID
+// of a static pod, an MD5 of its manifest).
+func validPodUID(s string) bool {
+	switch len(s) {
+	case 36:
+		for i := 0; i < len(s); i++ {
+			if i == 8 || i == 13 || i == 18 || i == 23 {
+				if s[i] != '-' {
+					return false
+				}
+			} else if !isHex(s[i]) {
+				return false
+			}
+		}
+		return true
+	case 32:
+		for i := 0; i < len(s); i++ {
+			if !isHex(s[i]) {
+				return false
+			}
+		}
+		return true
+	}
+	return false
+}
+
+func isHex(c byte) bool { return '0' <= c && c <= '9' || 'a' <= c && c <= 'f' || 'A' <= c && c <= 'F' }
+
+// validContainerName: a container's name in a pod is a DNS label (RFC 1123).
+func validContainerName(s string) bool {
+	if len(s) == 0 || len(s) > 63 || s[0] == '-' || s[len(s)-1] == '-' {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !('a' <= c && c <= 'z' || '0' <= c && c <= '9' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+func shortID(id string) string {
+	if len(id) > 12 {
+		return id[:12]
+	}
+	return id
+}
+
+// clip shortens a caller's string for an error message.
+func clip(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "..."
+	}
+	return s
+}

@@ -1,0 +1,210 @@
+package agent
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+// maxRequestBody bounds a request's body: requests are a few hundred bytes.
+const maxRequestBody = 64 << 10
+
+// Handler is the agent's HTTP API:
+//
+//	POST   /v1/checkpoints          api.CheckpointRequest -> 202 api.Operation
+//	POST   /v1/restores             api.RestoreRequest    -> 202 api.Operation
+//	GET    /v1/operations           {"operations": [api.Operation]}
+//	GET    /v1/operations/{id}      api.Operation
+//	DELETE /v1/operations/{id}      cancel -> 202 api.Operation
+//	GET    /v1/events[?operation=ID] text/event-stream of api.Event
+//	GET    /healthz, /readyz, /metrics
+//
+// Errors are {"error": api.Error} with a status derived from the code.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/checkpoints", func(w http.ResponseWriter, r *http.Request) {
+		var req api.CheckpointRequest
+		if !decode(w, r, &req) {
+			return
+		}
+		s.log.Info("checkpoint requested", "pod", req.VM.PodUID, "container", req.VM.Container, "image", req.Image, "mode", req.Mode)
+		respond(w, http.StatusAccepted)(s.StartCheckpoint(r.Context(), req))
+	})
+	mux.HandleFunc("POST /v1/restores", func(w http.ResponseWriter, r *http.Request) {
+		var req api.RestoreRequest
+		if !decode(w, r, &req) {
+			return
+		}
+		s.log.Info("restore requested", "pod", req.VM.PodUID, "container", req.VM.Container, "image", req.Image)
+		respond(w, http.StatusAccepted)(s.StartRestore(r.Context(), req))
+	})
+	mux.HandleFunc("GET /v1/operations", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, map[string][]api.Operation{"operations": s.ops.list()})
+	})
+	mux.HandleFunc("GET /v1/operations/{id}", func(w http.ResponseWriter, r *http.Request) {
+		o, err := s.ops.get(r.PathValue("id"))
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, o.snapshot())
+	})
+	mux.HandleFunc("DELETE /v1/operations/{id}", func(w http.ResponseWriter, r *http.Request) {
+		o, err := s.ops.get(r.PathValue("id"))
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		if o.cancel != nil {
+			o.cancel(errcode.New(errcode.Internal, "cancelled by a caller"))
+		}
+		writeJSON(w, http.StatusAccepted, o.snapshot())
+	})
+	mux.HandleFunc("GET /v1/events", s.serveEvents)
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, "ok") })
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-s.ready:
+		default:
+			http.Error(w, "not watching containers yet", http.StatusServiceUnavailable)
+			return
+		}
+		probe := filepath.Join(s.journal.dir, ".ready")
+		if err := os.WriteFile(probe, nil, 0o600); err != nil {
+			http.Error(w, "state directory not writable: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		_ = os.Remove(probe)
+		fmt.Fprintln(w, "ok")
+	})
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
+	return mux
+}
+
+// serveEvents streams operation events. It first sends the current state
+// of the operations asked for, so that a client that subscribes after
+// starting an operation cannot miss its end.
+func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
+	flusher, ok := w.(http.Flusher)
+	if !ok {
+		writeError(w, errcode.New(errcode.Internal, "streaming unsupported"))
+		return
+	}
+	filter := r.URL.Query().Get("operation")
+	var initial []api.Operation
+	if filter != "" {
+		o, err := s.ops.get(filter)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		sub := s.events.subscribe(filter)
+		defer s.events.unsubscribe(sub)
+		initial = append(initial, o.snapshot())
+		s.stream(w, r, flusher, sub, initial)
+		return
+	}
+	sub := s.events.subscribe("")
+	defer s.events.unsubscribe(sub)
+	s.stream(w, r, flusher, sub, s.ops.list())
+}
+
+func (s *Server) stream(w http.ResponseWriter, r *http.Request, flusher http.Flusher, sub *subscriber, initial []api.Operation) {
+	w.Header().Set("Content-Type", "text/event-stream")
+	w.Header().Set("Cache-Control", "no-store")
+	w.WriteHeader(http.StatusOK)
+	send := func(ev api.Event) bool {
+		b, _ := json.Marshal(ev)
+		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", ev.Type, b); err != nil {
+			return false
+		}
+		flusher.Flush()
+		return true
+	}
+	for _, o := range initial {
+		if !send(api.Event{Type: "operation", Time: o.Updated, Operation: o}) {
+			return
+		}
+	}
+	for {
+		select {
+		case ev, ok := <-sub.c:
+			if !ok || !send(ev) {
+				return
+			}
+		case <-r.Context().Done():
+			return
+		}
+	}
+}
+
+// decode reads a JSON request strictly: unknown fields, trailing data and
+// oversized bodies are refused with INVALID_INPUT.
+func decode(w http.ResponseWriter, r *http.Request, v any) bool {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxRequestBody))
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			writeError(w, errcode.New(errcode.InvalidInput, "request body over %d bytes", maxRequestBody))
+		} else {
+			writeError(w, errcode.Wrap(errcode.InvalidInput, err, "reading the request"))
+		}
+		return false
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		writeError(w, errcode.Wrap(errcode.InvalidInput, err, "malformed request"))
+		return false
+	}
+	if dec.More() {
+		writeError(w, errcode.New(errcode.InvalidInput, "malformed request: data after the JSON object"))
+		return false
+	}
+	return true
+}
+
+func respond(w http.ResponseWriter, status int) func(api.Operation, error) {
+	return func(o api.Operation, err error) {
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		writeJSON(w, status, o)
+	}
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func writeError(w http.ResponseWriter, err error) {
+	writeJSON(w, HTTPStatus(errcode.Of(err)), api.ErrorDoc{Error: api.ErrorOf(err)})
+}
+
+// HTTPStatus is the status of a failed API request with this code.
+func HTTPStatus(c errcode.Code) int {
+	switch c {
+	case errcode.Usage, errcode.InvalidInput, errcode.TagNotAllowed:
+		return http.StatusBadRequest
+	case errcode.VMNotFound:
+		return http.StatusNotFound
+	case errcode.Busy, errcode.CompatMismatch:
+		return http.StatusConflict
+	case errcode.AuthFailed, errcode.RegistryError, errcode.QMPError, errcode.DigestMismatch:
+		return http.StatusBadGateway
+	}
+	return http.StatusInternalServerError
+}

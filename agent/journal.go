@@ -1,0 +1,144 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/qmp"
+)
+
+// journal keeps one file per unfinished operation under STATE/ops, written
+// (and synced) before the VM is touched, so that a restarted agent knows
+// which VMs it may have left stopped.
+type journal struct{ dir string }
+
+type journalEntry struct {
+	Op api.Operation `json:"op"`
+	// VMWasRunning: the VM ran when the checkpoint started, so whoever
+	// finds this entry must make sure it runs again.
+	VMWasRunning bool `json:"vmWasRunning"`
+}
+
+func openJournal(stateDir string) (*journal, error) {
+	dir := filepath.Join(stateDir, "ops")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "creating the journal in %s", stateDir)
+	}
+	// Leftover temp files are from writes a crash interrupted.
+	tmps, _ := filepath.Glob(filepath.Join(dir, "*.tmp"))
+	for _, t := range tmps {
+		_ = os.Remove(t)
+	}
+	return &journal{dir: dir}, nil
+}
+
+func (j *journal) path(id string) string { return filepath.Join(j.dir, id+".json") }
+
+func (j *journal) write(e journalEntry) error {
+	b, err := json.Marshal(e)
+	if err != nil {
+		return errcode.Wrap(errcode.Internal, err, "encoding the journal entry")
+	}
+	tmp := j.path(e.Op.ID) + ".tmp"
+	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+	if err != nil {
+		return errcode.Wrap(errcode.Internal, err, "writing the journal")
+	}
+	_, err = f.Write(b)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, j.path(e.Op.ID))
+	}
+	if err == nil {
+		err = syncDir(j.dir)
+	}
+	if err != nil {
+		_ = os.Remove(tmp)
+		return errcode.Wrap(errcode.Internal, err, "writing the journal")
+	}
+	return nil
+}
+
+func (j *journal) remove(id string) error {
+	if err := os.Remove(j.path(id)); err != nil && !os.IsNotExist(err) {
+		return err
+	}
+	return syncDir(j.dir)
+}
+
+// list returns the entries of unfinished operations.
+func (j *journal) list() ([]journalEntry, error) {
+	names, err := filepath.Glob(filepath.Join(j.dir, "*.json"))
+	if err != nil {
+		return nil, err
+	}
+	var out []journalEntry
+	for _, n := range names {
+		b, err := os.ReadFile(n)
+		if err != nil {
+			return nil, err
+		}
+		var e journalEntry
+		if err := json.Unmarshal(b, &e); err != nil || e.Op.ID != strings.TrimSuffix(filepath.Base(n), ".json") {
+			// An entry we cannot read names no VM we could help.
+			_ = os.Remove(n)
+			continue
+		}
+		out = append(out, e)
+	}
+	return out, nil
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// continueVM makes a VM run again after a checkpoint that did not finish:
+// it cancels a migration still under way and continues a stopped VM.
+func continueVM(ctx context.Context, qmpPath string) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	mon, err := qmp.Dial(ctx, qmpPath)
+	if err != nil {
+		return err
+	}
+	defer mon.Close()
+	var mig struct{ Status string }
+	if err := mon.Execute(ctx, "query-migrate", nil, &mig); err == nil {
+		switch mig.Status {
+		case "setup", "active", "device", "pre-switchover":
+			_ = mon.Execute(ctx, "migrate_cancel", nil, nil)
+			for i := 0; i < 100; i++ {
+				if mon.Execute(ctx, "query-migrate", nil, &mig) != nil || (mig.Status != "cancelling" && mig.Status != "active") {
+					break
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+		}
+	}
+	st, err := mon.Status(ctx)
+	if err != nil {
+		return err
+	}
+	switch st.Status {
+	case "running", "inmigrate":
+		return nil
+	}
+	return mon.Execute(ctx, "cont", nil, nil)
+}

@@ -1,0 +1,226 @@
+package manifests
+
+import (
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// Label keys and component names on every object.
+const (
+	LabelName      = "app.kubernetes.io/name"
+	LabelComponent = "app.kubernetes.io/component"
+	// LabelSourcePodUID is set on checkpoint Jobs: the UID of the pod whose
+	// VM they checkpoint, so that a controller finds its Jobs by UID.
+	LabelSourcePodUID = "vmsnap.dev/source-pod-uid"
+
+	ComponentAgent      = "agent"
+	ComponentCheckpoint = "checkpoint"
+	ComponentRestore    = "restore"
+)
+
+// Volume names used by the agent and the Job.
+const (
+	volContainerd = "containerd-socket"
+	volPods       = "kubelet-pods"
+	volSocket     = "agent-socket"
+	volState      = "agent-state"
+	// VolumeRegistry is the volume of the registry credentials secret, in
+	// the agent and in the restored pod.
+	VolumeRegistry = "vmsnap-registry-config"
+)
+
+// AgentCapability is the only capability the agent keeps. Root without it
+// is an ordinary user to file permission checks, so it could neither
+// connect() to a QMP socket owned by the VM's user (connecting needs write
+// permission on the socket) nor read that user's disk overlay, nor search
+// the VM's directories in the pod's volume. See the README for what the
+// agent does not need.
+const AgentCapability corev1.Capability = "DAC_OVERRIDE"
+
+func labels(o Options, component string) map[string]string {
+	return map[string]string{LabelName: o.Name, LabelComponent: component}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// securityContext is the container hardening shared by every vmsnap
+// container: a read-only root, no privilege escalation, the runtime's
+// seccomp profile, every capability dropped but add.
+func securityContext(uid, gid int64, add ...corev1.Capability) *corev1.SecurityContext {
+	return &corev1.SecurityContext{
+		RunAsUser:                ptr(uid),
+		RunAsGroup:               ptr(gid),
+		RunAsNonRoot:             ptr(uid != 0),
+		Privileged:               ptr(false),
+		AllowPrivilegeEscalation: ptr(false),
+		ReadOnlyRootFilesystem:   ptr(true),
+		Capabilities: &corev1.Capabilities{
+			Drop: []corev1.Capability{"ALL"},
+			Add:  add,
+		},
+		SeccompProfile: &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
+	}
+}
+
+func podSecurityContext(supplementalGroups ...int64) *corev1.PodSecurityContext {
+	return &corev1.PodSecurityContext{
+		SupplementalGroups: supplementalGroups,
+		SeccompProfile:     &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeRuntimeDefault},
+	}
+}
+
+func pullSecrets(o Options) []corev1.LocalObjectReference {
+	var refs []corev1.LocalObjectReference
+	for _, s := range o.ImagePullSecrets {
+		refs = append(refs, corev1.LocalObjectReference{Name: s})
+	}
+	return refs
+}
+
+func hostPathVolume(name, p string, t corev1.HostPathType) corev1.Volume {
+	return corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{
+		HostPath: &corev1.HostPathVolumeSource{Path: p, Type: ptr(t)},
+	}}
+}
+
+// registryVolume mounts the dockerconfigjson secret's one key as
+// config.json, the layout DOCKER_CONFIG expects. mode is the files' mode.
+func registryVolume(o Options, mode int32) corev1.Volume {
+	return corev1.Volume{Name: VolumeRegistry, VolumeSource: corev1.VolumeSource{
+		Secret: &corev1.SecretVolumeSource{
+			SecretName:  o.PullSecret,
+			Items:       []corev1.KeyToPath{{Key: corev1.DockerConfigJsonKey, Path: "config.json"}},
+			DefaultMode: ptr(mode),
+		},
+	}}
+}
+
+func registryMount() corev1.VolumeMount {
+	return corev1.VolumeMount{Name: VolumeRegistry, MountPath: RegistryConfigDir, ReadOnly: true}
+}
+
+func registryEnv() corev1.EnvVar {
+	return corev1.EnvVar{Name: "DOCKER_CONFIG", Value: RegistryConfigDir}
+}
+
+// AgentSocket is the agent's API socket, the same path on the host, in the
+// agent and in the Jobs.
+func AgentSocket(o Options) string { return o.withDefaults().SocketDir + "/" + SocketName }
+
+// Namespace is the agent's namespace. Its Pod Security level is privileged:
+// hostPath volumes are outside the baseline level, and the agent and the
+// Jobs need them. Everything else they do is within baseline (the agent) or
+// restricted (the Jobs but for their one hostPath).
+func Namespace(o Options) *corev1.Namespace {
+	o = o.withDefaults()
+	return &corev1.Namespace{
+		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Namespace"},
+		ObjectMeta: metav1.ObjectMeta{
+			Name: o.Namespace,
+			Labels: map[string]string{
+				LabelName:                                    o.Name,
+				"pod-security.kubernetes.io/enforce":         "privileged",
+				"pod-security.kubernetes.io/warn":            "baseline",
+				"pod-security.kubernetes.io/audit":           "baseline",
+				"pod-security.kubernetes.io/enforce-version": "latest",
+			},
+		},
+	}
+}
+
+// ServiceAccount is the identity of the agent and the Jobs. Neither talks to
+// the Kubernetes API (the agent asks containerd; the Job asks the agent),
+// so it has no role and its token is not mounted.
+func ServiceAccount(o Options) *corev1.ServiceAccount {
+	o = o.withDefaults()
+	return &corev1.ServiceAccount{
+		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "ServiceAccount"},
+		ObjectMeta: metav1.ObjectMeta{
+			Name: o.Name, Namespace: o.Namespace,
+			Labels: map[string]string{LabelName: o.Name},
+		},
+		AutomountServiceAccountToken: ptr(false),
+	}
+}
+
+// AgentHealthCommand is the agent's probe: an HTTP probe cannot reach a
+// unix socket, so the probe execs the vmsnap client, which asks the agent's
+// /healthz over the socket and exits non-zero unless it answers.
+func AgentHealthCommand(o Options) []string {
+	return []string{"vmsnap", "agent", "health", "--socket", AgentSocket(o)}
+}
+
+// DaemonSet is the node agent on every node labelled KVMNodeLabel.
+func DaemonSet(o Options) *appsv1.DaemonSet {
+	o = o.withDefaults()
+	probe := func(period, failures int32) *corev1.Probe {
+		return &corev1.Probe{
+			ProbeHandler:     corev1.ProbeHandler{Exec: &corev1.ExecAction{Command: AgentHealthCommand(o)}},
+			PeriodSeconds:    period,
+			TimeoutSeconds:   5,
+			FailureThreshold: failures,
+		}
+	}
+	caps := append([]corev1.Capability{AgentCapability}, o.AgentExtraCapabilities...)
+	container := corev1.Container{
+		Name:            "agent",
+		Image:           o.Image,
+		ImagePullPolicy: o.ImagePullPolicy,
+		Command:         []string{"vmsnap", "agent", "--socket", AgentSocket(o), "--state-dir", o.StateDir},
+		Env:             []corev1.EnvVar{registryEnv()},
+		Resources:       o.AgentResources,
+		VolumeMounts: []corev1.VolumeMount{
+			{Name: volContainerd, MountPath: o.ContainerdSocket},
+			{Name: volPods, MountPath: o.KubeletPodsDir, ReadOnly: true,
+				MountPropagation: ptr(corev1.MountPropagationHostToContainer)},
+			{Name: volSocket, MountPath: o.SocketDir},
+			{Name: volState, MountPath: o.StateDir},
+			registryMount(),
+		},
+		// The agent recovers its journal before it listens: give it time
+		// to start before liveness counts.
+		StartupProbe:             probe(5, 60),
+		LivenessProbe:            probe(20, 3),
+		ReadinessProbe:           probe(10, 2),
+		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+		// Root, but with one capability: see AgentCapability.
+		SecurityContext: securityContext(0, o.SocketGroup, caps...),
+	}
+	sel := labels(o, ComponentAgent)
+	return &appsv1.DaemonSet{
+		TypeMeta: metav1.TypeMeta{APIVersion: "apps/v1", Kind: "DaemonSet"},
+		ObjectMeta: metav1.ObjectMeta{
+			Name: o.Name + "-agent", Namespace: o.Namespace, Labels: labels(o, ComponentAgent),
+		},
+		Spec: appsv1.DaemonSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: sel},
+			UpdateStrategy: appsv1.DaemonSetUpdateStrategy{
+				Type: appsv1.RollingUpdateDaemonSetStrategyType,
+			},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels(o, ComponentAgent)},
+				Spec: corev1.PodSpec{
+					NodeSelector:                 map[string]string{o.KVMNodeLabel: o.KVMNodeLabelValue},
+					Tolerations:                  o.Tolerations,
+					ServiceAccountName:           o.Name,
+					AutomountServiceAccountToken: ptr(false),
+					EnableServiceLinks:           ptr(false),
+					ImagePullSecrets:             pullSecrets(o),
+					// On SIGTERM the agent cancels its operations, each of
+					// which continues the VM it had stopped.
+					TerminationGracePeriodSeconds: ptr(int64(60)),
+					SecurityContext:               podSecurityContext(),
+					Containers:                    []corev1.Container{container},
+					Volumes: []corev1.Volume{
+						hostPathVolume(volContainerd, o.ContainerdSocket, corev1.HostPathSocket),
+						hostPathVolume(volPods, o.KubeletPodsDir, corev1.HostPathDirectory),
+						hostPathVolume(volSocket, o.SocketDir, corev1.HostPathDirectoryOrCreate),
+						hostPathVolume(volState, o.StateDir, corev1.HostPathDirectoryOrCreate),
+						registryVolume(o, 0o400),
+					},
+				},
+			},
+		},
+	}
+}

@@ -1,0 +1,365 @@
+// Package manifests builds the Kubernetes objects that run vmsnap in a
+// cluster, from the k8s.io/api types, and renders them as commented YAML:
+//
+//   - the node agent, a DaemonSet on KVM nodes (with its Namespace and
+//     ServiceAccount): DaemonSet;
+//   - the checkpoint Job a controller creates on the source pod's node:
+//     CheckpointJob, or JobTemplate with placeholders;
+//   - the restore init container added to the restored pod, with the volumes
+//     it needs: RestoreInit, RestoreInitContainer, AddRestore.
+//
+// Render writes them all as one multi-document YAML stream (RenderParts for
+// a selection). Every host path and every privilege is explained by a
+// comment in that output, next to the field where that can be done without
+// ambiguity and in a header block per object in any case.
+//
+// Options' zero value gives working defaults; see the Default* constants.
+package manifests
+
+import (
+	"fmt"
+	"path"
+	"regexp"
+	"slices"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+)
+
+// Defaults for the zero value of each Options field.
+const (
+	DefaultImage            = "ghcr.io/vmsnap/vmsnap:latest"
+	DefaultNamespace        = "vmsnap-system"
+	DefaultName             = "vmsnap"
+	DefaultSocketGroup      = 2375
+	DefaultKVMNodeLabel     = "vmsnap.dev/kvm"
+	DefaultKVMNodeValue     = "true"
+	DefaultPullSecret       = "vmsnap-registry"
+	DefaultSocketDir        = "/run/vmsnap"
+	DefaultStateDir         = "/var/lib/vmsnap"
+	DefaultContainerdSocket = "/run/containerd/containerd.sock"
+	DefaultKubeletPodsDir   = "/var/lib/kubelet/pods"
+
+	// DefaultNonRootUser is the UID (and GID) of the checkpoint Job and the
+	// restore init container: the conventional "nonroot" user of distroless
+	// images, which owns nothing on the node.
+	DefaultNonRootUser = 65532
+
+	DefaultCheckpointMode           = "pause"
+	DefaultJobActiveDeadlineSeconds = 1800
+	DefaultJobTTLSecondsAfterFinish = 3600
+
+	DefaultRestoreStateDir    = "/vm/state"
+	DefaultRestoreDiskPath    = "/vm/disk/overlay.qcow2"
+	DefaultRestoreStateVolume = "vmsnap-state"
+	DefaultRestoreDiskVolume  = "vm-disk"
+	DefaultRestoreStateLimit  = "8Gi"
+
+	// SocketName is the agent's API socket inside SocketDir.
+	SocketName = "agent.sock"
+	// RegistryConfigDir is where the registry credentials secret is mounted
+	// (DOCKER_CONFIG): it holds config.json, the secret's .dockerconfigjson.
+	RegistryConfigDir = "/etc/vmsnap/registry"
+	// TerminationLog is where the checkpoint Job writes its result JSON.
+	TerminationLog = "/dev/termination-log"
+)
+
+// Options configures the manifests. The zero value of every field means its
+// default (the Default* constants).
+type Options struct {
+	// Image is the vmsnap image, used by the agent, the Job and the init
+	// container. Pin it by digest in production.
+	Image string
+	// ImagePullPolicy of every vmsnap container (default IfNotPresent).
+	ImagePullPolicy corev1.PullPolicy
+	// ImagePullSecrets lets the kubelet pull Image itself from a private
+	// registry (none by default). Not to be confused with PullSecret.
+	ImagePullSecrets []string
+	// Namespace of the agent, its ServiceAccount and the checkpoint Jobs.
+	Namespace string
+	// OmitNamespace leaves the Namespace object out of Render's output, for
+	// a namespace that exists already.
+	OmitNamespace bool
+	// Name is the prefix of object names (default "vmsnap").
+	Name string
+
+	// SocketGroup is the GID that owns the agent's socket (mode 0660): the
+	// agent runs with it as its primary group, and Jobs as a supplementary
+	// group. Nothing else on the node should use this GID.
+	SocketGroup int64
+	// KVMNodeLabel and KVMNodeLabelValue select the nodes the agent runs on
+	// (default vmsnap.dev/kvm=true).
+	KVMNodeLabel      string
+	KVMNodeLabelValue string
+	// Tolerations for the agent and the Jobs, for KVM nodes that are tainted.
+	Tolerations []corev1.Toleration
+
+	// PullSecret names a Secret of type kubernetes.io/dockerconfigjson with
+	// the credentials vmsnap uses to push and pull snapshots (default
+	// "vmsnap-registry"). The agent reads it in Namespace; the restore init
+	// container in the restored pod's namespace.
+	PullSecret string
+
+	// Host paths of the agent, each mounted at the same path in its
+	// container so that paths containerd reports are valid there as is.
+	SocketDir        string // the agent's socket directory, shared with Jobs
+	StateDir         string // the agent's journal and staging
+	ContainerdSocket string // the node's containerd API socket
+	KubeletPodsDir   string // where the kubelet keeps pods' volumes
+
+	// AgentExtraCapabilities are added to the agent's one capability,
+	// DAC_OVERRIDE. None are needed today; see the README.
+	AgentExtraCapabilities []corev1.Capability
+
+	// JobUser is the UID and GID of the checkpoint Job (default 65532).
+	JobUser int64
+	// CheckpointMode is the default --mode of checkpoint Jobs: pause,
+	// snapshot or live (default pause: the source is about to go away).
+	CheckpointMode string
+	// JobActiveDeadlineSeconds bounds a checkpoint Job (default 1800).
+	JobActiveDeadlineSeconds int64
+	// JobTTLSecondsAfterFinished keeps a finished Job, and the result in
+	// its pod's termination message, this long for the controller to read
+	// (default 3600).
+	JobTTLSecondsAfterFinished int32
+
+	// RestoreUser and RestoreGroup run the restore init container (default
+	// 65532). Make them the QEMU container's UID and GID, so that QEMU may
+	// open the disk overlay and state the init container writes.
+	RestoreUser  int64
+	RestoreGroup int64
+	// RestoreStateDir is where the init container stages the VM state, on
+	// RestoreStateVolume (an emptyDir of at most RestoreStateSizeLimit).
+	RestoreStateDir       string
+	RestoreStateVolume    string
+	RestoreStateSizeLimit resource.Quantity
+	// RestoreDiskPath is where the init container puts the disk overlay, on
+	// RestoreDiskVolume: normally the QEMU container's own disk volume.
+	RestoreDiskPath   string
+	RestoreDiskVolume string
+
+	// Resources of each container; a zero value means the defaults below
+	// (DefaultAgentResources and so on).
+	AgentResources   corev1.ResourceRequirements
+	JobResources     corev1.ResourceRequirements
+	RestoreResources corev1.ResourceRequirements
+}
+
+// withDefaults returns o with every zero field set to its default.
+func (o Options) withDefaults() Options {
+	def := func(s *string, v string) {
+		if *s == "" {
+			*s = v
+		}
+	}
+	def(&o.Image, DefaultImage)
+	if o.ImagePullPolicy == "" {
+		o.ImagePullPolicy = corev1.PullIfNotPresent
+	}
+	def(&o.Namespace, DefaultNamespace)
+	def(&o.Name, DefaultName)
+	if o.SocketGroup == 0 {
+		o.SocketGroup = DefaultSocketGroup
+	}
+	def(&o.KVMNodeLabel, DefaultKVMNodeLabel)
+	def(&o.KVMNodeLabelValue, DefaultKVMNodeValue)
+	def(&o.PullSecret, DefaultPullSecret)
+	def(&o.SocketDir, DefaultSocketDir)
+	def(&o.StateDir, DefaultStateDir)
+	def(&o.ContainerdSocket, DefaultContainerdSocket)
+	def(&o.KubeletPodsDir, DefaultKubeletPodsDir)
+	if o.JobUser == 0 {
+		o.JobUser = DefaultNonRootUser
+	}
+	def(&o.CheckpointMode, DefaultCheckpointMode)
+	if o.JobActiveDeadlineSeconds == 0 {
+		o.JobActiveDeadlineSeconds = DefaultJobActiveDeadlineSeconds
+	}
+	if o.JobTTLSecondsAfterFinished == 0 {
+		o.JobTTLSecondsAfterFinished = DefaultJobTTLSecondsAfterFinish
+	}
+	if o.RestoreUser == 0 {
+		o.RestoreUser = DefaultNonRootUser
+	}
+	if o.RestoreGroup == 0 {
+		o.RestoreGroup = DefaultNonRootUser
+	}
+	def(&o.RestoreStateDir, DefaultRestoreStateDir)
+	def(&o.RestoreStateVolume, DefaultRestoreStateVolume)
+	if o.RestoreStateSizeLimit.IsZero() {
+		o.RestoreStateSizeLimit = resource.MustParse(DefaultRestoreStateLimit)
+	}
+	def(&o.RestoreDiskPath, DefaultRestoreDiskPath)
+	def(&o.RestoreDiskVolume, DefaultRestoreDiskVolume)
+	if isZeroResources(o.AgentResources) {
+		o.AgentResources = DefaultAgentResources()
+	}
+	if isZeroResources(o.JobResources) {
+		o.JobResources = DefaultJobResources()
+	}
+	if isZeroResources(o.RestoreResources) {
+		o.RestoreResources = DefaultRestoreResources()
+	}
+	return o
+}
+
+func isZeroResources(r corev1.ResourceRequirements) bool {
+	return len(r.Requests) == 0 && len(r.Limits) == 0 && len(r.Claims) == 0
+}
+
+func resources(req, lim [3]string) corev1.ResourceRequirements {
+	list := func(v [3]string) corev1.ResourceList {
+		return corev1.ResourceList{
+			corev1.ResourceCPU:              resource.MustParse(v[0]),
+			corev1.ResourceMemory:           resource.MustParse(v[1]),
+			corev1.ResourceEphemeralStorage: resource.MustParse(v[2]),
+		}
+	}
+	return corev1.ResourceRequirements{Requests: list(req), Limits: list(lim)}
+}
+
+// DefaultAgentResources: the agent idles at a few MiB; a checkpoint
+// compresses on several cores, with a bounded number of chunks in memory.
+// Its root filesystem is read-only and its state is on a host path, so its
+// ephemeral storage is its logs.
+func DefaultAgentResources() corev1.ResourceRequirements {
+	return resources([3]string{"100m", "128Mi", "64Mi"}, [3]string{"2", "1Gi", "256Mi"})
+}
+
+// DefaultJobResources: the Job is a thin client that waits on the agent.
+func DefaultJobResources() corev1.ResourceRequirements {
+	return resources([3]string{"10m", "32Mi", "16Mi"}, [3]string{"250m", "128Mi", "64Mi"})
+}
+
+// DefaultRestoreResources: the init container verifies every byte it pulls
+// (SHA-256) on a few cores. Its ephemeral-storage limit is large on purpose:
+// when the pod's other containers set none, the kubelet takes the init
+// container's limit as the whole pod's, and counts every disk-backed
+// emptyDir against it, the staged state and the disk overlay included.
+func DefaultRestoreResources() corev1.ResourceRequirements {
+	return resources([3]string{"250m", "128Mi", "1Gi"}, [3]string{"2", "512Mi", "16Gi"})
+}
+
+var (
+	dnsLabel     = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
+	labelKeyName = regexp.MustCompile(`^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$`)
+	capName      = regexp.MustCompile(`^[A-Z][A-Z0-9_]*$`)
+)
+
+// Validate reports options that would render unusable or less safe
+// manifests. The object constructors do not validate; Render does.
+func (o Options) Validate() error {
+	o = o.withDefaults()
+	var errs []string
+	bad := func(format string, a ...any) { errs = append(errs, fmt.Sprintf(format, a...)) }
+
+	for _, n := range []struct{ what, v string }{
+		{"Namespace", o.Namespace}, {"Name", o.Name}, {"RestoreStateVolume", o.RestoreStateVolume},
+		{"RestoreDiskVolume", o.RestoreDiskVolume},
+	} {
+		if len(n.v) > 63 || !dnsLabel.MatchString(n.v) {
+			bad("%s %q is not a DNS label", n.what, n.v)
+		}
+	}
+	if o.RestoreStateVolume == o.RestoreDiskVolume {
+		bad("RestoreStateVolume and RestoreDiskVolume are both %q", o.RestoreStateVolume)
+	}
+	if len(o.Name) > 40 {
+		bad("Name %q is too long to prefix object names", o.Name)
+	}
+	if strings.ContainsAny(o.Image, " \t\n") {
+		bad("Image %q contains white space", o.Image)
+	}
+	key := o.KVMNodeLabel
+	if i := strings.LastIndexByte(key, '/'); i >= 0 {
+		key = key[i+1:]
+	}
+	if len(key) > 63 || !labelKeyName.MatchString(key) {
+		bad("KVMNodeLabel %q is not a label key", o.KVMNodeLabel)
+	}
+	if o.KVMNodeLabelValue != "" && (len(o.KVMNodeLabelValue) > 63 || !labelKeyName.MatchString(o.KVMNodeLabelValue)) {
+		bad("KVMNodeLabelValue %q is not a label value", o.KVMNodeLabelValue)
+	}
+	if !dnsLabel.MatchString(strings.ReplaceAll(o.PullSecret, ".", "-")) || len(o.PullSecret) > 253 {
+		bad("PullSecret %q is not a Secret name", o.PullSecret)
+	}
+	if o.SocketGroup <= 0 {
+		bad("SocketGroup %d must be a GID above 0", o.SocketGroup)
+	}
+	for _, u := range []struct {
+		what string
+		id   int64
+	}{{"JobUser", o.JobUser}, {"RestoreUser", o.RestoreUser}, {"RestoreGroup", o.RestoreGroup}} {
+		if u.id <= 0 {
+			bad("%s %d must be above 0: that container runs as non-root", u.what, u.id)
+		}
+	}
+	if !slices.Contains([]string{"pause", "snapshot", "live"}, o.CheckpointMode) {
+		bad("CheckpointMode %q is not pause, snapshot or live", o.CheckpointMode)
+	}
+	if o.JobActiveDeadlineSeconds < 0 || o.JobTTLSecondsAfterFinished < 0 {
+		bad("Job deadlines must not be negative")
+	}
+	seen := map[corev1.Capability]bool{AgentCapability: true}
+	for _, c := range o.AgentExtraCapabilities {
+		switch {
+		case !capName.MatchString(string(c)):
+			bad("AgentExtraCapabilities: %q is not a capability name such as CHOWN", c)
+		case c == "ALL" || strings.HasPrefix(string(c), "CAP_"):
+			bad("AgentExtraCapabilities: %q: name one capability, without CAP_", c)
+		case c == "SYS_ADMIN":
+			bad("AgentExtraCapabilities: SYS_ADMIN cannot go with allowPrivilegeEscalation: false, and the agent does not need it")
+		case seen[c]:
+			bad("AgentExtraCapabilities: %s is already there", c)
+		}
+		seen[c] = true
+	}
+	if o.RestoreStateSizeLimit.Sign() < 0 {
+		bad("RestoreStateSizeLimit must not be negative")
+	}
+
+	hostPaths := []struct{ what, p string }{
+		{"SocketDir", o.SocketDir}, {"StateDir", o.StateDir},
+		{"ContainerdSocket", o.ContainerdSocket}, {"KubeletPodsDir", o.KubeletPodsDir},
+	}
+	for i, a := range hostPaths {
+		if !cleanAbs(a.p) || a.p == "/" {
+			bad("%s %q must be a clean absolute path below /", a.what, a.p)
+			continue
+		}
+		for _, b := range hostPaths[:i] {
+			if within(a.p, b.p) || within(b.p, a.p) {
+				bad("%s %q and %s %q overlap: each host path is mounted on its own", a.what, a.p, b.what, b.p)
+			}
+		}
+	}
+	for _, p := range []struct{ what, p string }{
+		{"RestoreStateDir", o.RestoreStateDir}, {"RestoreDiskPath", o.RestoreDiskPath},
+	} {
+		if !cleanAbs(p.p) || p.p == "/" {
+			bad("%s %q must be a clean absolute path below /", p.what, p.p)
+		}
+	}
+	if within(o.RestoreStateDir, path.Dir(o.RestoreDiskPath)) || within(path.Dir(o.RestoreDiskPath), o.RestoreStateDir) {
+		bad("RestoreStateDir %q and the directory of RestoreDiskPath %q overlap: they are different volumes",
+			o.RestoreStateDir, o.RestoreDiskPath)
+	}
+	if path.Dir(o.RestoreDiskPath) == "/" {
+		bad("RestoreDiskPath %q must be in a directory (its volume's mount point)", o.RestoreDiskPath)
+	}
+	if strings.HasPrefix(RegistryConfigDir, o.RestoreStateDir+"/") || strings.HasPrefix(RegistryConfigDir, path.Dir(o.RestoreDiskPath)+"/") {
+		bad("restore paths must not contain %s", RegistryConfigDir)
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("manifests: invalid options: %s", strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+func cleanAbs(p string) bool { return path.IsAbs(p) && path.Clean(p) == p }
+
+// within reports whether p is dir or below it.
+func within(p, dir string) bool {
+	return p == dir || strings.HasPrefix(p, strings.TrimSuffix(dir, "/")+"/")
+}

@@ -1,0 +1,363 @@
+package manifests
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"strings"
+
+	"sigs.k8s.io/yaml"
+)
+
+// Part selects what RenderParts writes.
+type Part string
+
+const (
+	// PartAgent is what to apply: the Namespace (unless OmitNamespace),
+	// the ServiceAccount and the agent's DaemonSet.
+	PartAgent Part = "agent"
+	// PartJob is the checkpoint Job template, for a controller to fill in.
+	PartJob Part = "job"
+	// PartRestore is the restore init container, shown in a PodTemplate.
+	PartRestore Part = "restore"
+)
+
+// Parts lists every part, in Render's order.
+var Parts = []Part{PartAgent, PartJob, PartRestore}
+
+// Render writes every part as one multi-document YAML stream, "---"
+// separated, each object with its kind and apiVersion and with comments
+// saying why each host path and privilege is there. The output depends on
+// the options only.
+func Render(o Options) ([]byte, error) { return RenderParts(o, Parts...) }
+
+// RenderParts writes the given parts, in the given order.
+func RenderParts(o Options, parts ...Part) ([]byte, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	o = o.withDefaults()
+	var docs []document
+	for _, p := range parts {
+		switch p {
+		case PartAgent:
+			if !o.OmitNamespace {
+				docs = append(docs, namespaceDoc(o))
+			}
+			docs = append(docs, serviceAccountDoc(o), daemonSetDoc(o))
+		case PartJob:
+			docs = append(docs, jobDoc(o))
+		case PartRestore:
+			docs = append(docs, restoreDoc(o))
+		default:
+			return nil, fmt.Errorf("manifests: unknown part %q (want agent, job or restore)", p)
+		}
+	}
+	var out bytes.Buffer
+	for i, d := range docs {
+		if i > 0 {
+			out.WriteString("---\n")
+		}
+		b, err := d.render()
+		if err != nil {
+			return nil, err
+		}
+		out.Write(b)
+	}
+	return out.Bytes(), nil
+}
+
+// A document is one object with its comments: a header block, and notes
+// each placed on the line(s) just above one line of the marshalled YAML.
+type document struct {
+	header []string
+	obj    any
+	notes  []note
+}
+
+// A note explains the one line of a document that target picks: either
+// the exact line, indentation aside ("- DAC_OVERRIDE"), or, ending in a
+// colon, any line with that key ("nodeName:"). A target that matches no
+// line, or more than one, is an error, so a change in the objects cannot
+// silently move or drop a comment.
+type note struct {
+	target string
+	why    string
+}
+
+func (n note) matches(trimmed string) bool {
+	if strings.HasSuffix(n.target, ":") {
+		return trimmed == n.target || strings.HasPrefix(trimmed, n.target+" ")
+	}
+	return trimmed == n.target
+}
+
+const commentWidth = 100
+
+func (d document) render() ([]byte, error) {
+	body, err := marshal(d.obj)
+	if err != nil {
+		return nil, fmt.Errorf("manifests: marshalling %T: %w", d.obj, err)
+	}
+	lines := strings.Split(strings.TrimSuffix(string(body), "\n"), "\n")
+	above := make(map[int][]string, len(d.notes))
+	for _, n := range d.notes {
+		at := -1
+		for i, l := range lines {
+			if n.matches(strings.TrimSpace(l)) {
+				if at >= 0 {
+					return nil, fmt.Errorf("manifests: the comment for %q matches lines %d and %d of the %T", n.target, at+1, i+1, d.obj)
+				}
+				at = i
+			}
+		}
+		if at < 0 {
+			return nil, fmt.Errorf("manifests: the comment for %q matches no line of the %T", n.target, d.obj)
+		}
+		indent := lines[at][:len(lines[at])-len(strings.TrimLeft(lines[at], " "))]
+		above[at] = append(above[at], comment(indent, n.why, commentWidth)...)
+	}
+	var out strings.Builder
+	for _, h := range d.header {
+		out.WriteString(strings.TrimRight("# "+h, " ") + "\n")
+	}
+	for i, l := range lines {
+		for _, c := range above[i] {
+			out.WriteString(c + "\n")
+		}
+		out.WriteString(l + "\n")
+	}
+	return []byte(out.String()), nil
+}
+
+// marshal writes obj as YAML without its status, which is the cluster's to
+// write, nor an empty spec.
+func marshal(obj any) ([]byte, error) {
+	j, err := json.Marshal(obj)
+	if err != nil {
+		return nil, err
+	}
+	var m map[string]any
+	dec := json.NewDecoder(bytes.NewReader(j))
+	dec.UseNumber() // integers stay exactly as they are
+	if err := dec.Decode(&m); err != nil {
+		return nil, err
+	}
+	delete(m, "status")
+	if spec, ok := m["spec"].(map[string]any); ok && len(spec) == 0 {
+		delete(m, "spec")
+	}
+	if j, err = json.Marshal(m); err != nil {
+		return nil, err
+	}
+	return yaml.JSONToYAML(j)
+}
+
+// comment wraps text into "# " lines at most width wide (a longer word gets
+// a line of its own), each after indent.
+func comment(indent, text string, width int) []string {
+	return wrapWords(indent+"# ", strings.Fields(text), width)
+}
+
+func namespaceDoc(o Options) document {
+	return document{
+		header: []string{
+			"vmsnap: the agent's namespace. Pod Security is enforced at the privileged level only",
+			"because the agent and the checkpoint Jobs mount host paths, which baseline forbids;",
+			"warn and audit stay at baseline, which everything else here meets.",
+		},
+		obj: Namespace(o),
+	}
+}
+
+func serviceAccountDoc(o Options) document {
+	return document{
+		header: []string{
+			"vmsnap: the identity of the agent and the checkpoint Jobs. Neither calls the Kubernetes",
+			"API (the agent asks containerd, the Job asks the agent), so it has no role and no token.",
+		},
+		obj: ServiceAccount(o),
+	}
+}
+
+func daemonSetDoc(o Options) document {
+	caps := string(AgentCapability)
+	for _, c := range o.AgentExtraCapabilities {
+		caps += ", " + string(c)
+	}
+	h := []string{
+		"vmsnap node agent: one per KVM node, serving its API on " + AgentSocket(o) + ".",
+		"",
+		"Host paths, each mounted at the same path as on the node (containerd reports host paths):",
+		"  " + o.ContainerdSocket + " (Socket)",
+		"    The node's containerd: find a pod's QEMU container by pod UID and container name, read",
+		"    its mounts, hear when it is deleted. Whoever can use this socket is root on the node:",
+		"    the price of finding VMs without host PID, ptrace or access to the Kubernetes API.",
+		"  " + o.KubeletPodsDir + " (Directory, read-only, HostToContainer)",
+		"    The pods' volumes, where the VMs' QMP sockets and disk overlays are. The agent connects",
+		"    to the sockets and reads the overlays; it writes nothing there (the restore init",
+		"    container puts overlays in place). Mounts the kubelet adds below it later show up",
+		"    as the kubelet made them, not read-only.",
+		"  " + o.SocketDir + " (DirectoryOrCreate)",
+		fmt.Sprintf("    The agent's API socket, mode 0660, group %d. The checkpoint Jobs mount it.", o.SocketGroup),
+		"  " + o.StateDir + " (DirectoryOrCreate)",
+		"    The journal and staging, kept across restarts so that a restarted agent continues",
+		"    any VM an interrupted checkpoint had stopped.",
+		"",
+		"Privileges:",
+		"  runAsUser 0 with every capability dropped but " + caps + ": the VMs' sockets and",
+		"    files belong to their pods' users, and connect() on a unix socket needs write",
+		"    permission on it. Without DAC_OVERRIDE, root is refused both, like any user.",
+		"  Not privileged, no privilege escalation, read-only root filesystem, seccomp",
+		"    RuntimeDefault, no host network, PID or IPC namespace, no service account token.",
+		"  Not needed: SYS_ADMIN (the kubelet does the mounts), SYS_PTRACE (QEMU is reached over",
+		"    QMP, not by entering its namespaces), CHOWN and FOWNER (the agent changes no one",
+		"    else's files), DAC_READ_SEARCH (DAC_OVERRIDE covers it), SETUID, SETGID, KILL,",
+		"    NET_RAW, NET_BIND_SERVICE, MKNOD.",
+		"",
+		"Registry credentials: Secret " + o.PullSecret + " (kubernetes.io/dockerconfigjson), its",
+		"  .dockerconfigjson mounted read-only as " + RegistryConfigDir + "/config.json; DOCKER_CONFIG",
+		"  points there. The agent pushes snapshots with them.",
+		"Probes exec `vmsnap agent health --socket PATH`, which asks the agent's /healthz over the",
+		"  socket and fails unless it answers: an HTTP probe cannot reach a unix socket.",
+	}
+	notes := []note{
+		{"nodeSelector:", fmt.Sprintf("Only KVM nodes run VMs: label them %s=%s.", o.KVMNodeLabel, o.KVMNodeLabelValue)},
+		{"path: " + o.ContainerdSocket, "containerd: resolve pod UID + container name to the container and its mounts; watch deletions."},
+		{"path: " + o.KubeletPodsDir, "Pods' volumes: QMP sockets to connect to, disk overlays to read. Mounted read-only."},
+		{"mountPropagation: HostToContainer", "Volumes mounted after the agent started (memory-backed emptyDirs, CSI) must appear in it too."},
+		{"path: " + o.SocketDir, fmt.Sprintf("The agent's API socket (0660, group %d); the checkpoint Jobs mount this directory.", o.SocketGroup)},
+		{"path: " + o.StateDir, "Journal and staging: survive restarts, so a restarted agent continues the VMs it had stopped."},
+		{"runAsUser: 0", "Root, to reach QMP sockets and overlays owned by other pods' users, with DAC_OVERRIDE alone."},
+		{fmt.Sprintf("runAsGroup: %d", o.SocketGroup), "Its primary group owns the API socket, so the Jobs (in this group) may connect."},
+		{"- " + string(AgentCapability), "The one capability kept: root's only way past the VM user's permissions (connect, read)."},
+		{"- ALL", "Every other capability is dropped."},
+		{"privileged: false", "Not privileged: no devices, no host kernel access beyond the mounts above."},
+		{"allowPrivilegeEscalation: false", "no_new_privs: nothing it runs can gain capabilities."},
+		{"readOnlyRootFilesystem: true", "It writes only to its state and socket directories."},
+		{"secretName: " + o.PullSecret, "Registry credentials (.dockerconfigjson -> config.json), read-only; DOCKER_CONFIG points here."},
+		{"defaultMode:", "0400: root's only."},
+		{"livenessProbe:", "exec, since an HTTP probe cannot reach a unix socket: `vmsnap agent health` asks /healthz."},
+	}
+	for _, c := range o.AgentExtraCapabilities {
+		notes = append(notes, note{"- " + string(c), "Added by the operator (AgentExtraCapabilities)."})
+	}
+	return document{header: h, obj: DaemonSet(o), notes: notes}
+}
+
+func jobDoc(o Options) document {
+	t := TemplateCheckpoint
+	h := []string{
+		"vmsnap checkpoint Job: a TEMPLATE, not to be applied as is. A controller fills it in",
+		"(CheckpointJob in Go; or envsubst) and creates it on the source pod's node. Placeholders:",
+	}
+	h = append(h, wrapWords("  ", placeholders(t.Node, t.PodUID, t.Container, t.QMP, t.Disk, t.Image, t.DiskImage), 90)...)
+	h = append(h,
+		"",
+		"It asks the agent on its node to checkpoint the VM of pod $SOURCE_POD_UID (by UID, never",
+		"by name) and writes the result JSON (digests, sizes, durations) to "+TerminationLog+":",
+		"the controller reads it in the pod's status.containerStatuses[0].state.terminated.message.",
+		"",
+		"Host path: "+o.SocketDir+" only, read-only, to reach the agent's socket (connect() needs",
+		"  no write access to the mount). Registry credentials: none; the agent pushes.",
+		fmt.Sprintf("Privileges: none. Non-root (%d), supplementary group %d to connect to the", o.JobUser, o.SocketGroup),
+		"  0660 socket, every capability dropped, read-only root filesystem, no privilege",
+		"  escalation, seccomp RuntimeDefault.",
+	)
+	notes := []note{
+		{"backoffLimit:", "Never retried: on failure the VM was continued; whether to try again is the controller's call."},
+		{"activeDeadlineSeconds:", "An upper bound on the whole checkpoint, waiting for the agent included."},
+		{"ttlSecondsAfterFinished:", "Long enough for the controller to read the result from the termination message."},
+		{"nodeName:", "The source pod's node: the agent there is the one that can reach the VM."},
+		{"- name: " + EnvSourcePodUID, "The source pod's UID; the command passes it as --pod-uid $(SOURCE_POD_UID)."},
+		{"supplementalGroups:", fmt.Sprintf("Group %d owns the agent's socket (mode 0660): the only way in.", o.SocketGroup)},
+		{"path: " + o.SocketDir, "The agent's socket directory, and nothing else of the node. Directory: no agent, no Job."},
+		{"terminationMessagePolicy:", "File: the result JSON alone, not the progress lines of the log."},
+	}
+	return document{header: h, obj: JobTemplate(o), notes: notes}
+}
+
+func restoreDoc(o Options) document {
+	t := TemplateRestore
+	h := []string{
+		"vmsnap restore: the init container to add to the restored pod, shown in a PodTemplate",
+		"(documentation: a PodTemplate runs nothing). In Go: RestoreInit and AddRestore; or",
+		"envsubst. Placeholders:",
+	}
+	h = append(h, wrapWords("  ", placeholders(t.Image, t.DiskImage, "${QEMU_IMAGE}"), 90)...)
+	h = append(h,
+		"",
+		"Before QEMU starts, the init container pulls the snapshot by digest, verifies every",
+		"byte, puts the disk overlay at "+o.RestoreDiskPath+" (its backing file must be",
+		"there already, from the image or an earlier init container) and stages the VM state",
+		"in "+o.RestoreStateDir+". QEMU then starts with the source VM's exact options plus either",
+		"  -incoming \"exec:vmsnap stream --dir "+o.RestoreStateDir+"\"",
+		"    as shown: QEMU reads the staged state (its image needs /bin/sh and vmsnap); or",
+		"  -incoming defer",
+		"    and the agent on the node checks the waiting QEMU against the recorded VM before it",
+		"    streams the state in over QMP, asked by `vmsnap restore --agent unix://PATH ...`",
+		"    (a Job like the checkpoint one). The init container then restores the disk only:",
+		"    RestoreInit with no state Image.",
+		"",
+		fmt.Sprintf("Init container: non-root (%d:%d; make it QEMU's user, so that QEMU can open", o.RestoreUser, o.RestoreGroup),
+		"  what it writes), read-only root filesystem, every capability dropped, no privilege",
+		"  escalation, seccomp RuntimeDefault, CPU, memory and ephemeral-storage requests and",
+		"  limits. Writable: its two volumes only.",
+		"Registry credentials: Secret "+o.PullSecret+" (kubernetes.io/dockerconfigjson) in the",
+		"  pod's namespace, its .dockerconfigjson mounted read-only as",
+		"  "+RegistryConfigDir+"/config.json; DOCKER_CONFIG points there.",
+		"Its ephemeral-storage limit is large on purpose: when the pod's other containers set",
+		"  none, the kubelet takes it as the pod's limit and counts every disk-backed emptyDir",
+		"  (the staged state, the disk overlay) against it.",
+	)
+	notes := []note{
+		{"- name: DOCKER_CONFIG", "Registry credentials: a directory with config.json, from the mounted pull secret."},
+		{"secretName: " + o.PullSecret, "The pull secret, read-only; .dockerconfigjson becomes config.json."},
+		{"defaultMode:", "0444: secret files belong to root and this container is not root; only it mounts them."},
+		{"sizeLimit:", "The staged VM state (compressed); the pod is evicted past this."},
+		{"- -incoming", "After the source VM's exact options. Or `-incoming defer` and a restore through the agent."},
+		{"initContainers:", "Pulls and verifies the snapshot before QEMU starts; add it with AddRestore."},
+	}
+	return document{header: h, obj: RestoreExample(o), notes: notes}
+}
+
+// wrapWords lays words out in lines of at most width, each after indent.
+func wrapWords(indent string, words []string, width int) []string {
+	var lines []string
+	cur := indent
+	for _, w := range words {
+		if cur != indent && len(cur)+1+len(w) > width {
+			lines = append(lines, cur)
+			cur = indent
+		}
+		if cur != indent {
+			cur += " "
+		}
+		cur += w
+	}
+	return append(lines, cur)
+}
+
+// placeholders lists the distinct ${VAR}s in vals, in order.
+func placeholders(vals ...string) []string {
+	var names []string
+	seen := map[string]bool{}
+	for _, v := range vals {
+		for {
+			i := strings.Index(v, "${")
+			if i < 0 {
+				break
+			}
+			j := strings.IndexByte(v[i:], '}')
+			if j < 0 {
+				break
+			}
+			if n := v[i : i+j+1]; !seen[n] {
+				seen[n] = true
+				names = append(names, n)
+			}
+			v = v[i+j+1:]
+		}
+	}
+	return names
+}

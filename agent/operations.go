@@ -1,0 +1,195 @@
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+// op is one operation and what runs it.
+type op struct {
+	id     string
+	key    string // the VM: pod UID and container
+	cancel context.CancelCauseFunc
+	ctx    context.Context
+	done   chan struct{}
+
+	mu           sync.Mutex
+	data         api.Operation
+	lastProgress time.Time
+}
+
+func vmKey(podUID, container string) string { return podUID + "/" + container }
+
+func newOp(kind string, vm api.VMRef, target *api.Target) *op {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	now := time.Now().UTC()
+	ctx, cancel := context.WithCancelCause(context.Background())
+	return &op{
+		id: hex.EncodeToString(b[:]), key: vmKey(vm.PodUID, vm.Container),
+		ctx: ctx, cancel: cancel, done: make(chan struct{}),
+		data: api.Operation{ID: hex.EncodeToString(b[:]), Kind: kind, State: api.StatePending, VM: vm, Target: target, Created: now, Updated: now},
+	}
+}
+
+// snapshot returns a copy of the operation's document.
+func (o *op) snapshot() api.Operation {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.data
+}
+
+// update changes the document under the lock and returns the new copy.
+func (o *op) update(f func(*api.Operation)) api.Operation {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	f(&o.data)
+	o.data.Updated = time.Now().UTC()
+	return o.data
+}
+
+// table holds the operations the agent knows: at most one active per VM,
+// and a bounded history of finished ones.
+type table struct {
+	mu      sync.Mutex
+	byID    map[string]*op
+	active  map[string]*op // by VM key
+	order   []string       // ids, oldest first
+	removed map[string]error
+	wg      sync.WaitGroup
+}
+
+const historyLimit = 256
+
+func newTable() *table {
+	return &table{byID: map[string]*op{}, active: map[string]*op{}, removed: map[string]error{}}
+}
+
+// add registers an operation as the VM's active one, or fails with BUSY.
+func (t *table) add(o *op) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if cur, ok := t.active[o.key]; ok {
+		return errcode.New(errcode.Busy, "VM %s already has a %s running (operation %s): wait for it or cancel it", o.key, cur.data.Kind, cur.id)
+	}
+	t.active[o.key] = o
+	t.insert(o)
+	t.wg.Add(1)
+	return nil
+}
+
+// addFinished records an operation that ended elsewhere (recovered from the journal).
+func (t *table) addFinished(d *api.Operation) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	o := &op{id: d.ID, key: vmKey(d.VM.PodUID, d.VM.Container), data: *d, done: make(chan struct{})}
+	close(o.done)
+	t.insert(o)
+}
+
+func (t *table) insert(o *op) {
+	t.byID[o.id] = o
+	t.order = append(t.order, o.id)
+	// Forget the oldest finished operations beyond the history limit.
+	for len(t.order) > historyLimit {
+		oldest := t.byID[t.order[0]]
+		if oldest != nil && t.active[oldest.key] == oldest {
+			break
+		}
+		delete(t.byID, t.order[0])
+		t.order = t.order[1:]
+	}
+}
+
+// finish marks an operation's end: the VM is free for the next one.
+func (t *table) finish(o *op) {
+	t.mu.Lock()
+	if t.active[o.key] == o {
+		delete(t.active, o.key)
+	}
+	t.mu.Unlock()
+	close(o.done)
+	t.wg.Done()
+}
+
+// remove forgets an operation; asking for it later gets why.
+func (t *table) remove(o *op, why error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	delete(t.byID, o.id)
+	t.order = slices.DeleteFunc(t.order, func(id string) bool { return id == o.id })
+	t.removed[o.id] = why
+}
+
+func (t *table) get(id string) (*op, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if o, ok := t.byID[id]; ok {
+		return o, nil
+	}
+	if why, ok := t.removed[id]; ok {
+		return nil, why
+	}
+	return nil, errcode.New(errcode.InvalidInput, "no operation %s on this node", id)
+}
+
+func (t *table) list() []api.Operation {
+	t.mu.Lock()
+	ops := make([]*op, 0, len(t.order))
+	for _, id := range t.order {
+		ops = append(ops, t.byID[id])
+	}
+	t.mu.Unlock()
+	out := make([]api.Operation, 0, len(ops))
+	for _, o := range ops {
+		out = append(out, o.snapshot())
+	}
+	return out
+}
+
+// forVM returns the operations (active or finished) of the VM in g.
+func (t *table) forVM(g Gone) []*op {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []*op
+	for _, id := range t.order {
+		o := t.byID[id]
+		d := &o.data
+		if d.VM.PodUID != g.PodUID || d.VM.Container != g.Container {
+			continue
+		}
+		// A replaced container is another VM: only its own operations go.
+		if g.ContainerID != "" && d.Target != nil && d.Target.ContainerID != "" && d.Target.ContainerID != g.ContainerID {
+			continue
+		}
+		out = append(out, o)
+	}
+	return out
+}
+
+func (t *table) cancelAll(why error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, o := range t.active {
+		if o.cancel != nil {
+			o.cancel(why)
+		}
+	}
+}
+
+// wait waits for running operations to end, or for ctx.
+func (t *table) wait(ctx context.Context) {
+	done := make(chan struct{})
+	go func() { t.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
+}

@@ -1,0 +1,324 @@
+package agent
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/qmp"
+	"github.com/vmsnap/vmsnap/rootfs"
+	"github.com/vmsnap/vmsnap/vmstate"
+)
+
+// The operations below are what a checkpoint or a restore is, whoever asks:
+// the CLI runs them in its own process, the agent's daemon runs them for
+// requests on its socket. Paths are host paths here; the daemon resolves a
+// pod's paths before it calls them.
+
+// Progress reports bytes done in a phase ("vmstate", "disk", "restore",
+// "stage"). It may be nil.
+type Progress func(phase string, bytes int64)
+
+func (p Progress) stream(phase string, o vmstate.StreamOptions) vmstate.StreamOptions {
+	if p != nil {
+		o.Progress = func(n int64) { p(phase, n) }
+	}
+	return o
+}
+
+// CheckpointSpec is one checkpoint of the VM behind a QMP socket.
+type CheckpointSpec struct {
+	QMPPath   string
+	DiskPath  string // optional: the qcow2 overlay to capture while the VM is stopped
+	Image     string // where the state goes: oci:DIR[:TAG] or HOST/REPO[:TAG]
+	DiskImage string // where the overlay goes (with DiskPath)
+	Mode      vmstate.Mode
+	Stream    vmstate.StreamOptions
+	Store     []ociimage.Option
+	Progress  Progress
+	// BeforeStop, if set, runs once everything has been checked and just
+	// before the VM is touched, with whether the VM runs now (the agent
+	// journals there).
+	BeforeStop func(ctx context.Context, running bool) error
+}
+
+// Validate checks a spec without touching anything.
+func (s CheckpointSpec) Validate() error {
+	if s.QMPPath == "" || s.Image == "" {
+		return errcode.New(errcode.Usage, "a checkpoint needs a QMP socket and an image reference")
+	}
+	if (s.DiskPath == "") != (s.DiskImage == "") {
+		return errcode.New(errcode.Usage, "the disk overlay and its image reference go together")
+	}
+	if s.Mode == vmstate.ModeLive && s.DiskPath != "" {
+		return errcode.New(errcode.Usage, "live mode keeps the VM running, so its disk would not match the captured memory: use mode snapshot or pause to capture the disk")
+	}
+	if _, err := vmstate.ParseMode(string(s.Mode)); err != nil {
+		return err
+	}
+	return nil
+}
+
+// openStore parses a reference, opens it and checks that we may write or
+// read there, so that credentials or a CA problem surface before a VM is
+// stopped.
+func openStore(ctx context.Context, s string, opts []ociimage.Option) (ociimage.Repository, error) {
+	ref, err := ociimage.ParseReference(s)
+	if err != nil {
+		return nil, err
+	}
+	repo, err := ociimage.Open(ctx, ref, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return repo, ociimage.CheckAccess(ctx, repo)
+}
+
+// Checkpoint captures a VM (and its disk overlay) into images.
+func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, error) {
+	if s.Mode == "" {
+		s.Mode = vmstate.ModeSnapshot
+	}
+	if err := s.Validate(); err != nil {
+		return nil, err
+	}
+	repo, err := openStore(ctx, s.Image, s.Store)
+	if err != nil {
+		return nil, err
+	}
+	var diskRepo ociimage.Repository
+	if s.DiskPath != "" {
+		if diskRepo, err = openStore(ctx, s.DiskImage, s.Store); err != nil {
+			return nil, err
+		}
+		// Refuse a bad overlay before the VM is touched.
+		if _, err := rootfs.InspectOverlay(s.DiskPath); err != nil {
+			return nil, err
+		}
+	}
+	mon, err := qmp.Dial(ctx, s.QMPPath)
+	if err != nil {
+		return nil, err
+	}
+	defer mon.Close()
+	if s.BeforeStop != nil {
+		st, err := mon.Status(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if err := s.BeforeStop(ctx, st.Running); err != nil {
+			return nil, err
+		}
+	}
+
+	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream)}
+	var disk *rootfs.CaptureResult
+	if diskRepo != nil {
+		opts.WhileStopped = func(ctx context.Context) (vmstate.Link, error) {
+			var err error
+			disk, err = rootfs.Capture(ctx, s.DiskPath, diskRepo, s.Progress.stream("disk", s.Stream))
+			if err != nil {
+				return vmstate.Link{}, err
+			}
+			return vmstate.Link{
+				Annotations: map[string]string{ociimage.AnnotationDiskImage: disk.Image.String()},
+				Subject:     &disk.Manifest,
+			}, nil
+		}
+	}
+	res, err := vmstate.Checkpoint(ctx, mon, repo, opts)
+	if err != nil {
+		return nil, err
+	}
+	out := &api.CheckpointResult{
+		VMState: api.VMStateResult{
+			Image:         res.Image.String(),
+			Digest:        res.Manifest.Digest.String(),
+			RawBytes:      res.Stream.RawBytes,
+			StoredBytes:   res.Stream.StoredBytes,
+			UploadedBytes: res.Stream.UploadedBytes,
+			Chunks:        len(res.Stream.Layers),
+			QEMUVersion:   res.Config.Record.QEMUVersion,
+			Machine:       res.Config.Record.Machine,
+			MemoryBytes:   res.Config.Record.MemoryBytes,
+			DurationsMs: map[string]float64{
+				"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream),
+				"disk": api.Ms(res.Durations.Stopped), "push": api.Ms(res.Durations.Push), "total": api.Ms(res.Durations.Total),
+			},
+		},
+		Mode:       string(s.Mode),
+		DowntimeMs: api.Ms(res.Downtime),
+		VMRunning:  res.VMRunning,
+		TotalMs:    api.Ms(res.Durations.Total),
+	}
+	if disk != nil {
+		out.Disk = &api.DiskResult{
+			Image: disk.Image.String(), Digest: disk.Manifest.Digest.String(), Path: s.DiskPath,
+			RawBytes: disk.Stream.RawBytes, StoredBytes: disk.Stream.StoredBytes, UploadedBytes: disk.Stream.UploadedBytes,
+			Chunks: len(disk.Stream.Layers), VirtualSize: disk.Config.VirtualSize, BackingFile: disk.Config.BackingFile,
+			DurationsMs: map[string]float64{"total": api.Ms(disk.Duration)},
+		}
+	}
+	return out, nil
+}
+
+// openPinned opens a reference for restore: by digest only, unless allowTag.
+func openPinned(ctx context.Context, s, what string, allowTag bool, opts []ociimage.Option) (ociimage.Repository, error) {
+	ref, err := ociimage.ParseReference(s)
+	if err != nil {
+		return nil, err
+	}
+	if !ref.IsDigest() && !allowTag {
+		return nil, errcode.New(errcode.TagNotAllowed,
+			"%s %s names a tag, which can move: give the digest that checkpoint printed (REF@sha256:...), or allow tags explicitly (--allow-tag)", what, s)
+	}
+	return ociimage.Open(ctx, ref, opts...)
+}
+
+// RestoreSpec is a restore of VM state into a QEMU waiting with -incoming defer.
+type RestoreSpec struct {
+	QMPPath  string
+	Image    string // REF@sha256:...
+	AllowTag bool
+	Paused   bool
+	Stream   vmstate.StreamOptions
+	Store    []ociimage.Option
+	Progress Progress
+}
+
+// RestoreState loads a VM state image into a waiting QEMU.
+func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error) {
+	if s.QMPPath == "" || s.Image == "" {
+		return nil, errcode.New(errcode.Usage, "restoring VM state needs a QMP socket and an image reference")
+	}
+	repo, err := openPinned(ctx, s.Image, "image", s.AllowTag, s.Store)
+	if err != nil {
+		return nil, err
+	}
+	mon, err := qmp.Dial(ctx, s.QMPPath)
+	if err != nil {
+		return nil, err
+	}
+	defer mon.Close()
+	res, err := vmstate.Restore(ctx, mon, repo, vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream)})
+	if err != nil {
+		return nil, err
+	}
+	return &api.RestoreResult{VMState: &api.RestoredState{
+		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
+		RawBytes: res.RawBytes, VMRunning: res.VMRunning,
+		DurationsMs: map[string]float64{"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream), "total": api.Ms(res.Durations.Total)},
+	}}, nil
+}
+
+// DiskRestoreSpec puts a disk overlay image in place before QEMU starts.
+type DiskRestoreSpec struct {
+	Image    string // REF@sha256:...
+	Path     string
+	AllowTag bool
+	Stream   vmstate.StreamOptions
+	Store    []ociimage.Option
+	Progress Progress
+}
+
+// RestoreDisk writes a disk overlay image to its path, atomically.
+func RestoreDisk(ctx context.Context, s DiskRestoreSpec) (*api.RestoredDisk, error) {
+	if s.Image == "" || s.Path == "" {
+		return nil, errcode.New(errcode.Usage, "restoring a disk overlay needs an image reference and a path")
+	}
+	repo, err := openPinned(ctx, s.Image, "disk image", s.AllowTag, s.Store)
+	if err != nil {
+		return nil, err
+	}
+	res, err := rootfs.Restore(ctx, repo, s.Path, s.Progress.stream("disk", s.Stream))
+	if err != nil {
+		return nil, err
+	}
+	return &api.RestoredDisk{
+		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
+		Path: s.Path, Bytes: res.Bytes, DurationsMs: map[string]float64{"total": api.Ms(res.Duration)},
+	}, nil
+}
+
+// StagedTag names the VM state image Stage puts in a directory, for
+// StreamStaged (vmsnap stream --dir) to find.
+const StagedTag = "vmstate"
+
+// StageSpec pulls and verifies a VM state image into a directory (an init
+// container's job), refusing an image larger than MaxBytes.
+type StageSpec struct {
+	Image    string // REF@sha256:...
+	Dir      string
+	AllowTag bool
+	MaxBytes int64
+	Jobs     int
+	Store    []ociimage.Option
+}
+
+// Stage copies a VM state image into Dir as an OCI layout, every blob
+// verified, its config and chunk list checked as a restore would.
+func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
+	if s.Image == "" || s.Dir == "" {
+		return nil, errcode.New(errcode.Usage, "staging needs an image reference and a directory")
+	}
+	src, err := openPinned(ctx, s.Image, "image", s.AllowTag, s.Store)
+	if err != nil {
+		return nil, err
+	}
+	// Check the image before copying a byte of its chunks.
+	desc, m, _, err := vmstate.LoadConfig(ctx, src)
+	if err != nil {
+		return nil, err
+	}
+	dir, err := filepath.Abs(s.Dir)
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Usage, err, "staging directory %s", s.Dir)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "creating the staging directory")
+	}
+	dst, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir, Tag: StagedTag})
+	if err != nil {
+		return nil, err
+	}
+	pinned, err := ociimage.Open(ctx, src.Reference().WithDigest(desc.Digest), s.Store...)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := ociimage.Copy(ctx, pinned, dst, s.MaxBytes, max(s.Jobs, 4)); err != nil {
+		return nil, err
+	}
+	return &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Dir: dir, Bytes: sizeOf(m)}, nil
+}
+
+func sizeOf(m ocispec.Manifest) int64 {
+	n := m.Config.Size
+	for _, l := range m.Layers {
+		n += l.Size
+	}
+	return n
+}
+
+// StreamStaged writes the raw VM state staged in dir to w, verifying every
+// chunk again (the volume may have been tampered with since).
+func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (int, error) }, o vmstate.StreamOptions) error {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return errcode.Wrap(errcode.Usage, err, "--dir %s", dir)
+	}
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Tag: StagedTag})
+	if err != nil {
+		return err
+	}
+	_, m, _, err := vmstate.LoadConfig(ctx, repo)
+	if err != nil {
+		return err
+	}
+	_, err = vmstate.DecodeStream(ctx, m.Layers, repo, w, o)
+	return err
+}

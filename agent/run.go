@@ -1,0 +1,189 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/vmstate"
+)
+
+// StartCheckpoint validates and resolves a checkpoint request, registers the
+// operation (BUSY if the VM has one) and runs it in the background.
+func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest) (api.Operation, error) {
+	mode := vmstate.Mode(req.Mode)
+	if mode == "" {
+		mode = vmstate.ModeSnapshot
+	}
+	spec := CheckpointSpec{
+		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, Mode: mode,
+		Stream: vmstate.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
+	}
+	if err := spec.Validate(); err != nil {
+		return api.Operation{}, err
+	}
+	target, err := s.resolve(ctx, req.VM)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	spec.QMPPath, spec.DiskPath = target.QMPPath, target.DiskPath
+	o := newOp(api.KindCheckpoint, req.VM, &target)
+	return s.start(o, func(ctx context.Context) error {
+		spec.Progress = s.progress(o)
+		spec.BeforeStop = func(ctx context.Context, running bool) error {
+			return s.journal.write(journalEntry{Op: o.snapshot(), VMWasRunning: running})
+		}
+		res, err := Checkpoint(ctx, spec)
+		if err != nil {
+			return err
+		}
+		// Journal the success before anything else: a pause-mode VM is
+		// stopped on purpose now, and recovery must leave it so.
+		snap := o.update(func(d *api.Operation) { d.Checkpoint = res })
+		return s.journal.write(journalEntry{Op: snap})
+	})
+}
+
+// StartRestore validates and resolves a restore request and runs it in the
+// background. Its result carries the VM's new endpoint.
+func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.Operation, error) {
+	if req.Image == "" || req.VM.QMPPath == "" {
+		return api.Operation{}, errcode.New(errcode.Usage, "a restore needs vm.qmp and image")
+	}
+	if req.VM.DiskPath != "" {
+		return api.Operation{}, errcode.New(errcode.Usage, "the agent restores VM state only: put the disk overlay in place before QEMU starts (the restore init container does)")
+	}
+	target, err := s.resolve(ctx, req.VM)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	o := newOp(api.KindRestore, req.VM, &target)
+	return s.start(o, func(ctx context.Context) error {
+		// Journal it too: after a crash the operation is reported failed
+		// (a half-fed QEMU discards the partial state by itself).
+		if err := s.journal.write(journalEntry{Op: o.snapshot()}); err != nil {
+			return err
+		}
+		res, err := RestoreState(ctx, RestoreSpec{
+			QMPPath: target.QMPPath, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
+			Stream: vmstate.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
+		})
+		if err == nil {
+			res.Endpoint = &api.Endpoint{PodUID: req.VM.PodUID, Container: req.VM.Container, QMPPath: req.VM.QMPPath}
+			o.update(func(d *api.Operation) { d.Restore = res })
+		}
+		return err
+	})
+}
+
+func (s *Server) resolve(ctx context.Context, vm api.VMRef) (api.Target, error) {
+	if vm.PodUID == "" {
+		return api.Target{}, errcode.New(errcode.VMNotFound, "no pod UID given: name the VM's pod by its UID (the Job's SOURCE_POD_UID)")
+	}
+	if vm.Container == "" {
+		return api.Target{}, errcode.New(errcode.Usage, "no container given: name the QEMU container of the pod")
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	return s.cfg.Resolver.Resolve(ctx, vm)
+}
+
+// start registers o and runs work in the background once a slot is free.
+func (s *Server) start(o *op, work func(context.Context) error) (api.Operation, error) {
+	if err := s.ops.add(o); err != nil {
+		return api.Operation{}, err
+	}
+	snap := o.snapshot()
+	s.metrics.inFlight.WithLabelValues(snap.Kind, api.StatePending).Inc()
+	s.events.publish(snap)
+	go s.run(o, work)
+	return snap, nil
+}
+
+func (s *Server) run(o *op, work func(context.Context) error) {
+	kind := o.snapshot().Kind
+	log := s.log.With("op", o.id, "kind", kind, "vm", o.key)
+	defer s.ops.finish(o)
+	defer o.cancel(nil)
+
+	pending := true
+	defer func() {
+		if pending {
+			s.metrics.inFlight.WithLabelValues(kind, api.StatePending).Dec()
+		}
+	}()
+	select {
+	case s.slots <- struct{}{}:
+	case <-o.ctx.Done():
+		s.end(o, context.Cause(o.ctx), 0, log)
+		return
+	}
+	defer func() { <-s.slots }()
+	s.metrics.inFlight.WithLabelValues(kind, api.StatePending).Dec()
+	pending = false
+	s.metrics.inFlight.WithLabelValues(kind, api.StateRunning).Inc()
+	defer s.metrics.inFlight.WithLabelValues(kind, api.StateRunning).Dec()
+
+	s.events.publish(o.update(func(d *api.Operation) { d.State = api.StateRunning }))
+	log.Info("operation started")
+	start := time.Now()
+	err := work(o.ctx)
+	if err == nil && o.ctx.Err() != nil {
+		// Finished just as it was cancelled: the result stands.
+		err = nil
+	}
+	s.end(o, err, time.Since(start).Seconds(), log)
+}
+
+// end records an operation's outcome, in the journal first.
+func (s *Server) end(o *op, err error, seconds float64, log interface {
+	Info(string, ...any)
+	Error(string, ...any)
+}) {
+	state := api.StateSucceeded
+	switch {
+	case err == nil:
+	case o.ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.Cause(o.ctx)) || errcode.Of(err) == errcode.Internal):
+		// Cancelled by a caller or because the VM went away: report why.
+		state, err = api.StateCancelled, context.Cause(o.ctx)
+	default:
+		state = api.StateFailed
+	}
+	final := o.update(func(d *api.Operation) {
+		d.State = state
+		d.Progress = nil
+		if err != nil {
+			e := toAPIError(err)
+			d.Error = &e
+		}
+	})
+	if jerr := s.journal.remove(o.id); jerr != nil {
+		log.Error("removing the journal entry", "err", jerr)
+	}
+	s.metrics.finished(final.Kind, state, seconds)
+	if state == api.StateSucceeded {
+		s.metrics.moved(final, seconds)
+		log.Info("operation succeeded", "seconds", seconds)
+	} else {
+		log.Info("operation ended", "state", state, "code", final.Error.Code, "err", final.Error.Message)
+	}
+	s.events.publish(final)
+}
+
+// progress publishes progress at most twice a second per operation.
+func (s *Server) progress(o *op) Progress {
+	return func(phase string, n int64) {
+		o.mu.Lock()
+		if time.Since(o.lastProgress) < 500*time.Millisecond {
+			o.mu.Unlock()
+			return
+		}
+		o.lastProgress = time.Now()
+		o.mu.Unlock()
+		s.events.publish(o.update(func(d *api.Operation) { d.Progress = &api.OperationProgress{Phase: phase, Bytes: n} }))
+	}
+}
+
+func toAPIError(err error) api.Error { return api.ErrorOf(err) }

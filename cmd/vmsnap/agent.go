@@ -1,0 +1,110 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/vmsnap/vmsnap/agent"
+	"github.com/vmsnap/vmsnap/agent/containerd"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+func newAgentCmd(out *globalOutput) *cobra.Command {
+	var (
+		cfg         agent.Config
+		ctrdAddress string
+		ctrdNS      string
+		logLevel    string
+		reg         registryFlags
+	)
+	c := &cobra.Command{
+		Use:   "agent --socket PATH --state-dir DIR",
+		Short: "Run the node agent: checkpoints and restores of this node's VMs over a local API",
+		Long: `Run the node daemon (a Kubernetes DaemonSet on KVM nodes). It serves a JSON HTTP
+API on a unix socket (mode 0660; give access to a group with --socket-group)
+through which Jobs and controllers checkpoint and restore VMs on this node:
+
+  POST   /v1/checkpoints        {"vm":{"podUID","container","qmp","disk"},"image","diskImage","mode"}
+  POST   /v1/restores           {"vm":{"podUID","container","qmp"},"image":"REF@sha256:...","paused"}
+  GET    /v1/operations[/ID]    DELETE /v1/operations/ID cancels
+  GET    /v1/events[?operation=ID]   server-sent events of operation changes
+  GET    /healthz  /readyz  /metrics (Prometheus)
+
+VMs are named by pod UID and container name, with paths as seen inside that
+container; the agent finds the container through the node's containerd and
+maps the paths through its mounts. One operation per VM runs at a time (a
+second gets BUSY), at most --max-concurrent per node. Each operation is
+journaled in --state-dir: after a crash the agent continues any VM an
+unfinished checkpoint had stopped. When a VM's container is deleted or
+replaced, its operations are cancelled and forgotten.
+
+Registry credentials come from $DOCKER_CONFIG or --registry-config (a mounted
+dockerconfigjson secret), never from flags.`,
+		Args: cobra.NoArgs,
+		RunE: func(c *cobra.Command, _ []string) error {
+			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, logLevel, reg))
+		},
+	}
+	c.Flags().StringVar(&cfg.Socket, "socket", "/run/vmsnap/agent.sock", "unix socket of the API")
+	c.Flags().StringVar(&cfg.SocketGroup, "socket-group", "", "group (name or GID) that may use the socket (default: the agent's own group)")
+	c.Flags().StringVar(&cfg.StateDir, "state-dir", "/var/lib/vmsnap", "journal of unfinished operations; must survive restarts of the agent")
+	c.Flags().IntVar(&cfg.MaxConcurrent, "max-concurrent", 2, "operations running at once on this node; more wait as pending")
+	c.Flags().StringVar(&ctrdAddress, "containerd-address", "/run/containerd/containerd.sock", "the node's containerd socket")
+	c.Flags().StringVar(&ctrdNS, "containerd-namespace", "k8s.io", "containerd namespace of the kubelet's containers")
+	c.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error (JSON logs on stderr)")
+	reg.add(c)
+	c.AddCommand(newAgentHealthCmd())
+	return c
+}
+
+func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, logLevel string, reg registryFlags) error {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(logLevel)); err != nil {
+		return errcode.New(errcode.Usage, "--log-level %q: use debug, info, warn or error", logLevel)
+	}
+	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	res, err := containerd.New(ctx, ctrdAddress, ctrdNS, containerd.WithLogger(log))
+	if err != nil {
+		return err
+	}
+	defer res.Close()
+	cfg.Resolver = res
+	cfg.Logger = log
+	cfg.Store = reg.options()
+	srv, err := agent.New(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	return srv.Serve(ctx)
+}
+
+func newAgentHealthCmd() *cobra.Command {
+	var socket string
+	var timeout time.Duration
+	c := &cobra.Command{
+		Use:   "health --socket PATH",
+		Short: "Exit 0 if the agent answers on its socket (a liveness probe)",
+		Args:  cobra.NoArgs,
+		RunE: func(c *cobra.Command, _ []string) error {
+			client, err := agent.NewClient(socket)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(c.Context(), timeout)
+			defer cancel()
+			if err := client.Health(ctx); err != nil {
+				return coded(err)
+			}
+			fmt.Fprintln(c.OutOrStdout(), "ok")
+			return nil
+		},
+	}
+	c.Flags().StringVar(&socket, "socket", "/run/vmsnap/agent.sock", "the agent's socket")
+	c.Flags().DurationVar(&timeout, "timeout", 5*time.Second, "how long to wait for an answer")
+	return c
+}

@@ -1,0 +1,292 @@
+package main
+
+// End-to-end tests through a real registry: Debian's docker-registry
+// (distribution 2.8) with TLS from a test CA and htpasswd auth, started by
+// internal/testregistry, and real QEMU guests (TCG).
+
+import (
+	"bufio"
+	"context"
+	"github.com/vmsnap/vmsnap/agent/api"
+	"net"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/internal/testregistry"
+	"github.com/vmsnap/vmsnap/ociimage"
+)
+
+// regArgs are the flags that reach the test registry with the right
+// credentials.
+func regArgs(reg *testregistry.Registry) []string {
+	return []string{"--registry-config", reg.ConfigDir, "--ca-file", reg.CAFile}
+}
+
+func with(args []string, more ...string) []string {
+	return append(append([]string(nil), args...), more...)
+}
+
+func TestRegistryE2ERoundTrip(t *testing.T) {
+	testguest.Assets(t) // skip before starting a registry if there is no guest
+	reg := testregistry.Start(t)
+	dir := testguest.FreeShortDir(t)
+	src, before := bootSource(t, dir)
+	image, diskImage := reg.Host+"/vms/e2e:vm1", reg.Host+"/vms/e2e:vm1-disk"
+	cpArgs := []string{"checkpoint", "--qmp", src.QMPPath(), "--image", image,
+		"--disk", filepath.Join(dir, "overlay.qcow2"), "--disk-image", diskImage, "--mode", "pause"}
+
+	// Refusals come before the VM is stopped.
+	doc := cliError(t, errcode.AuthFailed, with(cpArgs, "--registry-config", reg.WrongConfigDir, "--ca-file", reg.CAFile)...)
+	if !strings.Contains(doc.Error.Message, "UNAUTHORIZED: authentication required") || strings.Contains(doc.Error.Message, reg.Password) {
+		t.Fatalf("wrong password: %s", doc.Error.Message)
+	}
+	doc = cliError(t, errcode.RegistryError, with(cpArgs, "--registry-config", reg.ConfigDir)...)
+	if !strings.Contains(doc.Error.Message, "--ca-file") {
+		t.Fatalf("unknown CA: %s", doc.Error.Message)
+	}
+	if st := runState(t, src); st != "running" {
+		t.Fatalf("the source is %s after refused checkpoints, want running (never stopped)", st)
+	}
+
+	start := time.Now()
+	cp := cliJSON[api.CheckpointResult](t, with(cpArgs, regArgs(reg)...)...)
+	checkpointTime := time.Since(start)
+	if !strings.HasPrefix(cp.VMState.Image, reg.Host+"/vms/e2e@sha256:") || cp.Disk == nil || !strings.HasPrefix(cp.Disk.Image, reg.Host+"/vms/e2e@sha256:") {
+		t.Fatalf("checkpoint result lacks pinned registry images: %+v", cp)
+	}
+	if cp.VMState.UploadedBytes == 0 || cp.VMState.UploadedBytes > cp.VMState.StoredBytes {
+		t.Fatalf("uploaded %d of %d stored bytes", cp.VMState.UploadedBytes, cp.VMState.StoredBytes)
+	}
+	resume := src.ResumeCounter()
+	src.Kill()
+
+	// Either image finds the other: the state's annotation names the disk,
+	// the disk's referrers (the sha256-HEX tag on distribution 2.8) name the
+	// state.
+	ins := cliJSON[inspectDoc](t, with([]string{"inspect", cp.VMState.Image}, regArgs(reg)...)...)
+	if ins.LinkedDisk == nil || ins.LinkedDisk.Digest != cp.Disk.Digest {
+		t.Fatalf("inspect of the state image does not show its disk: %+v", ins)
+	}
+	dins := cliJSON[inspectDoc](t, with([]string{"inspect", cp.Disk.Image}, regArgs(reg)...)...)
+	if dins.Disk == nil || len(dins.Referrers) != 1 || dins.Referrers[0].Digest != cp.VMState.Digest || dins.Referrers[0].Image != cp.VMState.Image {
+		t.Fatalf("inspect of the disk image does not show its state image: %+v", dins.Referrers)
+	}
+	if tags := reg.Tags(t, "vms/e2e"); !slices.Contains(tags, strings.Replace(cp.Disk.Digest, ":", "-", 1)) {
+		t.Fatalf("no referrers tag for the disk among %v", tags)
+	}
+
+	// Restore takes digests only.
+	tdir := targetDir(t, dir)
+	disk := filepath.Join(tdir, "overlay.qcow2")
+	cliError(t, errcode.TagNotAllowed, with([]string{"restore", "--disk-image", diskImage, "--disk", disk}, regArgs(reg)...)...)
+	cliError(t, errcode.TagNotAllowed, with([]string{"restore", "--qmp", "/nonexistent", "--image", image}, regArgs(reg)...)...)
+
+	start = time.Now()
+	rd := cliJSON[api.RestoreResult](t, with([]string{"restore", "--disk-image", cp.Disk.Image, "--disk", disk}, regArgs(reg)...)...)
+	if rd.Disk == nil || rd.Disk.Bytes != cp.Disk.RawBytes {
+		t.Fatalf("disk restore: %+v", rd)
+	}
+	diskTime := time.Since(start)
+	target := startTarget(t, tdir, disk, 0)
+	start = time.Now()
+	rs := cliJSON[api.RestoreResult](t, with([]string{"restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image}, regArgs(reg)...)...)
+	stateTime := time.Since(start)
+	if rs.VMState == nil || !rs.VMState.VMRunning || rs.VMState.RawBytes != cp.VMState.RawBytes {
+		t.Fatalf("state restore: %+v", rs)
+	}
+	assertResumed(t, target, before, resume, resume)
+	t.Logf("round trip through the registry: checkpoint %v (%s raw state -> %s stored, %s disk), disk restore %v, state restore %v",
+		checkpointTime.Round(time.Millisecond), humanBytes(cp.VMState.RawBytes), humanBytes(cp.VMState.StoredBytes),
+		humanBytes(cp.Disk.StoredBytes), diskTime.Round(time.Millisecond), stateTime.Round(time.Millisecond))
+}
+
+// A stopped, unchanged VM checkpointed twice: the second checkpoint finds
+// its chunks in the registry and uploads only those it does not have.
+func TestRegistryE2ERepeatCheckpointUploadsAlmostNothing(t *testing.T) {
+	testguest.Assets(t)
+	reg := testregistry.Start(t)
+	dir := testguest.FreeShortDir(t)
+	src, _ := bootSource(t, dir)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := src.QMP(ctx, "stop", nil); err != nil {
+		t.Fatal(err)
+	}
+	checkpoint := func(tag string) api.CheckpointResult {
+		return cliJSON[api.CheckpointResult](t, with([]string{"checkpoint", "--qmp", src.QMPPath(),
+			"--image", reg.Host + "/vms/repeat:" + tag, "--mode", "snapshot"}, regArgs(reg)...)...)
+	}
+	first := checkpoint("first")
+	// QEMU will not migrate a VM that a migration left stopped
+	// (postmigrate): cont and stop in one go, so the guest runs for
+	// microseconds at most.
+	contStop(t, src.QMPPath())
+	second := checkpoint("second")
+	a, b := first.VMState, second.VMState
+	t.Logf("first checkpoint: %d raw, %d stored, %d uploaded in %.0f ms; second: %d raw, %d stored, %d uploaded (%.2f%%) in %.0f ms",
+		a.RawBytes, a.StoredBytes, a.UploadedBytes, first.TotalMs,
+		b.RawBytes, b.StoredBytes, b.UploadedBytes, 100*float64(b.UploadedBytes)/float64(b.StoredBytes), second.TotalMs)
+	if a.UploadedBytes < a.StoredBytes/2 {
+		t.Fatalf("the first checkpoint uploaded only %d of %d bytes: the registry was not empty?", a.UploadedBytes, a.StoredBytes)
+	}
+	if second.VMRunning || runState(t, src) == "running" {
+		t.Fatal("snapshot mode started a VM that was stopped before it")
+	}
+
+	// Exactly the chunks the registry did not have went up: every chunk of
+	// the second image that the first one has was skipped, each new one
+	// uploaded once.
+	have := map[string]bool{}
+	for _, l := range manifestFromRegistry(t, reg, a.Image).Layers {
+		have[string(l.Digest)] = true
+	}
+	var want int64
+	reused := 0
+	layers := manifestFromRegistry(t, reg, b.Image).Layers
+	for _, l := range layers {
+		if have[string(l.Digest)] {
+			reused++
+			continue
+		}
+		have[string(l.Digest)] = true
+		want += l.Size
+	}
+	if b.UploadedBytes != want {
+		t.Fatalf("the second checkpoint uploaded %d bytes; the chunks the registry lacked add up to %d", b.UploadedBytes, want)
+	}
+	t.Logf("second checkpoint: %d of %d chunks were in the registry already", reused, len(layers))
+
+	// vmstate sends a stopped VM's memory in one final pass, so the stream
+	// of an unchanged VM lays out the same and only its device-state tail
+	// differs.
+	if b.UploadedBytes*10 >= b.StoredBytes {
+		t.Fatalf("the second checkpoint of an unchanged VM uploaded %.1f%% of its stored bytes, want < 10%%",
+			100*float64(b.UploadedBytes)/float64(b.StoredBytes))
+	}
+}
+
+// manifestFromRegistry fetches a pinned image's manifest, verified.
+func manifestFromRegistry(t *testing.T, reg *testregistry.Registry, image string) ocispec.Manifest {
+	t.Helper()
+	ref, err := ociimage.ParseReference(image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	repo, err := ociimage.Open(context.Background(), ref, ociimage.WithCAFile(reg.CAFile), ociimage.WithRegistryConfig(reg.ConfigDir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, err := repo.Resolve(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := repo.Manifest(context.Background(), desc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// contStop sends cont and stop on one QMP connection, back to back.
+func contStop(t *testing.T, path string) {
+	t.Helper()
+	conn, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(30 * time.Second))
+	r := bufio.NewReader(conn)
+	answer := func() string {
+		for {
+			line, err := r.ReadString('\n')
+			if err != nil {
+				t.Fatalf("QMP: %v", err)
+			}
+			if strings.Contains(line, `"return"`) || strings.Contains(line, `"error"`) || strings.Contains(line, `"QMP"`) {
+				return line
+			}
+		}
+	}
+	answer() // greeting
+	conn.Write([]byte(`{"execute":"qmp_capabilities"}` + "\n"))
+	answer()
+	conn.Write([]byte(`{"execute":"cont"}` + "\n" + `{"execute":"stop"}` + "\n"))
+	for range 2 {
+		if a := answer(); !strings.Contains(a, `"return"`) {
+			t.Fatalf("QMP cont/stop: %s", a)
+		}
+	}
+}
+
+// The registry dies while chunks are being uploaded: the checkpoint fails
+// with REGISTRY_ERROR, the VM runs again, and no tag points at a partial
+// snapshot.
+func TestRegistryE2EKilledMidPush(t *testing.T) {
+	testguest.Assets(t)
+	reg := testregistry.Start(t)
+	dir := testguest.FreeShortDir(t)
+	// More random guest memory and small chunks: hundreds of uploads, so
+	// the registry dies well before the end.
+	src := testguest.Start(t, testguest.Options{Disk: testguest.NewDisk(t, dir), Dir: dir, GuestMemMB: 96})
+	if _, err := src.WaitReady(waitCtx(t)); err != nil {
+		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
+	}
+	if _, err := src.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true }); err != nil {
+		t.Fatal(err)
+	}
+
+	var killedAt atomic.Int64
+	done := make(chan struct{})
+	go func() {
+		for reg.BlobCount() < 3 {
+			select {
+			case <-done:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+		reg.Kill()
+		killedAt.Store(int64(reg.BlobCount()))
+	}()
+	doc := cliError(t, errcode.RegistryError, with([]string{"checkpoint", "--qmp", src.QMPPath(),
+		"--image", reg.Host + "/vms/killed:snap", "--mode", "snapshot", "--chunk-size", "262144"}, regArgs(reg)...)...)
+	close(done)
+	if killedAt.Load() == 0 {
+		t.Fatalf("the checkpoint failed before the registry was killed: %s", doc.Error.Message)
+	}
+	t.Logf("registry killed after %d blobs; checkpoint error: %s", killedAt.Load(), doc.Error.Message)
+
+	if st := runState(t, src); st != "running" {
+		t.Fatalf("the source is %s after a failed checkpoint, want running", st)
+	}
+	last, _ := src.LastStatus()
+	if _, err := src.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter > last.Counter }); err != nil {
+		t.Fatalf("the source does not count after the failed checkpoint: %v", err)
+	}
+
+	// The registry back on the same storage: blobs, but no tag.
+	reg.Restart(t)
+	if tags := reg.Tags(t, "vms/killed"); slices.Contains(tags, "snap") {
+		t.Fatalf("a failed checkpoint left the tag: %v", tags)
+	}
+	if n := reg.BlobCount(); n < int(killedAt.Load()) {
+		t.Fatalf("the restarted registry has %d blobs, had %d", n, killedAt.Load())
+	}
+	cliError(t, errcode.RegistryError, with([]string{"inspect", reg.Host + "/vms/killed:snap"}, regArgs(reg)...)...)
+
+	// The same checkpoint now succeeds.
+	cp := cliJSON[api.CheckpointResult](t, with([]string{"checkpoint", "--qmp", src.QMPPath(),
+		"--image", reg.Host + "/vms/killed:snap", "--mode", "snapshot", "--chunk-size", "262144"}, regArgs(reg)...)...)
+	if !cp.VMRunning || !slices.Contains(reg.Tags(t, "vms/killed"), "snap") {
+		t.Fatalf("checkpoint after the registry came back: %+v", cp)
+	}
+}

@@ -1,0 +1,264 @@
+package qmptest
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"os"
+	"sync"
+	"testing"
+
+	goqmp "github.com/digitalocean/go-qemu/qmp"
+
+	"github.com/vmsnap/vmsnap/qmp"
+)
+
+// FakeQEMU is a simulated QEMU 7.2 behind a Server: it answers the QMP
+// commands vmsnap's capture and restore use (status, the compatibility
+// record's queries, migration settings, stop/cont, getfd) and migrates a
+// byte slice through the descriptors it is given, emitting MIGRATION events
+// as QEMU does. Its fields may be set before the first command; read them
+// with Lock held, or after WaitMigrations.
+type FakeQEMU struct {
+	Srv *Server
+
+	mu            sync.Mutex
+	status        string // running, paused, postmigrate, inmigrate
+	Memory        int64  // bytes of guest memory the record reports
+	State         []byte // what an outgoing migration writes; what an incoming one must read to succeed
+	Received      []byte // what the last incoming migration read
+	fds           map[string]*os.File
+	Caps          map[string]bool
+	Bandwidth     int64
+	DowntimeLimit int64  // ms
+	migration     string // what query-migrate reports
+
+	// FailMigrate, if set, makes an outgoing migration write this many
+	// bytes and then fail.
+	FailMigrate int
+	// RefuseMigrate makes the migrate command itself fail.
+	RefuseMigrate bool
+	done          sync.WaitGroup
+}
+
+// NewFakeQEMU starts a fake QEMU in the given run state ("running",
+// "paused" or "inmigrate" for a restore target) whose migrations carry state.
+func NewFakeQEMU(t testing.TB, status string, state []byte) *FakeQEMU {
+	f := &FakeQEMU{status: status, migration: "none", Memory: 256 << 20, State: state, fds: map[string]*os.File{},
+		Caps: map[string]bool{"events": false, "background-snapshot": false}, Bandwidth: 128 << 20, DowntimeLimit: 300}
+	f.Srv = NewServer(t, f.handle)
+	t.Cleanup(f.done.Wait)
+	return f
+}
+
+// Dial connects a client, closed at the end of the test.
+func (f *FakeQEMU) Dial(t testing.TB) *qmp.Client {
+	c, err := qmp.Dial(context.Background(), f.Srv.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// Path is the fake's QMP socket.
+func (f *FakeQEMU) Path() string { return f.Srv.Path() }
+
+// Status is the fake VM's run state.
+func (f *FakeQEMU) Status() string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.status
+}
+
+// Lock and Unlock guard the exported fields while migrations run.
+func (f *FakeQEMU) Lock()   { f.mu.Lock() }
+func (f *FakeQEMU) Unlock() { f.mu.Unlock() }
+
+// WaitMigrations waits until no migration goroutine runs.
+func (f *FakeQEMU) WaitMigrations() { f.done.Wait() }
+
+// Commands lists the commands received, in order.
+func (f *FakeQEMU) Commands() []string {
+	var out []string
+	for _, c := range f.Srv.Received() {
+		out = append(out, c.Execute)
+	}
+	return out
+}
+
+func (f *FakeQEMU) event(status string) {
+	f.Srv.Emit(goqmp.Event{Event: "MIGRATION", Data: map[string]any{"status": status}})
+}
+
+func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.Error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	gerr := func(desc string) *qmp.Error { return &qmp.Error{Class: "GenericError", Desc: desc} }
+	switch cmd.Execute {
+	case "query-status":
+		return map[string]any{"status": f.status, "running": f.status == "running"}, nil
+	case "query-version":
+		return map[string]any{"qemu": map[string]int{"major": 7, "minor": 2, "micro": 22}, "package": "fake"}, nil
+	case "query-target":
+		return map[string]string{"arch": "x86_64"}, nil
+	case "qom-get":
+		var a struct{ Path string }
+		_ = cmd.Args(&a)
+		if a.Path == "/machine" {
+			return "pc-i440fx-7.2-machine", nil
+		}
+		return "qemu64-x86_64-cpu", nil
+	case "query-cpus-fast":
+		return []map[string]any{{"cpu-index": 0, "qom-path": "/machine/unattached/device[0]"}}, nil
+	case "query-memory-size-summary":
+		return map[string]int64{"base-memory": f.Memory, "plugged-memory": 0}, nil
+	case "query-pci":
+		return []map[string]any{{"bus": 0, "devices": []map[string]any{
+			{"bus": 0, "slot": 0, "function": 0, "qdev_id": "", "class_info": map[string]any{"class": 1536}, "id": map[string]any{"vendor": 32902, "device": 4663}},
+		}}}, nil
+	case "query-block":
+		return []map[string]any{}, nil
+	case "query-migrate-parameters":
+		return map[string]any{"max-bandwidth": f.Bandwidth, "downtime-limit": f.DowntimeLimit}, nil
+	case "migrate-set-parameters":
+		var a struct {
+			MaxBandwidth  *int64 `json:"max-bandwidth"`
+			DowntimeLimit *int64 `json:"downtime-limit"`
+		}
+		_ = cmd.Args(&a)
+		if a.MaxBandwidth != nil {
+			f.Bandwidth = *a.MaxBandwidth
+		}
+		if a.DowntimeLimit != nil {
+			if *a.DowntimeLimit > 2000000 {
+				return nil, gerr("Parameter 'downtime_limit' expects an integer in the range of 0 to 2000000 milliseconds")
+			}
+			f.DowntimeLimit = *a.DowntimeLimit
+		}
+		return nil, nil
+	case "query-migrate-capabilities":
+		var out []map[string]any
+		for c, s := range f.Caps {
+			out = append(out, map[string]any{"capability": c, "state": s})
+		}
+		return out, nil
+	case "migrate-set-capabilities":
+		var a struct {
+			Capabilities []struct {
+				Capability string
+				State      bool
+			}
+		}
+		_ = cmd.Args(&a)
+		for _, c := range a.Capabilities {
+			f.Caps[c.Capability] = c.State
+		}
+		return nil, nil
+	case "getfd":
+		var a struct{ Fdname string }
+		_ = cmd.Args(&a)
+		if len(files) != 1 {
+			return nil, gerr("No file descriptor supplied via SCM_RIGHTS")
+		}
+		f.fds[a.Fdname] = files[0]
+		return nil, nil
+	case "stop":
+		f.status = "paused"
+		return nil, nil
+	case "cont":
+		if f.status == "inmigrate" {
+			return nil, gerr("migration is not done")
+		}
+		f.status = "running"
+		return nil, nil
+	case "closefd":
+		var a struct{ Fdname string }
+		_ = cmd.Args(&a)
+		fd, ok := f.fds[a.Fdname]
+		if !ok {
+			return nil, gerr("File descriptor named '" + a.Fdname + "' not found")
+		}
+		fd.Close()
+		delete(f.fds, a.Fdname)
+		return nil, nil
+	case "quit":
+		f.status = "shutdown"
+		return nil, nil
+	case "migrate":
+		if f.RefuseMigrate {
+			return nil, gerr("There's a migration process in progress")
+		}
+		var a struct{ URI string }
+		_ = cmd.Args(&a)
+		fd := f.fds[a.URI[len("fd:"):]]
+		if fd == nil {
+			return nil, gerr("unknown fd")
+		}
+		delete(f.fds, a.URI[len("fd:"):])
+		f.migration = "active"
+		f.done.Add(1)
+		go f.migrateOut(fd)
+		return nil, nil
+	case "migrate-incoming":
+		var a struct{ URI string }
+		_ = cmd.Args(&a)
+		fd := f.fds[a.URI[len("fd:"):]]
+		if fd == nil {
+			return nil, gerr("unknown fd")
+		}
+		f.migration = "active"
+		f.done.Add(1)
+		go f.migrateIn(fd)
+		return nil, nil
+	case "query-migrate":
+		return map[string]any{"status": f.migration}, nil
+	case "migrate_cancel":
+		return nil, nil
+	}
+	return nil, &qmp.Error{Class: "CommandNotFound", Desc: "The command " + cmd.Execute + " has not been found"}
+}
+
+func (f *FakeQEMU) migrateOut(fd *os.File) {
+	defer f.done.Done()
+	defer fd.Close()
+	n := len(f.State)
+	if f.FailMigrate > 0 {
+		n = f.FailMigrate
+	}
+	_, err := fd.Write(f.State[:n])
+	fd.Close()
+	f.mu.Lock()
+	if err != nil || f.FailMigrate > 0 {
+		f.status = "paused"
+		f.migration = "failed"
+		f.mu.Unlock()
+		f.event("failed")
+		return
+	}
+	f.status = "postmigrate"
+	f.migration = "completed"
+	f.mu.Unlock()
+	f.event("completed")
+}
+
+func (f *FakeQEMU) migrateIn(fd *os.File) {
+	defer f.done.Done()
+	defer fd.Close()
+	var buf bytes.Buffer
+	_, _ = io.Copy(&buf, fd)
+	f.mu.Lock()
+	f.Received = buf.Bytes()
+	ok := bytes.Equal(f.Received, f.State)
+	f.migration = "failed"
+	if ok {
+		f.status = "paused"
+		f.migration = "completed"
+	}
+	f.mu.Unlock()
+	if ok {
+		f.event("completed")
+	} else {
+		f.event("failed")
+	}
+}
