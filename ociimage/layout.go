@@ -332,12 +332,8 @@ func (l *Layout) readBlob(ctx context.Context, what string, desc ocispec.Descrip
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
-		return nil, errcode.Wrap(errcode.InvalidInput, err, "invalid %s digest %q", what, desc.Digest)
-	}
-	if desc.Size < 0 || desc.Size > limit {
-		return nil, errcode.New(errcode.InvalidInput,
-			"%s %s is said to be %d bytes, outside the 0 to %d vmsnap accepts; the image is corrupt or was not written by vmsnap", what, desc.Digest, desc.Size, limit)
+	if err := checkFetch(what, desc, limit); err != nil {
+		return nil, err
 	}
 	path := l.blobPath(desc.Digest)
 	f, err := os.Open(path)

@@ -173,3 +173,16 @@ func addToIndex(idx *ocispec.Index, desc ocispec.Descriptor, tag string) {
 	}
 	idx.Manifests = kept
 }
+
+// checkFetch refuses, before a byte is read, a blob whose descriptor has an
+// invalid digest or a size outside 0..limit.
+func checkFetch(what string, desc ocispec.Descriptor, limit int64) error {
+	if _, err := parseDigest(string(desc.Digest)); err != nil {
+		return errcode.Wrap(errcode.InvalidInput, err, "invalid %s digest %q", what, desc.Digest)
+	}
+	if desc.Size < 0 || desc.Size > limit {
+		return errcode.New(errcode.InvalidInput,
+			"%s %s is said to be %d bytes, outside the 0 to %d vmsnap accepts; the image is corrupt or was not written by vmsnap", what, desc.Digest, desc.Size, limit)
+	}
+	return nil
+}

@@ -406,12 +406,8 @@ func (r *Registry) fetch(ctx context.Context, what string, desc ocispec.Descript
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
-		return nil, errcode.Wrap(errcode.InvalidInput, err, "invalid %s digest %q", what, desc.Digest)
-	}
-	if desc.Size < 0 || desc.Size > limit {
-		return nil, errcode.New(errcode.InvalidInput,
-			"%s %s is said to be %d bytes, outside the 0 to %d vmsnap accepts; the image is corrupt or was not written by vmsnap", what, desc.Digest, desc.Size, limit)
+	if err := checkFetch(what, desc, limit); err != nil {
+		return nil, err
 	}
 	kind, accept := "blobs", ""
 	if what == "manifest" {
