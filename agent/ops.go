@@ -37,10 +37,16 @@ type CheckpointSpec struct {
 	DiskPath  string // optional: the qcow2 overlay to capture while the VM is stopped
 	Image     string // where the state goes: oci:DIR[:TAG] or HOST/REPO[:TAG]
 	DiskImage string // where the overlay goes (with DiskPath)
-	Mode      vmstate.Mode
-	Stream    vmstate.StreamOptions
-	Store     []ociimage.Option
-	Progress  Progress
+	// RootfsImage, with CaptureRootfs, is where the QEMU container's
+	// writable layer goes, as a container image. CaptureRootfs stores it
+	// there; the agent sets it from its resolver (it knows the container),
+	// and in pause and snapshot modes it runs while the VM is stopped.
+	RootfsImage   string
+	CaptureRootfs func(ctx context.Context, repo ociimage.Repository) (*rootfs.LayerResult, error)
+	Mode          vmstate.Mode
+	Stream        vmstate.StreamOptions
+	Store         []ociimage.Option
+	Progress      Progress
 	// BeforeStop, if set, runs once everything has been checked and just
 	// before the VM is touched, with whether the VM runs now (the agent
 	// journals there).
@@ -54,6 +60,9 @@ func (s CheckpointSpec) Validate() error {
 	}
 	if (s.DiskPath == "") != (s.DiskImage == "") {
 		return errcode.New(errcode.Usage, "the disk overlay and its image reference go together")
+	}
+	if s.RootfsImage != "" && s.Mode == vmstate.ModeLive {
+		return errcode.New(errcode.Usage, "live mode keeps the VM running, so the container's writable layer would not match the captured memory: use mode snapshot or pause to capture it")
 	}
 	if s.Mode == vmstate.ModeLive && s.DiskPath != "" {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so its disk would not match the captured memory: use mode snapshot or pause to capture the disk")
@@ -91,6 +100,15 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	if err != nil {
 		return nil, err
 	}
+	var rootfsRepo ociimage.Repository
+	if s.RootfsImage != "" {
+		if s.CaptureRootfs == nil {
+			return nil, errcode.New(errcode.Usage, "capturing the container's writable layer needs the node agent, which finds the container through containerd: checkpoint through --agent")
+		}
+		if rootfsRepo, err = openStore(ctx, s.RootfsImage, s.Store); err != nil {
+			return nil, err
+		}
+	}
 	var diskRepo ociimage.Repository
 	if s.DiskPath != "" {
 		if diskRepo, err = openStore(ctx, s.DiskImage, s.Store); err != nil {
@@ -118,17 +136,26 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 
 	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream)}
 	var disk *rootfs.CaptureResult
-	if diskRepo != nil {
+	var layer *rootfs.LayerResult
+	if diskRepo != nil || rootfsRepo != nil {
 		opts.WhileStopped = func(ctx context.Context) (vmstate.Link, error) {
+			link := vmstate.Link{Annotations: map[string]string{}}
 			var err error
-			disk, err = rootfs.Capture(ctx, s.DiskPath, diskRepo, s.Progress.stream("disk", s.Stream))
-			if err != nil {
-				return vmstate.Link{}, err
+			if diskRepo != nil {
+				disk, err = rootfs.Capture(ctx, s.DiskPath, diskRepo, s.Progress.stream("disk", s.Stream))
+				if err != nil {
+					return vmstate.Link{}, err
+				}
+				link.Annotations[ociimage.AnnotationDiskImage] = disk.Image.String()
+				link.Subject = &disk.Manifest
 			}
-			return vmstate.Link{
-				Annotations: map[string]string{ociimage.AnnotationDiskImage: disk.Image.String()},
-				Subject:     &disk.Manifest,
-			}, nil
+			if rootfsRepo != nil {
+				if layer, err = s.CaptureRootfs(ctx, rootfsRepo); err != nil {
+					return vmstate.Link{}, err
+				}
+				link.Annotations[ociimage.AnnotationRootfsImage] = layer.Image.String()
+			}
+			return link, nil
 		}
 	}
 	res, err := vmstate.Checkpoint(ctx, mon, repo, opts)
@@ -162,6 +189,14 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			RawBytes: disk.Stream.RawBytes, StoredBytes: disk.Stream.StoredBytes, UploadedBytes: disk.Stream.UploadedBytes,
 			Chunks: len(disk.Stream.Layers), VirtualSize: disk.Config.VirtualSize, BackingFile: disk.Config.BackingFile,
 			DurationsMs: map[string]float64{"total": api.Ms(disk.Duration)},
+		}
+	}
+	if layer != nil {
+		out.Rootfs = &api.RootfsResult{
+			Image: layer.Image.String(), Digest: layer.Manifest.Digest.String(), ContainerID: layer.ContainerID,
+			BaseImage: layer.BaseImage, Layer: layer.Layer.Digest.String(), LayerBytes: layer.Layer.Size, Compression: layer.Compression,
+			StoredBytes: layer.StoredBytes, UploadedBytes: layer.UploadedBytes,
+			DurationsMs: map[string]float64{"diff": api.Ms(layer.Durations.Diff), "push": api.Ms(layer.Durations.Push), "total": api.Ms(layer.Durations.Total)},
 		}
 	}
 	return out, nil

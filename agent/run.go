@@ -7,6 +7,8 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/rootfs"
 	"github.com/vmsnap/vmsnap/vmstate"
 )
 
@@ -18,7 +20,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		mode = vmstate.ModeSnapshot
 	}
 	spec := CheckpointSpec{
-		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, Mode: mode,
+		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: mode,
 		Stream: vmstate.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
 	}
 	if err := spec.Validate(); err != nil {
@@ -29,6 +31,15 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		return api.Operation{}, err
 	}
 	spec.QMPPath, spec.DiskPath = target.QMPPath, target.DiskPath
+	if spec.RootfsImage != "" {
+		rc, ok := s.cfg.Resolver.(RootfsCapturer)
+		if !ok {
+			return api.Operation{}, errcode.New(errcode.Usage, "this agent's resolver cannot capture a container's writable layer (it needs containerd)")
+		}
+		spec.CaptureRootfs = func(ctx context.Context, repo ociimage.Repository) (*rootfs.LayerResult, error) {
+			return rc.CaptureRootfs(ctx, target, repo)
+		}
+	}
 	o := newOp(api.KindCheckpoint, req.VM, &target)
 	return s.start(o, func(ctx context.Context) error {
 		spec.Progress = s.progress(o)

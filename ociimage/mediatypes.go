@@ -28,8 +28,9 @@ const (
 	AnnotationMachine     = "dev.vmsnap.qemu.machine"
 	AnnotationMemory      = "dev.vmsnap.vm.memory"
 	AnnotationRawBytes    = "dev.vmsnap.stream.raw-bytes"
-	AnnotationDiskImage   = "dev.vmsnap.disk.image" // on a vmstate manifest: the disk image REF@DIGEST
-	AnnotationDiskPath    = "dev.vmsnap.disk.path"  // on a disk manifest: the overlay's path at capture
+	AnnotationDiskImage   = "dev.vmsnap.disk.image"   // on a vmstate manifest: the disk image REF@DIGEST
+	AnnotationDiskPath    = "dev.vmsnap.disk.path"    // on a disk manifest: the overlay's path at capture
+	AnnotationRootfsImage = "dev.vmsnap.rootfs.image" // on a vmstate manifest: the container image REF@DIGEST
 	AnnotationCreated     = "org.opencontainers.image.created"
 	AnnotationRefName     = "org.opencontainers.image.ref.name"
 	AnnotationTitle       = "org.opencontainers.image.title"

@@ -60,6 +60,13 @@ func CreateAtomic(path string, perm os.FileMode) (*AtomicFile, error) {
 		if err != nil {
 			return nil, errcode.Wrap(errcode.Internal, err, "creating a temporary file for %s", path)
 		}
+		// The mode is the caller's decision, not the umask's: a restored
+		// overlay must be writable by the group QEMU shares.
+		if err := f.Chmod(perm); err != nil {
+			f.Close()
+			os.Remove(tmpPath)
+			return nil, errcode.Wrap(errcode.Internal, err, "setting the mode of %s", tmpPath)
+		}
 		return &AtomicFile{path: path, tmp: f, buf: make([]byte, 0, sparseBlock)}, nil
 	}
 	return nil, errcode.New(errcode.Internal, "creating a temporary file for %s: every random name was taken", path)

@@ -182,3 +182,40 @@ func (l *lazyIncoming) Write(p []byte) (int, error) {
 	}
 	return n, err
 }
+
+// FinishIncoming waits until a QEMU that loads a stream by itself (started
+// with -incoming "exec:vmsnap stream ...") has loaded it, then sets the run
+// state: continued, or stopped if paused is set. QEMU keeps the run state
+// recorded in the stream, and a checkpoint stops the VM before capturing
+// it, so without this the restored VM would stay paused.
+func FinishIncoming(ctx context.Context, mon Executor, paused bool) (running bool, err error) {
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		st, err := queryStatus(ctx, mon)
+		if err != nil {
+			return false, errcode.Wrap(errcode.QMPError, err, "waiting for QEMU to load the state (a QEMU that failed to load exits: see its log)")
+		}
+		switch st.Status {
+		case "inmigrate":
+			select {
+			case <-tick.C:
+				continue
+			case <-ctx.Done():
+				return false, errcode.Wrap(errcode.QMPError, context.Cause(ctx), "QEMU was still loading the state")
+			}
+		case "running":
+			if paused {
+				return false, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "stop", nil, nil), "stopping the restored VM")
+			}
+			return true, nil
+		case "paused", "postmigrate", "prelaunch":
+			if paused {
+				return false, nil
+			}
+			return true, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "cont", nil, nil), "continuing the restored VM")
+		default:
+			return false, errcode.New(errcode.QMPError, "QEMU is %s after loading the state: see its log", st.Status)
+		}
+	}
+}

@@ -17,6 +17,7 @@ import (
 type CheckpointResult struct {
 	VMState    VMStateResult `json:"vmstate"`
 	Disk       *DiskResult   `json:"disk,omitempty"`
+	Rootfs     *RootfsResult `json:"rootfs,omitempty"`
 	Mode       string        `json:"mode"`
 	DowntimeMs float64       `json:"downtimeMs"`
 	VMRunning  bool          `json:"vmRunning"`
@@ -48,6 +49,21 @@ type DiskResult struct {
 	Chunks        int                `json:"chunks"`
 	VirtualSize   uint64             `json:"virtualSize"`
 	BackingFile   string             `json:"backingFile,omitempty"`
+	DurationsMs   map[string]float64 `json:"durationsMs"`
+}
+
+// RootfsResult describes a stored container image: the QEMU container's
+// image plus one layer holding the diff of its writable layer.
+type RootfsResult struct {
+	Image         string             `json:"image"` // REF@sha256:...
+	Digest        string             `json:"digest"`
+	ContainerID   string             `json:"containerID"`
+	BaseImage     string             `json:"baseImage"`
+	Layer         string             `json:"layer"`       // digest of the new layer
+	LayerBytes    int64              `json:"layerBytes"`  // its size, compressed
+	Compression   string             `json:"compression"` // zstd, or gzip where containerd cannot write zstd (1.6)
+	StoredBytes   int64              `json:"storedBytes"`
+	UploadedBytes int64              `json:"uploadedBytes"`
 	DurationsMs   map[string]float64 `json:"durationsMs"`
 }
 
@@ -177,9 +193,12 @@ type CheckpointRequest struct {
 	VM        VMRef  `json:"vm"`
 	Image     string `json:"image"`
 	DiskImage string `json:"diskImage,omitempty"` // with VM.DiskPath
-	Mode      string `json:"mode,omitempty"`      // pause, snapshot (default) or live
-	ChunkSize int    `json:"chunkSize,omitempty"`
-	Workers   int    `json:"workers,omitempty"`
+	// RootfsImage, if set, is where the QEMU container's writable layer
+	// goes, as a container image (its image plus one layer).
+	RootfsImage string `json:"rootfsImage,omitempty"`
+	Mode        string `json:"mode,omitempty"` // pause, snapshot (default) or live
+	ChunkSize   int    `json:"chunkSize,omitempty"`
+	Workers     int    `json:"workers,omitempty"`
 }
 
 // RestoreRequest asks the agent to load VM state into a QEMU on its node

@@ -502,7 +502,7 @@ func TestRestoreInitContainer(t *testing.T) {
 		t.Errorf("ephemeral-storage limit %s is below the state volume's size limit", lim.String())
 	}
 	want := []string{"vmsnap", "restore", "--image", "${STATE_IMAGE}@${STATE_DIGEST}",
-		"--disk-image", "${DISK_IMAGE}@${DISK_DIGEST}", "--disk", "/vm/disk/overlay.qcow2", "--to-dir", "/vm/state"}
+		"--disk-image", "${DISK_IMAGE}@${DISK_DIGEST}", "--disk", "/vm/disk/overlay.qcow2", "--to-dir", "/vm/state", "--max-bytes", "8589934592"}
 	if !slices.Equal(c.Command, want) {
 		t.Errorf("command %q, want %q", c.Command, want)
 	}
@@ -540,7 +540,7 @@ func TestRestoreInitContainer(t *testing.T) {
 		t.Error("the example pod has no RuntimeDefault seccomp profile")
 	}
 	q := ps.Containers[0]
-	if !slices.Equal(q.Args, []string{"-incoming", "exec:vmsnap stream --dir /vm/state"}) {
+	if !slices.Equal(q.Args, []string{"-incoming", "exec:vmsnap stream --dir /vm/state --qmp /vm/run/qmp.sock"}) {
 		t.Errorf("QEMU args %q", q.Args)
 	}
 	if m := mountOf(t, q, "vmsnap-state"); !m.ReadOnly {
@@ -549,7 +549,7 @@ func TestRestoreInitContainer(t *testing.T) {
 	for _, line := range []string{"- name: DOCKER_CONFIG", "secretName: " + DefaultPullSecret, "- -incoming", "initContainers:"} {
 		commentAbove(t, doc, line)
 	}
-	for _, s := range []string{"-incoming defer", `-incoming "exec:vmsnap stream --dir /vm/state"`, "ephemeral-storage"} {
+	for _, s := range []string{"-incoming defer", `-incoming "exec:vmsnap stream --dir /vm/state --qmp /vm/run/qmp.sock"`, "ephemeral-storage"} {
 		if !strings.Contains(doc, s) {
 			t.Errorf("the restore example does not mention %q", s)
 		}

@@ -58,6 +58,9 @@ const (
 
 	// SocketName is the agent's API socket inside SocketDir.
 	SocketName = "agent.sock"
+	// DefaultQMPSocket is where the examples put the QEMU container's
+	// monitor socket.
+	DefaultQMPSocket = "/vm/run/qmp.sock"
 	// RegistryConfigDir is where the registry credentials secret is mounted
 	// (DOCKER_CONFIG): it holds config.json, the secret's .dockerconfigjson.
 	RegistryConfigDir = "/etc/vmsnap/registry"
@@ -134,6 +137,10 @@ type Options struct {
 	RestoreStateDir       string
 	RestoreStateVolume    string
 	RestoreStateSizeLimit resource.Quantity
+	// QMPSocket is the QEMU container's monitor socket (QEMU's -qmp
+	// unix:PATH,server=on,wait=off), for IncomingExec (default
+	// DefaultQMPSocket).
+	QMPSocket string
 	// RestoreDiskPath is where the init container puts the disk overlay, on
 	// RestoreDiskVolume: normally the QEMU container's own disk volume.
 	RestoreDiskPath   string
@@ -187,6 +194,9 @@ func (o Options) withDefaults() Options {
 	}
 	def(&o.RestoreStateDir, DefaultRestoreStateDir)
 	def(&o.RestoreStateVolume, DefaultRestoreStateVolume)
+	if o.QMPSocket == "" {
+		o.QMPSocket = DefaultQMPSocket
+	}
 	if o.RestoreStateSizeLimit.IsZero() {
 		o.RestoreStateSizeLimit = resource.MustParse(DefaultRestoreStateLimit)
 	}

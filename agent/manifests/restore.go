@@ -3,6 +3,7 @@ package manifests
 import (
 	"fmt"
 	"path"
+	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -34,16 +35,21 @@ func RestoreArgs(o Options, r Restore) []string {
 		args = append(args, "--disk-image", r.DiskImage, "--disk", o.RestoreDiskPath)
 	}
 	if r.Image != "" {
-		args = append(args, "--to-dir", o.RestoreStateDir)
+		// Refuse an image the state volume could not hold before pulling it,
+		// rather than be evicted half-way.
+		args = append(args, "--to-dir", o.RestoreStateDir, "--max-bytes", strconv.FormatInt(o.RestoreStateSizeLimit.Value(), 10))
 	}
 	return args
 }
 
 // IncomingExec are the QEMU arguments that load the state the init
 // container staged, through `vmsnap stream` (the QEMU image needs /bin/sh
-// and vmsnap for it). Add them to the source VM's exact options.
+// and vmsnap for it). Add them to the source VM's exact options. vmsnap
+// stream continues the VM over QEMU's monitor (QMPSocket) once it is loaded:
+// the stream records the stopped VM of the checkpoint.
 func IncomingExec(o Options) []string {
-	return []string{"-incoming", "exec:vmsnap stream --dir " + o.withDefaults().RestoreStateDir}
+	o = o.withDefaults()
+	return []string{"-incoming", "exec:vmsnap stream --dir " + o.RestoreStateDir + " --qmp " + o.QMPSocket}
 }
 
 // IncomingDefer are the QEMU arguments for a restore driven by the agent:

@@ -55,6 +55,7 @@ func (f *agentFlags) check() error {
 
 type checkpointFlags struct {
 	qmp, image, disk, diskImage, mode string
+	rootfsImage                       string
 	timeout                           time.Duration
 	stream                            streamFlags
 	registry                          registryFlags
@@ -102,6 +103,7 @@ checkpoint; the agent pushes with its own registry credentials.`,
 	c.Flags().StringVar(&f.image, "image", "", "where to store the VM state image: oci:DIR[:TAG] or HOST/REPO[:TAG] (required)")
 	c.Flags().StringVar(&f.disk, "disk", "", "the VM's writable qcow2 overlay to capture as well")
 	c.Flags().StringVar(&f.diskImage, "disk-image", "", "where to store the disk overlay image (required with --disk)")
+	c.Flags().StringVar(&f.rootfsImage, "rootfs-image", "", "with --agent: also capture the QEMU container's writable layer (its image plus one layer of changes) as an image here")
 	c.Flags().StringVar(&f.mode, "mode", string(vmstate.ModeSnapshot), "pause, snapshot or live (see above)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
 	f.stream.add(c)
@@ -128,7 +130,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 	if f.agent.address != "" {
 		o, err := viaAgent(ctx, out, f.agent.address, func(c *agent.Client) (api.Operation, error) {
 			return c.Checkpoint(ctx, api.CheckpointRequest{
-				VM: f.agent.vm(f.qmp, f.disk), Image: f.image, DiskImage: f.diskImage, Mode: string(mode),
+				VM: f.agent.vm(f.qmp, f.disk), Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: string(mode),
 				ChunkSize: f.stream.chunkSize, Workers: f.stream.workers,
 			})
 		})
@@ -137,6 +139,9 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		}
 		res = o.Checkpoint
 	} else {
+		if f.rootfsImage != "" {
+			return errcode.New(errcode.Usage, "--rootfs-image captures a container's writable layer through the node's containerd: use it with --agent")
+		}
 		p := newPhasedProgress(out.stderr)
 		res, err = agent.Checkpoint(ctx, agent.CheckpointSpec{
 			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, Mode: mode,
@@ -159,6 +164,10 @@ func printCheckpoint(w io.Writer, r *api.CheckpointResult) {
 	if r.Disk != nil {
 		fmt.Fprintf(w, "disk:    %s\n", r.Disk.Image)
 		fmt.Fprintf(w, "  %s overlay stored as %s (%s new)\n", humanBytes(r.Disk.RawBytes), humanBytes(r.Disk.StoredBytes), humanBytes(r.Disk.UploadedBytes))
+	}
+	if r.Rootfs != nil {
+		fmt.Fprintf(w, "rootfs:  %s\n", r.Rootfs.Image)
+		fmt.Fprintf(w, "  container %s: one %s layer of %s on %s\n", r.Rootfs.ContainerID, r.Rootfs.Compression, humanBytes(r.Rootfs.LayerBytes), r.Rootfs.BaseImage)
 	}
 	state := "running"
 	if !r.VMRunning {

@@ -46,8 +46,18 @@ type inspectDoc struct {
 	VMState      *vmstate.Config    `json:"vmstate,omitempty"`
 	Disk         *rootfs.DiskConfig `json:"disk,omitempty"`
 	LinkedDisk   *inspectDoc        `json:"linkedDisk,omitempty"`
+	// LinkedRootfs is the QEMU container's writable layer, captured with
+	// the VM (an ordinary container image).
+	LinkedRootfs *rootfsLinkDoc `json:"linkedRootfs,omitempty"`
 	// Referrers are the VM state images whose subject is this disk image.
 	Referrers []referrerDoc `json:"referrers,omitempty"`
+}
+
+type rootfsLinkDoc struct {
+	Image  string `json:"image"`
+	Digest string `json:"digest"`
+	Layers int    `json:"layers"`
+	Bytes  int64  `json:"bytes"`
 }
 
 type referrerDoc struct {
@@ -110,6 +120,11 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 				return nil, errcode.Wrap(errcode.Of(err), err, "the linked disk image %s", link)
 			}
 		}
+		if link := m.Annotations[ociimage.AnnotationRootfsImage]; link != "" && follow {
+			if doc.LinkedRootfs, err = inspectRootfs(ctx, link, opts); err != nil {
+				return nil, errcode.Wrap(errcode.Of(err), err, "the linked rootfs image %s", link)
+			}
+		}
 	case ociimage.ArtifactTypeDisk:
 		_, _, cfg, err := rootfs.LoadDiskConfig(ctx, pinned)
 		if err != nil {
@@ -167,6 +182,9 @@ func printInspect(w io.Writer, d *inspectDoc, indent string) {
 	for _, k := range keys {
 		fmt.Fprintf(w, "%s  %s=%s\n", indent, k, d.Annotations[k])
 	}
+	if r := d.LinkedRootfs; r != nil {
+		fmt.Fprintf(w, "%slinked rootfs image: %s (%d layers, %s)\n", indent, r.Image, r.Layers, humanBytes(r.Bytes))
+	}
 	if d.LinkedDisk != nil {
 		fmt.Fprintf(w, "%slinked disk image:\n", indent)
 		printInspect(w, d.LinkedDisk, indent+"  ")
@@ -177,4 +195,29 @@ func printInspect(w io.Writer, d *inspectDoc, indent string) {
 			fmt.Fprintf(w, "%s  %s (mode %s, taken %s)\n", indent, r.Image, r.Annotations[ociimage.AnnotationMode], r.Annotations[ociimage.AnnotationCreated])
 		}
 	}
+}
+
+// inspectRootfs describes a captured container image by its manifest.
+func inspectRootfs(ctx context.Context, link string, opts []ociimage.Option) (*rootfsLinkDoc, error) {
+	ref, err := ociimage.ParseReference(link)
+	if err != nil {
+		return nil, err
+	}
+	repo, err := ociimage.Open(ctx, ref, opts...)
+	if err != nil {
+		return nil, err
+	}
+	desc, err := repo.Resolve(ctx)
+	if err != nil {
+		return nil, err
+	}
+	m, err := repo.Manifest(ctx, desc)
+	if err != nil {
+		return nil, err
+	}
+	d := &rootfsLinkDoc{Image: ref.WithDigest(desc.Digest).String(), Digest: desc.Digest.String(), Layers: len(m.Layers)}
+	for _, l := range m.Layers {
+		d.Bytes += l.Size
+	}
+	return d, nil
 }

@@ -128,7 +128,7 @@ Exit status: 0 on success, otherwise the error code's status (see README).`,
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		return errcode.New(errcode.Usage, "%v (see %s --help)", err, c.CommandPath())
 	})
-	root.AddCommand(newCheckpointCmd(out), newRestoreCmd(out), newInspectCmd(out), newStreamCmd(),
+	root.AddCommand(newCheckpointCmd(out), newRestoreCmd(out), newInspectCmd(out), newStreamCmd(), newContinueCmd(),
 		newAgentCmd(out), newManifestsCmd(out))
 	return root
 }

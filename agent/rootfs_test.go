@@ -1,0 +1,155 @@
+package agent
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	containerd "github.com/containerd/containerd/v2/client"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
+	"github.com/vmsnap/vmsnap/rootfs"
+)
+
+// ctrdResolver is the static resolver that can also capture a container's
+// writable layer, through a real containerd (what agent/containerd does).
+type ctrdResolver struct {
+	*staticResolver
+	client *containerd.Client
+}
+
+func (r *ctrdResolver) CaptureRootfs(ctx context.Context, t Target, repo ociimage.Repository) (*rootfs.LayerResult, error) {
+	return rootfs.CaptureLayer(ctx, r.client, testcontainerd.Namespace, t.ContainerID, repo, rootfs.LayerOptions{})
+}
+
+// TestAgentCheckpointWithRootfsLayer: one checkpoint through the agent
+// stores the VM state, the disk overlay and the container's writable layer,
+// returns the three digests, and the state manifest names the other two.
+func TestAgentCheckpointWithRootfsLayer(t *testing.T) {
+	d := testcontainerd.Start(t)
+	c := d.Create(t, testcontainerd.PodContainer{PodUID: uid1, Args: []string{"/bin/busybox", "sh", "-c",
+		"echo launch > /launch.conf && echo ready > /run/vm/ready && exec sleep 3600"}})
+	deadline := time.Now().Add(30 * time.Second)
+	for _, err := os.Stat(filepath.Join(c.HostDir, "ready")); err != nil; _, err = os.Stat(filepath.Join(c.HostDir, "ready")) {
+		if time.Now().After(deadline) {
+			t.Fatal("the container did not start")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	overlay := testguest.NewDisk(t, t.TempDir())
+	vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20))
+	res := &ctrdResolver{newStaticResolver(), d.Client}
+	res.vms[uid1] = api.Target{PodUID: uid1, Container: "qemu", ContainerID: c.ID, QMPPath: vm.Path(), DiskPath: overlay}
+	a := startAgentWith(t, res)
+	store := t.TempDir()
+
+	ctx := context.Background()
+	op, err := a.client.Checkpoint(ctx, api.CheckpointRequest{
+		VM:    api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock", DiskPath: "/run/vm/overlay.qcow2"},
+		Image: "oci:" + store + ":vm", DiskImage: "oci:" + store + ":disk", RootfsImage: "oci:" + store + ":rootfs", Mode: "pause",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	final := waitOp(t, a.client, op.ID)
+	cp := final.Checkpoint
+	if final.State != api.StateSucceeded || cp == nil || cp.Disk == nil || cp.Rootfs == nil {
+		t.Fatalf("checkpoint ended %+v (error %+v)", final, final.Error)
+	}
+	for what, img := range map[string]string{"vmstate": cp.VMState.Image, "disk": cp.Disk.Image, "rootfs": cp.Rootfs.Image} {
+		if !strings.Contains(img, "@sha256:") {
+			t.Errorf("%s image %q is not pinned by digest", what, img)
+		}
+	}
+	if cp.Rootfs.ContainerID != c.ID || cp.Rootfs.Compression == "" || cp.Rootfs.LayerBytes == 0 {
+		t.Errorf("rootfs result %+v", cp.Rootfs)
+	}
+	ref, err := ociimage.ParseReference(cp.VMState.Image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	repo, err := ociimage.Open(ctx, ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, err := repo.Resolve(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := repo.Manifest(ctx, desc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Annotations[ociimage.AnnotationRootfsImage] != cp.Rootfs.Image || m.Annotations[ociimage.AnnotationDiskImage] != cp.Disk.Image {
+		t.Errorf("state manifest annotations %v do not name the rootfs %s and disk %s images", m.Annotations, cp.Rootfs.Image, cp.Disk.Image)
+	}
+}
+
+// TestAgentRootfsNeedsContainerd: a resolver that cannot reach containers
+// refuses a rootfs image at once, before anything is touched.
+func TestAgentRootfsNeedsContainerd(t *testing.T) {
+	vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<10))
+	res := newStaticResolver()
+	res.add(uid1, vm.Path())
+	a := startAgent(t, t.TempDir(), res, 2)
+	store := t.TempDir()
+	_, err := a.client.Checkpoint(context.Background(), api.CheckpointRequest{
+		VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock"}, Image: "oci:" + store + ":vm", RootfsImage: "oci:" + store + ":rootfs",
+	})
+	if !errcode.Is(err, errcode.Usage) {
+		t.Fatalf("rootfs image with a resolver that cannot capture: %v, want USAGE", err)
+	}
+	if vm.Status() != "running" {
+		t.Fatal("the VM was touched")
+	}
+	_, err = a.client.Checkpoint(context.Background(), api.CheckpointRequest{
+		VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock"}, Image: "oci:" + store + ":vm", RootfsImage: "oci:" + store + ":rootfs", Mode: "live",
+	})
+	if !errcode.Is(err, errcode.Usage) {
+		t.Fatalf("rootfs image in live mode: %v, want USAGE", err)
+	}
+}
+
+// startAgentWith is startAgent for any Resolver.
+func startAgentWith(t *testing.T, resolver Resolver) *testAgent {
+	t.Helper()
+	sockDir, err := os.MkdirTemp("", "vmsnap-agent-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(sockDir) })
+	socket := filepath.Join(sockDir, "agent.sock")
+	srv, err := New(context.Background(), Config{
+		Socket: socket, StateDir: t.TempDir(), Resolver: resolver,
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	client, err := NewClient("unix://" + socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for client.Health(context.Background()) != nil {
+		if time.Now().After(deadline) {
+			t.Fatal("agent did not come up")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return &testAgent{srv: srv, client: client, socket: socket}
+}
