@@ -136,7 +136,7 @@ func (r *Registry) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, s
 		return nil
 	}
 	layer := &readerAtLayer{desc: desc, src: src}
-	err := r.withRetry(ctx, "storing blob "+string(desc.Digest), func(ctx context.Context) error {
+	err := r.withRetry(ctx, "storing blob "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
 		err := r.pusher.Upload(ctx, r.repo, layer)
 		// The registry hashed what we sent: the source is not the blob.
 		var terr *transport.Error

@@ -50,6 +50,7 @@ type Registry struct {
 	pusher   *remote.Pusher
 	attempts int
 	backoff  time.Duration
+	tryBase  time.Duration // a request's time limit before its transfer (tests shorten it)
 	insecure bool // plain HTTP allowed (WithInsecureRegistry)
 
 	mu sync.Mutex
@@ -155,7 +156,7 @@ func (r *Registry) HasBlob(ctx context.Context, d digest.Digest) (bool, error) {
 		return true, ctx.Err()
 	}
 	var have bool
-	err := r.withRetry(ctx, "checking for blob "+string(d), func(ctx context.Context) error {
+	err := r.withRetry(ctx, "checking for blob "+string(d), 0, func(ctx context.Context) error {
 		size, ok, err := r.headBlob(ctx, d)
 		if err == nil && ok {
 			r.remember(d, size)
@@ -198,7 +199,7 @@ func (r *Registry) PutBlob(ctx context.Context, desc ocispec.Descriptor, data []
 		return nil
 	}
 	layer := &blobLayer{desc: desc, data: data}
-	err := r.withRetry(ctx, "storing blob "+string(desc.Digest), func(ctx context.Context) error {
+	err := r.withRetry(ctx, "storing blob "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
 		return r.pusher.Upload(ctx, r.repo, layer)
 	})
 	if err != nil {
@@ -234,7 +235,7 @@ func (r *Registry) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec
 		target = r.repo.Tag(r.ref.Tag)
 	}
 	raw := rawManifest{data: b, mediaType: types.MediaType(desc.MediaType)}
-	err = r.withRetry(ctx, "storing the manifest "+string(desc.Digest), func(ctx context.Context) error {
+	err = r.withRetry(ctx, "storing the manifest "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
 		return r.pusher.Put(ctx, target, raw)
 	})
 	if err != nil {
@@ -257,7 +258,7 @@ func (r *Registry) checkBlobs(ctx context.Context, m ocispec.Manifest) error {
 			size, ok := r.known.Load(bd.Digest)
 			if !ok {
 				var have bool
-				err := r.withRetry(gctx, "checking for blob "+string(bd.Digest), func(ctx context.Context) error {
+				err := r.withRetry(gctx, "checking for blob "+string(bd.Digest), 0, func(ctx context.Context) error {
 					var err error
 					var n int64
 					n, have, err = r.headBlob(ctx, bd.Digest)
@@ -298,7 +299,7 @@ func (r *Registry) Resolve(ctx context.Context) (ocispec.Descriptor, error) {
 			"%s names neither a tag nor a digest; use %s:TAG or %s@sha256:HEX", r.ref, r.ref, r.ref)
 	}
 	var desc ocispec.Descriptor
-	err := r.withRetry(ctx, what, func(ctx context.Context) error {
+	err := r.withRetry(ctx, what, 0, func(ctx context.Context) error {
 		var err error
 		desc, err = r.resolve(ctx, ident)
 		return err
@@ -414,7 +415,7 @@ func (r *Registry) fetch(ctx context.Context, what string, desc ocispec.Descript
 		kind, accept = "manifests", manifestAccept
 	}
 	var out []byte
-	err := r.withRetry(ctx, "fetching "+what+" "+string(desc.Digest), func(ctx context.Context) error {
+	err := r.withRetry(ctx, "fetching "+what+" "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
 		resp, err := r.send(ctx, http.MethodGet, r.url(kind, string(desc.Digest)), accept)
 		if err != nil {
 			return err
@@ -468,7 +469,7 @@ func (r *Registry) Referrers(ctx context.Context, desc ocispec.Descriptor) ([]oc
 		return nil, errcode.Wrap(errcode.InvalidInput, err, "invalid manifest digest %q", desc.Digest)
 	}
 	var out []ocispec.Descriptor
-	err := r.withRetry(ctx, "listing the referrers of "+string(desc.Digest), func(ctx context.Context) error {
+	err := r.withRetry(ctx, "listing the referrers of "+string(desc.Digest), 0, func(ctx context.Context) error {
 		var err error
 		out, err = r.referrers(ctx, desc.Digest)
 		return err
@@ -527,7 +528,7 @@ func (r *Registry) referrers(ctx context.Context, d digest.Digest) ([]ocispec.De
 
 // checkAccess makes one authenticated request (GET /v2/).
 func (r *Registry) checkAccess(ctx context.Context) error {
-	return r.withRetry(ctx, "checking access", func(ctx context.Context) error {
+	return r.withRetry(ctx, "checking access", 0, func(ctx context.Context) error {
 		resp, err := r.send(ctx, http.MethodGet, r.scheme()+"://"+r.ref.Registry+"/v2/", "")
 		if err != nil {
 			return err
@@ -667,17 +668,29 @@ func (e *plainHTTPRefused) Error() string {
 
 // withRetry runs op, trying again with backoff while it fails transiently,
 // and turns its final error into a coded one that says what failed.
-func (r *Registry) withRetry(ctx context.Context, what string, op func(context.Context) error) error {
+func (r *Registry) withRetry(ctx context.Context, what string, size int64, op func(context.Context) error) error {
 	delay := r.backoff
+	limit := r.tryLimit(size)
 	for try := 1; ; try++ {
-		err := op(ctx)
+		// Each try has a deadline of its own: a registry that accepts a
+		// request and then stops answering must not hold a checkpoint (and
+		// its stopped VM) until the caller's overall timeout.
+		tctx, cancel := context.WithTimeoutCause(ctx, limit, errStalled)
+		err := op(tctx)
+		stalled := ctx.Err() == nil && context.Cause(tctx) == errStalled
+		cancel()
 		if err == nil {
 			return nil
 		}
 		if cerr := ctx.Err(); cerr != nil {
 			return cerr
 		}
-		if try >= r.attempts || !retryable(err) {
+		if stalled {
+			if try >= r.attempts {
+				return errcode.New(errcode.RegistryError, "%s: registry %s stopped answering (no answer within %v, %d tries)",
+					what, r.ref.Registry, limit.Round(time.Second), try)
+			}
+		} else if try >= r.attempts || !retryable(err) {
 			return r.describe(ctx, what, err, try)
 		}
 		// ±20% jitter, so workers that failed together do not retry together.
@@ -691,6 +704,19 @@ func (r *Registry) withRetry(ctx context.Context, what string, op func(context.C
 		}
 		delay = min(delay*3, 30*time.Second)
 	}
+}
+
+// errStalled is the cause of a try that ran out of its own time.
+var errStalled = errors.New("the registry stopped answering")
+
+// tryLimit is how long one request moving size bytes may take: a base for
+// the round trips plus the transfer at a slow 1 MiB/s.
+func (r *Registry) tryLimit(size int64) time.Duration {
+	base := r.tryBase
+	if base == 0 {
+		base = 20 * time.Second
+	}
+	return base + time.Duration(size>>20)*time.Second
 }
 
 // retryable tells transient failures from those another try cannot fix.

@@ -700,3 +700,36 @@ func TestCredentialsFile(t *testing.T) {
 		t.Fatalf("%+v %v", c, err)
 	}
 }
+
+// A registry that accepts an upload and then never answers: each try runs
+// out of its own time and the push fails as REGISTRY_ERROR naming the
+// registry, without waiting for the caller's (long) deadline.
+func TestRegistryStallFailsEachTryOnItsOwn(t *testing.T) {
+	f := newFakeRegistry(t)
+	repo := f.open(t, "vm:x", WithRetry(2, 10*time.Millisecond))
+	repo.(*Registry).tryBase = 300 * time.Millisecond
+	descs, datas := testChunks(t, 1, 4096)
+	release := make(chan struct{})
+	defer close(release)
+	var stalls atomic.Int64
+	f.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
+		if strings.Contains(r.URL.Path, "/blobs/uploads/") {
+			stalls.Add(1)
+			select { // reads nothing more, answers nothing
+			case <-release:
+			case <-r.Context().Done():
+			}
+			return true
+		}
+		return false
+	})
+	start := time.Now()
+	err := repo.PutBlob(context.Background(), descs[0], datas[0])
+	took := time.Since(start)
+	if errcode.Of(err) != errcode.RegistryError || !strings.Contains(err.Error(), "stopped answering") || !strings.Contains(err.Error(), f.host) {
+		t.Fatalf("err = %v, want REGISTRY_ERROR saying the registry %s stopped answering", err, f.host)
+	}
+	if stalls.Load() != 2 || took > 5*time.Second {
+		t.Fatalf("%d stalled tries in %v, want 2 tries of about 0.3 s", stalls.Load(), took)
+	}
+}

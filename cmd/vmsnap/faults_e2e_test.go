@@ -1,0 +1,787 @@
+//go:build linux
+
+package main
+
+// The fault matrix, each fault injected into the real part where it lives:
+// a real registry (docker-registry with TLS and htpasswd, internal/testregistry)
+// behind a small TLS reverse proxy of our own that answers 500s, stalls or
+// throttles; a real QEMU (TCG guests, internal/testguest) killed with SIGKILL
+// mid-stream; a real filesystem that fills up (a tiny tmpfs). For each fault
+// the test asserts the error code and exit status, the VM's state afterwards
+// (seen through a second QMP monitor of the test's own), that no tag names a
+// partial snapshot, and that no temporary file is left behind.
+//
+// Covered elsewhere: the agent killed mid-checkpoint
+// (TestAgentE2EKilledAgentContinuesVMOnRestart) and the registry killed
+// mid-push (TestRegistryE2EKilledMidPush).
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/json"
+	"encoding/pem"
+	"fmt"
+	"io"
+	"log"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/internal/testregistry"
+)
+
+// --- a guest with a monitor for the test's own eyes ---
+
+type faultVM struct {
+	vm      *testguest.VM
+	monitor string // a second QMP socket: vmsnap holds the first
+}
+
+// startFaultVM starts a guest with a second QMP monitor and, unless it waits
+// for an incoming migration, waits for its first status line.
+func startFaultVM(t *testing.T, opts testguest.Options) *faultVM {
+	t.Helper()
+	testguest.Assets(t)
+	if opts.Dir == "" {
+		opts.Dir = testguest.FreeShortDir(t)
+	}
+	mon := filepath.Join(opts.Dir, "test-mon.sock")
+	opts.ExtraArgs = append(opts.ExtraArgs, "-qmp", "unix:"+mon+",server=on,wait=off")
+	f := &faultVM{vm: testguest.Start(t, opts), monitor: mon}
+	if !opts.Incoming {
+		if _, err := f.vm.WaitReady(waitCtx(t)); err != nil {
+			t.Fatalf("guest did not boot: %v\n%s", err, f.vm.SerialTail(20))
+		}
+		if _, err := f.vm.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return f
+}
+
+func (f *faultVM) qmp(command string, v any) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	raw, err := testguest.QMP(ctx, f.monitor, command, nil)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(raw, v)
+}
+
+func (f *faultVM) status(t *testing.T) string {
+	t.Helper()
+	var st struct{ Status string }
+	if err := f.qmp("query-status", &st); err != nil {
+		t.Fatalf("query-status on the test's monitor: %v", err)
+	}
+	return st.Status
+}
+
+// assertRunning checks that QEMU says the VM runs and that the guest counts on.
+func (f *faultVM) assertRunning(t *testing.T, after string) {
+	t.Helper()
+	if st := f.status(t); st != "running" {
+		t.Fatalf("the VM is %s %s, want running", st, after)
+	}
+	last, _ := f.vm.LastStatus()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := f.vm.WaitStatus(ctx, func(s testguest.Status) bool { return s.Counter > last.Counter }); err != nil {
+		t.Fatalf("the guest does not count on %s: %v", after, err)
+	}
+}
+
+// assertGone waits for a killed QEMU's exit.
+func (f *faultVM) assertGone(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_ = f.vm.Wait(ctx)
+	if !f.vm.Exited() {
+		t.Fatal("the killed QEMU is still there")
+	}
+}
+
+// --- a TLS reverse proxy in front of the real registry ---
+
+// faultProxy forwards everything to the test registry over TLS, on its own
+// address (so image references name it), and injects faults into blob
+// uploads: the data request (PATCH .../blobs/uploads/...) is where a
+// registry's disk or network trouble shows.
+type faultProxy struct {
+	Host      string // 127.0.0.1:PORT, the registry part of references through the proxy
+	CAFile    string // the proxy's certificate, for --ca-file
+	ConfigDir string // credentials for Host, for --registry-config
+
+	srv  *httptest.Server
+	quit chan struct{}
+
+	// failUploads is how many more PATCHes are answered 500 (their bodies
+	// read first, as a registry that failed to store them would).
+	failUploads atomic.Int32
+	injected    atomic.Int32
+	// stallAfter, when above 0: the PATCHes after that many forwarded ones
+	// are accepted (64 KiB of their body read) and then never answered.
+	stallAfter atomic.Int32
+	stalls     atomic.Int32
+	stalled    chan struct{} // closed at the first stall
+	stallOnce  sync.Once
+
+	uploadStarts atomic.Int32 // POST .../blobs/uploads/ (each try of an upload starts one)
+	patches      atomic.Int32 // PATCHes forwarded
+	commits      atomic.Int32 // PUT ...?digest= answered 201: blobs stored
+	bytesUp      atomic.Int64 // request bodies forwarded
+	bytesDown    atomic.Int64 // response bodies forwarded
+
+	limit *faultLimiter // nil: no throttle
+}
+
+func startFaultProxy(t *testing.T, reg *testregistry.Registry) *faultProxy {
+	t.Helper()
+	target, _ := url.Parse("https://" + reg.Host)
+	pem, err := os.ReadFile(reg.CAFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(pem)
+	p := &faultProxy{quit: make(chan struct{}), stalled: make(chan struct{})}
+	rp := &httputil.ReverseProxy{
+		Rewrite: func(pr *httputil.ProxyRequest) {
+			pr.SetURL(target)
+			// The registry builds upload locations from Host: keep them
+			// pointing at the proxy.
+			pr.Out.Host = pr.In.Host
+			if pr.Out.Body != nil {
+				pr.Out.Body = &faultBody{r: pr.Out.Body, n: &p.bytesUp, limit: p.limit}
+			}
+		},
+		ModifyResponse: func(resp *http.Response) error {
+			if resp.Request.Method == http.MethodPut && strings.Contains(resp.Request.URL.Path, "/blobs/uploads/") && resp.StatusCode == http.StatusCreated {
+				p.commits.Add(1)
+			}
+			resp.Body = &faultBody{r: resp.Body, n: &p.bytesDown, limit: p.limit}
+			return nil
+		},
+		Transport: &http.Transport{
+			TLSClientConfig:     &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
+			MaxIdleConnsPerHost: 64,
+		},
+		FlushInterval: -1,
+		ErrorLog:      log.New(io.Discard, "", 0),
+	}
+	p.srv = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		upload := strings.Contains(r.URL.Path, "/blobs/uploads/")
+		switch {
+		case upload && r.Method == http.MethodPost:
+			p.uploadStarts.Add(1)
+		case upload && r.Method == http.MethodPatch:
+			if p.failUploads.Add(-1) >= 0 {
+				_, _ = io.Copy(io.Discard, r.Body)
+				p.injected.Add(1)
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusInternalServerError)
+				_, _ = io.WriteString(w, `{"errors":[{"code":"UNKNOWN","message":"injected fault: storage driver error"}]}`)
+				return
+			}
+			if n := p.stallAfter.Load(); n > 0 && p.patches.Load() >= n {
+				// Accept the request, take a little of its body, then
+				// never answer: no more reads, no response.
+				_, _ = io.CopyN(io.Discard, r.Body, 64<<10)
+				p.stalls.Add(1)
+				p.stallOnce.Do(func() { close(p.stalled) })
+				select {
+				case <-r.Context().Done():
+				case <-p.quit:
+				}
+				panic(http.ErrAbortHandler) // drop the connection without a response
+			}
+			p.patches.Add(1)
+		}
+		rp.ServeHTTP(w, r)
+	}))
+	p.srv.Config.ErrorLog = log.New(io.Discard, "", 0)
+	p.srv.StartTLS()
+	t.Cleanup(func() {
+		close(p.quit)
+		p.srv.CloseClientConnections()
+		p.srv.Close()
+	})
+	p.Host = strings.TrimPrefix(p.srv.URL, "https://")
+
+	dir := t.TempDir()
+	p.CAFile = filepath.Join(dir, "proxy-ca.pem")
+	cert := pemEncode(p.srv.Certificate().Raw)
+	if err := os.WriteFile(p.CAFile, cert, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	p.ConfigDir = filepath.Join(dir, "docker")
+	if err := os.MkdirAll(p.ConfigDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	auth := base64.StdEncoding.EncodeToString([]byte(reg.User + ":" + reg.Password))
+	b, _ := json.Marshal(map[string]any{"auths": map[string]any{p.Host: map[string]string{"auth": auth}}})
+	if err := os.WriteFile(filepath.Join(p.ConfigDir, "config.json"), b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func pemEncode(der []byte) []byte {
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+}
+
+// args are the flags that reach the registry through the proxy.
+func (p *faultProxy) args() []string {
+	return []string{"--registry-config", p.ConfigDir, "--ca-file", p.CAFile}
+}
+
+// faultLimiter paces bytes to a rate shared by every connection.
+type faultLimiter struct {
+	mu   sync.Mutex
+	rate float64 // bytes per second
+	next time.Time
+}
+
+func (l *faultLimiter) wait(n int) {
+	l.mu.Lock()
+	now := time.Now()
+	if l.next.Before(now) {
+		l.next = now
+	}
+	at := l.next
+	l.next = l.next.Add(time.Duration(float64(n) / l.rate * float64(time.Second)))
+	l.mu.Unlock()
+	time.Sleep(time.Until(at))
+}
+
+// faultBody counts (and with a limiter, paces) a body.
+type faultBody struct {
+	r     io.ReadCloser
+	n     *atomic.Int64
+	limit *faultLimiter
+}
+
+func (b *faultBody) Read(p []byte) (int, error) {
+	if b.limit != nil && len(p) > 16<<10 {
+		p = p[:16<<10]
+	}
+	n, err := b.r.Read(p)
+	if n > 0 {
+		if b.limit != nil {
+			b.limit.wait(n)
+		}
+		b.n.Add(int64(n))
+	}
+	return n, err
+}
+
+func (b *faultBody) Close() error { return b.r.Close() }
+
+// --- what must not be left behind ---
+
+// tempFiles lists the temporary files vmsnap writes (a layout's
+// .DIGEST.*.tmp blobs, an overlay's .NAME.vmsnap-tmp-*) under dir.
+func tempFiles(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	_ = filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() && (strings.HasSuffix(d.Name(), ".tmp") || strings.Contains(d.Name(), ".vmsnap-tmp-")) {
+			out = append(out, p)
+		}
+		return nil
+	})
+	return out
+}
+
+// layoutManifests lists the manifests a layout's index.json names (none if
+// there is no index).
+func layoutManifests(t *testing.T, dir string) []string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(dir, "index.json"))
+	if os.IsNotExist(err) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	var idx struct {
+		Manifests []struct {
+			Digest      string
+			Annotations map[string]string
+		}
+	}
+	if err := json.Unmarshal(b, &idx); err != nil {
+		t.Fatalf("index.json of %s: %v", dir, err)
+	}
+	var out []string
+	for _, m := range idx.Manifests {
+		out = append(out, m.Digest+" "+m.Annotations["org.opencontainers.image.ref.name"])
+	}
+	return out
+}
+
+func countFiles(dir string) (n int, bytes int64) {
+	_ = filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			if fi, err := d.Info(); err == nil {
+				n++
+				bytes += fi.Size()
+			}
+		}
+		return nil
+	})
+	return n, bytes
+}
+
+// cliFail runs vmsnap with --json, expects a failure, and returns its error
+// object, after checking that the exit status is the code's.
+func cliFail(t *testing.T, args ...string) api.ErrorDoc {
+	t.Helper()
+	out, exit := cli(t, append(args, "--json")...)
+	var doc api.ErrorDoc
+	if err := json.Unmarshal(out, &doc); err != nil || doc.Error.Code == "" {
+		t.Fatalf("exit %d with no JSON error object on stdout: %v\n%s", exit, err, out)
+	}
+	if exit != doc.Error.Code.ExitStatus() {
+		t.Fatalf("exit %d for %s, want %d", exit, doc.Error.Code, doc.Error.Code.ExitStatus())
+	}
+	return doc
+}
+
+// --- 1. the registry answers 500s, then recovers ---
+
+func TestFaultRegistry500sThenRecovers(t *testing.T) {
+	t.Parallel()
+	testguest.Assets(t)
+	reg := testregistry.Start(t)
+	px := startFaultProxy(t, reg)
+	const failures = 3
+	px.failUploads.Store(failures)
+	src := startFaultVM(t, testguest.Options{})
+
+	start := time.Now()
+	cp := cliJSON[api.CheckpointResult](t, with([]string{"checkpoint", "--qmp", src.vm.QMPPath(),
+		"--image", px.Host + "/vms/flaky:snap", "--mode", "snapshot", "--chunk-size", "1048576"}, px.args()...)...)
+	took := time.Since(start)
+
+	if n := px.injected.Load(); n != failures {
+		t.Fatalf("%d uploads were answered 500, want %d", n, failures)
+	}
+	// Every try of an upload starts a new upload session: each failed one
+	// was tried again, and every blob was stored once.
+	starts, commits := px.uploadStarts.Load(), px.commits.Load()
+	if starts != commits+failures {
+		t.Fatalf("%d upload sessions for %d stored blobs and %d failures: want one retry per failure", starts, commits, failures)
+	}
+	t.Logf("registry 500s: %d failed uploads retried (%d upload sessions for %d stored blobs, %d chunks), checkpoint took %v",
+		failures, starts, commits, cp.VMState.Chunks, took.Round(time.Millisecond))
+	if !cp.VMRunning {
+		t.Fatal("the result says the VM is stopped after a snapshot-mode checkpoint")
+	}
+	src.assertRunning(t, "after a checkpoint whose uploads were retried")
+	if tags := reg.Tags(t, "vms/flaky"); !slices.Contains(tags, "snap") {
+		t.Fatalf("no tag snap after the checkpoint succeeded: %v", tags)
+	}
+	direct := strings.Replace(cp.VMState.Image, px.Host, reg.Host, 1)
+	if m := manifestFromRegistry(t, reg, direct); len(m.Layers) != cp.VMState.Chunks {
+		t.Fatalf("the stored manifest names %d chunks, the checkpoint made %d", len(m.Layers), cp.VMState.Chunks)
+	}
+}
+
+// --- 2. the registry accepts an upload and then stalls ---
+
+// runStalledCheckpoint checkpoints through a proxy that stalls the third and
+// later blob uploads, and returns the error and how long the checkpoint took.
+func runStalledCheckpoint(t *testing.T, extra ...string) (*faultVM, *testregistry.Registry, *faultProxy, api.ErrorDoc, time.Duration) {
+	t.Helper()
+	testguest.Assets(t)
+	reg := testregistry.Start(t)
+	px := startFaultProxy(t, reg)
+	px.stallAfter.Store(2)
+	src := startFaultVM(t, testguest.Options{})
+	start := time.Now()
+	doc := cliFail(t, with(with([]string{"checkpoint", "--qmp", src.vm.QMPPath(),
+		"--image", px.Host + "/vms/stalled:snap", "--mode", "snapshot", "--chunk-size", "262144"}, px.args()...), extra...)...)
+	took := time.Since(start)
+	select {
+	case <-px.stalled:
+	default:
+		t.Fatalf("the checkpoint failed before the proxy stalled an upload: %s: %s", doc.Error.Code, doc.Error.Message)
+	}
+	return src, reg, px, doc, took
+}
+
+// With --timeout the caller's deadline ends a checkpoint stuck on a stalled
+// registry: the VM runs again and no tag is written.
+func TestFaultRegistryStallEndsAtTheCallersTimeout(t *testing.T) {
+	t.Parallel()
+	const timeout = 20 * time.Second
+	src, reg, px, doc, took := runStalledCheckpoint(t, "--timeout", timeout.String())
+	t.Logf("stalled registry: %d uploads stalled after %d went through; checkpoint failed after %v with %s: %s",
+		px.stalls.Load(), px.patches.Load(), took.Round(time.Millisecond), doc.Error.Code, doc.Error.Message)
+	if took < timeout-time.Second {
+		t.Fatalf("the checkpoint ended after %v, before its %v timeout: something else gave up first (%s)", took, timeout, doc.Error.Message)
+	}
+	if took > timeout+20*time.Second {
+		t.Fatalf("the checkpoint took %v to give up with a %v timeout", took, timeout)
+	}
+	// Coded and saying what happened: the caller's deadline ended it (or,
+	// once every registry request has a deadline of its own, the registry
+	// did).
+	switch {
+	case doc.Error.Code == errcode.Internal && strings.Contains(doc.Error.Message, "interrupted while streaming the VM state") &&
+		strings.Contains(doc.Error.Message, "deadline exceeded"):
+	case doc.Error.Code == errcode.RegistryError && strings.Contains(doc.Error.Message, px.Host):
+	default:
+		t.Errorf("a checkpoint stuck on a stalled registry ended with %s: %s", doc.Error.Code, doc.Error.Message)
+	}
+	if !strings.Contains(doc.Error.Message, "the VM was continued") {
+		t.Errorf("the error does not say the VM was continued: %s", doc.Error.Message)
+	}
+	src.assertRunning(t, "after a checkpoint stuck on a stalled registry")
+	if tags := reg.Tags(t, "vms/stalled"); slices.Contains(tags, "snap") {
+		t.Fatalf("a failed checkpoint left its tag: %v", tags)
+	}
+	// What holds and what does not: the error should say that the
+	// registry stopped answering, with the registry's name and a code for
+	// it; see TestFaultRegistryStallIsARegistryError.
+	if doc.Error.Code != errcode.RegistryError || !strings.Contains(doc.Error.Message, px.Host) {
+		t.Logf("NOTE: a stalled registry reads as %s: %q (not REGISTRY_ERROR naming %s)", doc.Error.Code, doc.Error.Message, px.Host)
+	}
+}
+
+// Without a caller's timeout, a registry that accepts an upload and then
+// stalls must still fail the checkpoint within a bounded time, as
+// REGISTRY_ERROR naming the registry, and continue the VM.
+func TestFaultRegistryStallIsARegistryError(t *testing.T) {
+	// Each registry request has a deadline of its own (20 s plus the
+	// transfer at 1 MiB/s), so a stalled registry is given up on after its
+	// tries, not at the caller's 30-minute default.
+	src, reg, px, doc, took := runStalledCheckpoint(t)
+	if doc.Error.Code != errcode.RegistryError || !strings.Contains(doc.Error.Message, px.Host) {
+		t.Fatalf("a stalled registry gave %s: %s; want REGISTRY_ERROR naming %s", doc.Error.Code, doc.Error.Message, px.Host)
+	}
+	if took > 3*time.Minute {
+		t.Fatalf("the checkpoint took %v to give up on a stalled registry", took)
+	}
+	src.assertRunning(t, "after a stalled registry")
+	if tags := reg.Tags(t, "vms/stalled"); slices.Contains(tags, "snap") {
+		t.Fatalf("a failed checkpoint left its tag: %v", tags)
+	}
+}
+
+// --- 3. the staging disk is full ---
+
+// tinyFS mounts a tmpfs of size bytes and returns its directory.
+func tinyFS(t *testing.T, size string) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("SKIP mounting a tmpfs needs root")
+	}
+	dir := t.TempDir()
+	if err := syscall.Mount("tmpfs", dir, "tmpfs", 0, "size="+size+",mode=0755"); err != nil {
+		t.Skipf("SKIP cannot mount a tmpfs: %v", err)
+	}
+	t.Cleanup(func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) })
+	return dir
+}
+
+// fill leaves about free bytes of room on dir's filesystem.
+func fill(t *testing.T, dir string, free int64) {
+	t.Helper()
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil {
+		t.Fatal(err)
+	}
+	avail := int64(st.Bavail) * st.Bsize
+	if avail <= free {
+		return
+	}
+	if err := os.WriteFile(filepath.Join(dir, "filler"), bytes.Repeat([]byte{0xa5}, int(avail-free)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestFaultStagingDiskFull(t *testing.T) {
+	t.Parallel()
+	srcDir, _, image, diskImage := checkpointOnce(t)
+
+	t.Run("restore --to-dir", func(t *testing.T) {
+		mnt := tinyFS(t, "1m")
+		staged := filepath.Join(mnt, "state")
+		start := time.Now()
+		doc := cliFail(t, "restore", "--image", image, "--to-dir", staged)
+		took := time.Since(start)
+		files, size := countFiles(staged)
+		t.Logf("staging into a 1 MiB tmpfs: %s after %v: %s; left %d complete files (%d bytes), no tag",
+			doc.Error.Code, took.Round(time.Millisecond), doc.Error.Message, files, size)
+		if !strings.Contains(doc.Error.Message, "no space left on device") {
+			t.Errorf("the error does not say the disk is full: %s", doc.Error.Message)
+		}
+		// The staging directory is an OCI layout, an image store.
+		if doc.Error.Code != errcode.RegistryError {
+			t.Errorf("a full staging disk reads as %s, want REGISTRY_ERROR", doc.Error.Code)
+		}
+		if tmp := tempFiles(t, mnt); len(tmp) > 0 {
+			t.Fatalf("temporary files left: %v", tmp)
+		}
+		if ms := layoutManifests(t, staged); len(ms) > 0 {
+			t.Fatalf("a failed staging names manifests in index.json: %v", ms)
+		}
+		// vmsnap stream refuses the partial staging.
+		var out bytes.Buffer
+		if code := run(context.Background(), []string{"stream", "--dir", staged}, &out, io.Discard); code == 0 || out.Len() > 0 {
+			t.Fatalf("vmsnap stream on a failed staging: exit %d, %d bytes on stdout", code, out.Len())
+		}
+	})
+
+	t.Run("restore --disk", func(t *testing.T) {
+		mnt := tinyFS(t, "1m")
+		if err := os.Symlink(filepath.Join(srcDir, "base.qcow2"), filepath.Join(mnt, "base.qcow2")); err != nil {
+			t.Fatal(err)
+		}
+		// The overlay holds a few clusters of 64 KiB: leave room for two.
+		fill(t, mnt, 128<<10)
+		disk := filepath.Join(mnt, "overlay.qcow2")
+		start := time.Now()
+		doc := cliFail(t, "restore", "--disk-image", diskImage, "--disk", disk)
+		t.Logf("disk restore into a full tmpfs: %s after %v: %s", doc.Error.Code, time.Since(start).Round(time.Millisecond), doc.Error.Message)
+		if !strings.Contains(doc.Error.Message, "no space left on device") {
+			t.Errorf("the error does not say the disk is full: %s", doc.Error.Message)
+		}
+		// "an unexpected local failure"
+		if doc.Error.Code != errcode.Internal {
+			t.Errorf("a full disk under the overlay reads as %s, want INTERNAL", doc.Error.Code)
+		}
+		if _, err := os.Lstat(disk); !os.IsNotExist(err) {
+			t.Fatalf("a failed disk restore left %s (%v)", disk, err)
+		}
+		if tmp := tempFiles(t, mnt); len(tmp) > 0 {
+			t.Fatalf("temporary files left: %v", tmp)
+		}
+	})
+}
+
+// --- 4. QEMU killed mid-checkpoint and mid-restore ---
+
+func TestFaultQEMUKilled(t *testing.T) {
+	t.Parallel()
+	testguest.Assets(t)
+	reg := testregistry.Start(t)
+	// 96 MiB of random guest memory: a stream of ~100 MiB, long enough to
+	// kill QEMU in the middle of it.
+	src := startFaultVM(t, testguest.Options{GuestMemMB: 96})
+	// A good image first, for the restore below.
+	good := cliJSON[api.CheckpointResult](t, with([]string{"checkpoint", "--qmp", src.vm.QMPPath(),
+		"--image", reg.Host + "/vms/killed:good", "--mode", "snapshot"}, regArgs(reg)...)...)
+	src.assertRunning(t, "after a snapshot")
+
+	t.Run("mid-checkpoint", func(t *testing.T) {
+		store := filepath.Join(t.TempDir(), "store")
+		blobs := filepath.Join(store, "blobs", "sha256")
+		var killedAt atomic.Int64 // unix nanos
+		var blobsAtKill atomic.Int32
+		done := make(chan struct{})
+		defer close(done)
+		go func() {
+			for {
+				if n, _ := countFiles(blobs); n >= 3 {
+					src.vm.Process().Kill() // SIGKILL
+					killedAt.Store(time.Now().UnixNano())
+					blobsAtKill.Store(int32(n))
+					return
+				}
+				select {
+				case <-done:
+					return
+				case <-time.After(2 * time.Millisecond):
+				}
+			}
+		}()
+		doc := cliFail(t, "checkpoint", "--qmp", src.vm.QMPPath(), "--image", "oci:"+store+":snap",
+			"--mode", "snapshot", "--chunk-size", "262144")
+		if killedAt.Load() == 0 {
+			t.Fatalf("the checkpoint ended before QEMU was killed: %s: %s", doc.Error.Code, doc.Error.Message)
+		}
+		after := time.Since(time.Unix(0, killedAt.Load()))
+		t.Logf("QEMU killed after %d blobs were stored; the checkpoint failed %v later with %s: %s",
+			blobsAtKill.Load(), after.Round(time.Millisecond), doc.Error.Code, doc.Error.Message)
+		if doc.Error.Code != errcode.QMPError {
+			t.Errorf("QEMU killed mid-checkpoint gave %s, want QMP_ERROR", doc.Error.Code)
+		}
+		if !strings.Contains(doc.Error.Message, "QEMU") || !strings.Contains(doc.Error.Message, "could not be continued") {
+			t.Errorf("the error does not say that QEMU went away and the VM could not be continued: %s", doc.Error.Message)
+		}
+		if after > 15*time.Second {
+			t.Errorf("the checkpoint took %v to notice QEMU was gone", after)
+		}
+		src.assertGone(t)
+		if ms := layoutManifests(t, store); len(ms) > 0 {
+			t.Fatalf("a checkpoint of a killed QEMU names manifests in index.json: %v", ms)
+		}
+		if tmp := tempFiles(t, store); len(tmp) > 0 {
+			t.Fatalf("temporary files left: %v", tmp)
+		}
+	})
+
+	t.Run("mid-restore", func(t *testing.T) {
+		// The restore reads through a proxy paced at 8 MB/s, so QEMU can be
+		// killed while it loads.
+		px := startFaultProxy(t, reg)
+		px.limit = &faultLimiter{rate: 8e6}
+		target := startFaultVM(t, testguest.Options{Incoming: true})
+		var killedAt atomic.Int64
+		var loadedAtKill atomic.Int64
+		done := make(chan struct{})
+		defer close(done)
+		go func() {
+			for {
+				var mig struct{ Status string }
+				if target.qmp("query-migrate", &mig) == nil && mig.Status == "active" && px.bytesDown.Load() > 12<<20 {
+					target.vm.Process().Kill()
+					killedAt.Store(time.Now().UnixNano())
+					loadedAtKill.Store(px.bytesDown.Load())
+					return
+				}
+				select {
+				case <-done:
+					return
+				case <-time.After(20 * time.Millisecond):
+				}
+			}
+		}()
+		image := px.Host + "/vms/killed@" + good.VMState.Digest
+		doc := cliFail(t, with([]string{"restore", "--qmp", target.vm.QMPPath(), "--image", image}, px.args()...)...)
+		if killedAt.Load() == 0 {
+			t.Fatalf("the restore ended before QEMU was killed: %s: %s", doc.Error.Code, doc.Error.Message)
+		}
+		after := time.Since(time.Unix(0, killedAt.Load()))
+		t.Logf("target QEMU killed while loading (%d of %d stored bytes fetched); the restore failed %v later with %s: %s",
+			loadedAtKill.Load(), good.VMState.StoredBytes, after.Round(time.Millisecond), doc.Error.Code, doc.Error.Message)
+		if doc.Error.Code != errcode.QMPError {
+			t.Errorf("QEMU killed mid-restore gave %s, want QMP_ERROR", doc.Error.Code)
+		}
+		if !strings.Contains(doc.Error.Message, "QEMU") {
+			t.Errorf("the error does not say QEMU went away: %s", doc.Error.Message)
+		}
+		if after > 10*time.Second {
+			t.Errorf("the restore took %v to notice QEMU was gone", after)
+		}
+		// It stopped fetching: most of the image was never read.
+		if got := px.bytesDown.Load(); got > good.VMState.StoredBytes*3/4 {
+			t.Errorf("the restore fetched %d of %d bytes after QEMU died", got, good.VMState.StoredBytes)
+		}
+		target.assertGone(t)
+	})
+}
+
+// --- 5. a slow registry: back-pressure, bounded memory ---
+
+func TestFaultSlowRegistryBoundedMemory(t *testing.T) {
+	t.Parallel()
+	testguest.Assets(t)
+	bin := binary(t)
+	reg := testregistry.Start(t)
+	px := startFaultProxy(t, reg)
+	const rate = 2e6 // bytes per second
+	px.limit = &faultLimiter{rate: rate}
+	src := startFaultVM(t, testguest.Options{GuestMemMB: 64})
+
+	args := with([]string{"checkpoint", "--qmp", src.vm.QMPPath(), "--image", px.Host + "/vms/slow:snap",
+		"--mode", "snapshot", "--json"}, px.args()...)
+	cmd := exec.Command(bin, args...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	// The peak RSS of vmsnap's own address space, read while it runs:
+	// rusage's Maxrss of a child is no good here, since Linux counts in it
+	// the high-water RSS of the parent's address space that the child
+	// shared (vfork) until its exec, and this test binary runs other
+	// checkpoints in-process.
+	hwm, exited := make(chan int64), make(chan struct{})
+	go func() {
+		var peak int64
+		for {
+			if n := vmHWM(cmd.Process.Pid); n > peak {
+				peak = n
+			}
+			select {
+			case <-exited:
+				hwm <- peak
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}()
+	err := cmd.Wait()
+	took := time.Since(start)
+	close(exited)
+	rss := <-hwm
+	if err != nil {
+		t.Fatalf("checkpoint through a slow registry: %v\n%s%s", err, stderr.String(), stdout.String())
+	}
+	var cp api.CheckpointResult
+	if err := json.Unmarshal(stdout.Bytes(), &cp); err != nil {
+		t.Fatalf("no JSON result: %v\n%s", err, stdout.String())
+	}
+	maxrss := cmd.ProcessState.SysUsage().(*syscall.Rusage).Maxrss << 10 // KiB on Linux
+	t.Logf("slow registry (%.0f MB/s): %s raw state, %s uploaded in %v (%.2f MB/s), peak RSS %s (VmHWM; rusage says %s), guest downtime %.0f ms",
+		rate/1e6, humanBytes(cp.VMState.RawBytes), humanBytes(cp.VMState.UploadedBytes), took.Round(time.Millisecond),
+		float64(cp.VMState.UploadedBytes)/took.Seconds()/1e6, humanBytes(rss), humanBytes(maxrss), cp.DowntimeMs)
+	if rss == 0 {
+		t.Fatal("could not read the checkpoint's VmHWM")
+	}
+	if cp.VMState.UploadedBytes < 60<<20 {
+		t.Fatalf("only %d bytes uploaded: the guest's 64 MiB of random data should not compress", cp.VMState.UploadedBytes)
+	}
+	if min := time.Duration(float64(cp.VMState.UploadedBytes) / rate * 0.9 * float64(time.Second)); took < min {
+		t.Fatalf("the checkpoint took %v, less than the %v the throttle allows: the proxy did not slow it", took, min)
+	}
+	if rss > 200<<20 {
+		t.Fatalf("peak RSS %s while streaming %s into a slow registry: memory is not bounded", humanBytes(rss), humanBytes(cp.VMState.StoredBytes))
+	}
+	src.assertRunning(t, "after a checkpoint into a slow registry")
+	if tags := reg.Tags(t, "vms/slow"); !slices.Contains(tags, "snap") {
+		t.Fatalf("no tag after the checkpoint succeeded: %v", tags)
+	}
+}
+
+// vmHWM is the peak resident set (bytes) of a running process's address
+// space, 0 if it cannot be read (the process has exited).
+func vmHWM(pid int) int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			var kib int64
+			fmt.Sscanf(strings.TrimSpace(v), "%d kB", &kib)
+			return kib << 10
+		}
+	}
+	return 0
+}
