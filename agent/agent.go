@@ -113,8 +113,15 @@ func (s *Server) Serve(ctx context.Context) error {
 	return s.ServeListener(ctx, ln)
 }
 
-// ServeListener serves on ln until ctx ends.
+// ServeListener serves on ln until ctx ends. Only callers whose peer
+// credentials the agent accepts are served (see peercred.go).
 func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
+	checked, err := withPeerCheck(ln, s.cfg.SocketGroup, s.log)
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	ln = checked
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	go s.watch(ctx)

@@ -143,7 +143,9 @@ func (c *Client) Wait(ctx context.Context, id string, update func(api.Operation)
 			cancel()
 			return o, context.Cause(ctx)
 		}
-		if errcode.Of(err) == errcode.VMNotFound {
+		if err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal {
+			// A verdict (the VM is gone, the caller is refused, the
+			// operation is unknown): following again cannot change it.
 			return o, err
 		}
 		// The stream broke off: poll once, then follow again.
@@ -154,7 +156,7 @@ func (c *Client) Wait(ctx context.Context, id string, update func(api.Operation)
 		}
 		if o, err := c.Get(ctx, id); err == nil && o.Done() {
 			return o, nil
-		} else if errcode.Of(err) == errcode.VMNotFound {
+		} else if err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal {
 			return o, err
 		}
 	}

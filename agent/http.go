@@ -123,6 +123,7 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, flusher http.Flu
 	w.Header().Set("Content-Type", "text/event-stream")
 	w.Header().Set("Cache-Control", "no-store")
 	w.WriteHeader(http.StatusOK)
+	flusher.Flush() // a subscriber learns at once that the stream is open
 	send := func(ev api.Event) bool {
 		b, _ := json.Marshal(ev)
 		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", ev.Type, b); err != nil {

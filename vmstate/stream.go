@@ -101,7 +101,11 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			enc, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(opts.Level), zstd.WithEncoderConcurrency(1))
+			// Chunks are compressed on their own, so a window larger than a
+			// chunk buys nothing and costs memory (zstd's default keeps
+			// about 18 MiB per encoder).
+			enc, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(opts.Level), zstd.WithEncoderConcurrency(1),
+				zstd.WithWindowSize(windowFor(opts.ChunkSize)))
 			if err != nil {
 				cancel(errcode.Wrap(errcode.Internal, err, "zstd encoder"))
 				return
@@ -360,4 +364,13 @@ func fetchChunk(ctx context.Context, src BlobSource, dec *zstd.Decoder, desc oci
 		return nil, errcode.New(errcode.InvalidInput, "chunk %s decompresses to %d bytes, but declares %d", desc.Digest, len(out), want)
 	}
 	return out, nil
+}
+
+// windowFor is the smallest zstd window (a power of two) that covers a chunk.
+func windowFor(chunk int) int {
+	w := zstd.MinWindowSize
+	for w < chunk && w < zstd.MaxWindowSize {
+		w *= 2
+	}
+	return w
 }
