@@ -43,8 +43,14 @@ test: vet
 test-unit:
 	$(GO) test -race -short ./...
 
-bench: build guest
-	$(GO) test -run '^$$' -bench . -benchtime 1x -timeout 30m ./...
+# Benchmarks, one package at a time (-p 1: they measure CPU time on a shared
+# machine). BenchmarkE2E (cmd/vmsnap/bench_test.go) prints a table: QEMU's
+# own stream rate, a scripted zstd + skopeo baseline and vmsnap, through a
+# TLS + auth registry, plus peak RSS, live downtime and incremental uploads;
+# it also writes a CPU profile of one checkpoint to bin/bench-cpu.pprof.
+bench: deps build guest
+	VMSNAP_BIN=$(CURDIR)/$(BIN) VMSNAP_BENCH_CPUPROFILE=$(CURDIR)/bin/bench-cpu.pprof \
+		$(GO) test -p 1 -run '^$$' -bench . -benchtime 1x -timeout 30m ./...
 
 # Boots the test guest, checkpoints it into a local OCI layout, restores it
 # into a fresh QEMU and shows that the guest did not notice.
@@ -53,3 +59,21 @@ demo: deps build guest
 
 clean:
 	rm -rf bin
+
+# Every fuzz target for FUZZTIME each (not run by CI by default: the seeds
+# alone run as ordinary tests in `make test`). Crashers land in the
+# package's testdata/fuzz/FuzzX/ directory; keep them as regression seeds.
+FUZZTIME ?= 10s
+FUZZ_TARGETS := \
+	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest \
+	./vmstate:FuzzDecodeStream ./vmstate:FuzzValidateLayers ./vmstate:FuzzRecord \
+	./qmp:FuzzClientReplies \
+	./agent:FuzzCheckpointRequest \
+	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
+	./rootfs:FuzzReadHeader
+.PHONY: fuzz
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		echo "== $${t%%:*} $${t##*:} ($(FUZZTIME))"; \
+		$(GO) test -run '^$$' -fuzz "^$${t##*:}\$$" -fuzztime $(FUZZTIME) "$${t%%:*}"; \
+	done

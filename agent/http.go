@@ -88,6 +88,10 @@ func (s *Server) Handler() http.Handler {
 		fmt.Fprintln(w, "ok")
 	})
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.metrics.reg, promhttp.HandlerOpts{}))
+	// Everything else gets a JSON error with a code, like every answer.
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, errcode.New(errcode.InvalidInput, "no endpoint %s %s: the API is listed by `vmsnap agent --help`", r.Method, r.URL.Path))
+	})
 	return mux
 }
 

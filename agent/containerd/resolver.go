@@ -30,6 +30,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	tasksapi "github.com/containerd/containerd/api/services/tasks/v1"
@@ -322,8 +323,12 @@ func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, e
 		for i, part := range parts {
 			cur = path.Join(cur, part)
 			if fi, err = os.Lstat(cur); err != nil {
-				if errors.Is(err, fs.ErrNotExist) {
+				// A file where the path needs a directory is as absent.
+				if errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
 					return "", errcode.New(errcode.VMNotFound, "no %s at %s in the container (host path %s does not exist)", what, p, cur)
+				}
+				if errors.Is(err, syscall.ENAMETOOLONG) {
+					return "", errcode.New(errcode.InvalidInput, "%s path %q is too long for the node's file system", what, clip(p))
 				}
 				return "", errcode.Wrap(errcode.Internal, err, "%s %s", what, p)
 			}
