@@ -89,23 +89,31 @@ type testAgent struct {
 
 func startAgent(t *testing.T, stateDir string, resolver *staticResolver, maxConcurrent int) *testAgent {
 	t.Helper()
-	sockDir, err := os.MkdirTemp("", "vmsnap-agent-")
+	return startAgentConfig(t, Config{StateDir: stateDir, Resolver: resolver, MaxConcurrent: maxConcurrent})
+}
+
+// startAgentConfig runs an agent with cfg on a socket made here (short
+// enough for a unix socket path), waits until it answers, and stops it at
+// the end of the test. Logs are discarded unless cfg has a Logger.
+func startAgentConfig(t *testing.T, cfg Config) *testAgent {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "vmsnap-agent-")
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { os.RemoveAll(sockDir) })
-	socket := filepath.Join(sockDir, "agent.sock")
-	srv, err := New(context.Background(), Config{
-		Socket: socket, StateDir: stateDir, Resolver: resolver, MaxConcurrent: maxConcurrent,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-	})
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	cfg.Socket = filepath.Join(dir, "agent.sock")
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	srv, err := New(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ctx) }()
-	client, err := NewClient("unix://" + socket)
+	client, err := NewClient("unix://" + cfg.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,7 +133,8 @@ func startAgent(t *testing.T, stateDir string, resolver *staticResolver, maxConc
 		}
 	}
 	t.Cleanup(stop)
-	return &testAgent{srv: srv, client: client, resolver: resolver, stateDir: stateDir, socket: socket, stop: stop}
+	r, _ := cfg.Resolver.(*staticResolver)
+	return &testAgent{srv: srv, client: client, resolver: r, stateDir: cfg.StateDir, socket: cfg.Socket, stop: stop}
 }
 
 func randomState(t testing.TB, n int) []byte {

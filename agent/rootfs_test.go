@@ -2,8 +2,6 @@ package agent
 
 import (
 	"context"
-	"io"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -123,33 +121,5 @@ func TestAgentRootfsNeedsContainerd(t *testing.T) {
 // startAgentWith is startAgent for any Resolver.
 func startAgentWith(t *testing.T, resolver Resolver) *testAgent {
 	t.Helper()
-	sockDir, err := os.MkdirTemp("", "vmsnap-agent-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(sockDir) })
-	socket := filepath.Join(sockDir, "agent.sock")
-	srv, err := New(context.Background(), Config{
-		Socket: socket, StateDir: t.TempDir(), Resolver: resolver,
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	client, err := NewClient("unix://" + socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for client.Health(context.Background()) != nil {
-		if time.Now().After(deadline) {
-			t.Fatal("agent did not come up")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return &testAgent{srv: srv, client: client, socket: socket}
+	return startAgentConfig(t, Config{StateDir: t.TempDir(), Resolver: resolver})
 }

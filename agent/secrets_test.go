@@ -10,7 +10,6 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -118,44 +117,4 @@ func TestAgentNeverShowsRegistryCredentials(t *testing.T) {
 	if vm.Status() != "running" {
 		t.Fatalf("VM is %s", vm.Status())
 	}
-}
-
-// startAgentConfig runs an agent with cfg (its socket made here).
-func startAgentConfig(t *testing.T, cfg Config) *testAgent {
-	t.Helper()
-	dir, err := os.MkdirTemp("", "vmsnap-agent-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	cfg.Socket = filepath.Join(dir, "agent.sock")
-	srv, err := New(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(ctx) }()
-	client, err := NewClient("unix://" + cfg.Socket)
-	if err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for client.Health(context.Background()) != nil {
-		if time.Now().After(deadline) {
-			t.Fatal("agent did not come up")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	stopped := false
-	stop := func() {
-		if !stopped {
-			stopped = true
-			cancel()
-			<-done
-		}
-	}
-	t.Cleanup(stop)
-	r, _ := cfg.Resolver.(*staticResolver)
-	return &testAgent{srv: srv, client: client, resolver: r, stateDir: cfg.StateDir, socket: cfg.Socket, stop: stop}
 }

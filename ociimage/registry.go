@@ -51,7 +51,7 @@ type Registry struct {
 	attempts int
 	backoff  time.Duration
 	tryBase  time.Duration // a request's time limit before its transfer (tests shorten it)
-	insecure bool // plain HTTP allowed (WithInsecureRegistry)
+	insecure bool          // plain HTTP allowed (WithInsecureRegistry)
 
 	mu sync.Mutex
 	rt http.RoundTripper // authenticated for pulls; set by the first request

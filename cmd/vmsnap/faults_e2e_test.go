@@ -24,6 +24,7 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"io"
 	"log"
 	"net/http"
@@ -312,29 +313,30 @@ func tempFiles(t *testing.T, dir string) []string {
 	return out
 }
 
-// layoutManifests lists the manifests a layout's index.json names (none if
-// there is no index).
-func layoutManifests(t *testing.T, dir string) []string {
+// layoutIndex reads an OCI layout's index.json; a missing one is empty.
+func layoutIndex(t *testing.T, dir string) ocispec.Index {
 	t.Helper()
+	var idx ocispec.Index
 	b, err := os.ReadFile(filepath.Join(dir, "index.json"))
 	if os.IsNotExist(err) {
-		return nil
+		return idx
 	}
 	if err != nil {
 		t.Fatal(err)
 	}
-	var idx struct {
-		Manifests []struct {
-			Digest      string
-			Annotations map[string]string
-		}
-	}
 	if err := json.Unmarshal(b, &idx); err != nil {
 		t.Fatalf("index.json of %s: %v", dir, err)
 	}
+	return idx
+}
+
+// layoutManifests lists the manifests a layout's index.json names, each as
+// "DIGEST TAG" (none if there is no index).
+func layoutManifests(t *testing.T, dir string) []string {
+	t.Helper()
 	var out []string
-	for _, m := range idx.Manifests {
-		out = append(out, m.Digest+" "+m.Annotations["org.opencontainers.image.ref.name"])
+	for _, m := range layoutIndex(t, dir).Manifests {
+		out = append(out, m.Digest.String()+" "+m.Annotations[ocispec.AnnotationRefName])
 	}
 	return out
 }

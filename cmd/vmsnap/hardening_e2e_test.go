@@ -766,21 +766,8 @@ func hardCheckStaged(t *testing.T, dir, wantDigest string) {
 
 func hardLayoutTags(t *testing.T, dir string) []string {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(dir, "index.json"))
-	if os.IsNotExist(err) {
-		return nil
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	var idx struct {
-		Manifests []struct{ Annotations map[string]string }
-	}
-	if err := json.Unmarshal(b, &idx); err != nil {
-		t.Fatal(err)
-	}
 	var tags []string
-	for _, m := range idx.Manifests {
+	for _, m := range layoutIndex(t, dir).Manifests {
 		if tag := m.Annotations[ociimage.AnnotationRefName]; tag != "" {
 			tags = append(tags, tag)
 		}

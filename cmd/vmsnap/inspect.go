@@ -6,6 +6,7 @@ import (
 	"io"
 	"sort"
 
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/spf13/cobra"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -80,16 +81,22 @@ func runInspect(ctx context.Context, out *globalOutput, s string, opts []ociimag
 	return nil
 }
 
-func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts []ociimage.Option) (*inspectDoc, error) {
+// resolveManifest opens ref and returns its manifest, verified.
+func resolveManifest(ctx context.Context, ref ociimage.Reference, opts []ociimage.Option) (ocispec.Descriptor, ocispec.Manifest, error) {
 	repo, err := ociimage.Open(ctx, ref, opts...)
 	if err != nil {
-		return nil, err
+		return ocispec.Descriptor{}, ocispec.Manifest{}, err
 	}
 	desc, err := repo.Resolve(ctx)
 	if err != nil {
-		return nil, err
+		return desc, ocispec.Manifest{}, err
 	}
 	m, err := repo.Manifest(ctx, desc)
+	return desc, m, err
+}
+
+func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts []ociimage.Option) (*inspectDoc, error) {
+	desc, m, err := resolveManifest(ctx, ref, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -203,15 +210,7 @@ func inspectRootfs(ctx context.Context, link string, opts []ociimage.Option) (*r
 	if err != nil {
 		return nil, err
 	}
-	repo, err := ociimage.Open(ctx, ref, opts...)
-	if err != nil {
-		return nil, err
-	}
-	desc, err := repo.Resolve(ctx)
-	if err != nil {
-		return nil, err
-	}
-	m, err := repo.Manifest(ctx, desc)
+	desc, m, err := resolveManifest(ctx, ref, opts)
 	if err != nil {
 		return nil, err
 	}
