@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 
+	"github.com/google/go-containerregistry/pkg/v1/types"
 	"github.com/opencontainers/go-digest"
 	"github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -56,6 +57,100 @@ func PushArtifact(ctx context.Context, repo Repository, a Artifact) (ocispec.Des
 		Layers:       a.Layers,
 		Subject:      a.Subject,
 		Annotations:  a.Annotations,
+	})
+}
+
+// AnnotationDiskRootfsPath, on a vmstate manifest, is the path of the disk
+// overlay inside the linked rootfs image (AnnotationRootfsImage), when the
+// overlay lived in the QEMU container's writable layer and so rides in that
+// image. (It belongs with the other keys in mediatypes.go.)
+const AnnotationDiskRootfsPath = "dev.vmsnap.disk.rootfs-path"
+
+// ManifestTagger is a Repository that can point a tag at a manifest it
+// already holds. Layout and Registry are.
+type ManifestTagger interface {
+	TagManifest(ctx context.Context, desc ocispec.Descriptor, tag string) error
+}
+
+var (
+	_ ManifestTagger = (*Layout)(nil)
+	_ ManifestTagger = (*Registry)(nil)
+)
+
+// TagManifest points tag, in repo, at the manifest desc names, which repo
+// must already hold (stored by digest: through a reference without a tag).
+// Nothing else moves: the tag's previous manifest stays, reachable by its
+// digest. This is how the images of one checkpoint are committed together:
+// each is stored by digest first, and their tags move only once all of them
+// are stored, the VM state's last.
+//
+// Errors: an invalid tag or descriptor is INVALID_INPUT; a manifest repo does
+// not hold is REGISTRY_ERROR (a corrupt one DIGEST_MISMATCH); the store's own
+// failures keep their codes.
+func TagManifest(ctx context.Context, repo Repository, desc ocispec.Descriptor, tag string) error {
+	t, ok := repo.(ManifestTagger)
+	if !ok {
+		return errcode.New(errcode.Internal, "cannot tag a manifest in a %T", repo)
+	}
+	return t.TagManifest(ctx, desc, tag)
+}
+
+// checkTagging refuses what TagManifest must not do, before the store is
+// asked anything.
+func checkTagging(ctx context.Context, ref Reference, desc ocispec.Descriptor, tag string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if err := checkTag(ref.WithDigest("").String()+":"+tag, tag); err != nil {
+		return err
+	}
+	if desc.MediaType != ocispec.MediaTypeImageManifest {
+		return errcode.New(errcode.InvalidInput, "cannot tag %s as %s: it is a %q, not an image manifest", desc.Digest, tag, desc.MediaType)
+	}
+	return checkFetch("manifest", desc, MaxManifestSize)
+}
+
+// TagManifest points tag at the manifest desc names, which the layout must
+// hold whole: its bytes are verified against desc first. index.json is
+// updated under the layout's lock, as PutManifest updates it.
+func (l *Layout) TagManifest(ctx context.Context, desc ocispec.Descriptor, tag string) error {
+	if err := checkTagging(ctx, l.ref, desc, tag); err != nil {
+		return err
+	}
+	if err := l.checkLayout(); err != nil {
+		return err
+	}
+	if _, err := l.readBlob(ctx, "manifest", desc, MaxManifestSize); err != nil {
+		return err
+	}
+	unlock, err := l.lock(ctx)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	idx, err := l.readIndex()
+	if err != nil {
+		return err
+	}
+	addToIndex(&idx, ocispec.Descriptor{MediaType: desc.MediaType, Digest: desc.Digest, Size: desc.Size, ArtifactType: desc.ArtifactType}, tag)
+	return l.writeIndex(idx)
+}
+
+// TagManifest points tag at the manifest desc names: it fetches the
+// manifest's bytes by digest (verified) and puts them again under the tag,
+// as PutManifest would have, so a registry that does not hold the manifest
+// (or some blob it names) refuses.
+func (r *Registry) TagManifest(ctx context.Context, desc ocispec.Descriptor, tag string) error {
+	if err := checkTagging(ctx, r.ref, desc, tag); err != nil {
+		return err
+	}
+	b, err := r.fetch(ctx, "manifest", desc, MaxManifestSize)
+	if err != nil {
+		return err
+	}
+	raw := rawManifest{data: b, mediaType: types.MediaType(desc.MediaType)}
+	return r.withRetry(ctx, "tagging manifest "+string(desc.Digest)+" as "+tag, desc.Size, func(ctx context.Context) error {
+		return r.pusher.Put(ctx, r.repo.Tag(tag), raw)
 	})
 }
 

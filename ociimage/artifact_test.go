@@ -108,3 +108,82 @@ func TestPullArtifactMissingTag(t *testing.T) {
 	_, _, err := PullArtifact(t.Context(), openLayout(t, ref+":b"), ArtifactTypeDisk, &cfg)
 	wantCode(t, err, errcode.RegistryError, "no tag b")
 }
+
+// TagManifest moves a tag to a manifest stored by digest, in a layout: the
+// previous manifest stays listed, and nothing is tagged before it is asked.
+func TestLayoutTagManifest(t *testing.T) {
+	ctx := t.Context()
+	dir := t.TempDir()
+	tagged := openLayout(t, "oci:"+dir+":v1")
+	old, err := tagged.PutManifest(ctx, testManifest(t, tagged, "old", "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	byDigest := openLayout(t, "oci:"+dir)
+	d, err := byDigest.PutManifest(ctx, testManifest(t, byDigest, "new", "b"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := tagged.Resolve(ctx); err != nil || r.Digest != old.Digest {
+		t.Fatalf("a push by digest moved the tag: %v, %v", r.Digest, err)
+	}
+	if err := TagManifest(ctx, byDigest, d, "v1"); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := tagged.Resolve(ctx); err != nil || r.Digest != d.Digest || r.ArtifactType != ArtifactTypeDisk {
+		t.Fatalf("v1 resolves to %+v, %v; want %s", r, err, d.Digest)
+	}
+	idx := strictIndex(t, dir)
+	if len(idx.Manifests) != 2 || len(entriesTagged(idx, "v1")) != 1 {
+		t.Fatalf("index after tagging: %+v", idx.Manifests)
+	}
+	// Idempotent, and a second tag on the same manifest is its own entry.
+	if err := TagManifest(ctx, byDigest, d, "v1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := TagManifest(ctx, tagged, d, "latest"); err != nil {
+		t.Fatal(err)
+	}
+	if idx := strictIndex(t, dir); len(idx.Manifests) != 3 || len(entriesTagged(idx, "latest")) != 1 {
+		t.Fatalf("index after a second tag: %+v", idx.Manifests)
+	}
+
+	// A manifest the layout does not hold is never tagged.
+	missing := blobDesc(ocispec.MediaTypeImageManifest, []byte(`{"schemaVersion":2}`))
+	wantCode(t, TagManifest(ctx, byDigest, missing, "v2"), errcode.RegistryError, "missing")
+	flipByte(t, dir, old.Digest)
+	wantCode(t, TagManifest(ctx, byDigest, old, "v2"), errcode.DigestMismatch, "corrupt")
+	wantCode(t, TagManifest(ctx, byDigest, d, "-bad"), errcode.InvalidInput, "invalid tag")
+	wantCode(t, TagManifest(ctx, byDigest, ocispec.Descriptor{MediaType: ocispec.MediaTypeImageIndex, Digest: d.Digest, Size: d.Size}, "v2"),
+		errcode.InvalidInput, "not an image manifest")
+	if tags, _ := byDigest.Tags(ctx); len(tags) != 2 {
+		t.Fatalf("tags after refused taggings: %v", tags)
+	}
+	wantCode(t, TagManifest(ctx, openLayout(t, "oci:"+t.TempDir()), d, "v1"), errcode.RegistryError, "no OCI layout")
+}
+
+// TagManifest in a registry: a manifest pushed by digest gets the tag only
+// when asked, with the same bytes.
+func TestRegistryTagManifest(t *testing.T) {
+	ctx := t.Context()
+	f := newFakeRegistry(t)
+	repo := f.open(t, "vms/disk")
+	descs, datas := testChunks(t, 2, 1<<10)
+	putChunks(t, repo, descs, datas)
+	d := pushDisk(t, repo, descs, nil)
+	if _, err := f.open(t, "vms/disk:v1").Resolve(ctx); errcode.Of(err) != errcode.RegistryError {
+		t.Fatalf("a push by digest made the tag: %v", err)
+	}
+	if err := TagManifest(ctx, repo, d, "v1"); err != nil {
+		t.Fatal(err)
+	}
+	r, err := f.open(t, "vms/disk:v1").Resolve(ctx)
+	if err != nil || r.Digest != d.Digest {
+		t.Fatalf("v1 resolves to %v, %v; want %s", r.Digest, err, d.Digest)
+	}
+	missing := blobDesc(ocispec.MediaTypeImageManifest, []byte(`{"schemaVersion":2}`))
+	wantCode(t, TagManifest(ctx, repo, missing, "v2"), errcode.RegistryError, "missing")
+	if _, err := f.open(t, "vms/disk:v2").Resolve(ctx); err == nil {
+		t.Fatal("a missing manifest was tagged")
+	}
+}

@@ -7,9 +7,6 @@ import (
 	"os"
 	"path/filepath"
 
-	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
-	"github.com/google/go-containerregistry/pkg/v1/types"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
@@ -118,61 +115,6 @@ func (l *Layout) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src
 	}
 	return nil
 }
-
-// PutBlobStream uploads desc.Size bytes of src. The registry checks the
-// digest when the upload completes (a mismatch fails the upload and nothing
-// is stored); each retry reads src again from the start.
-func (r *Registry) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
-		return errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", desc.Digest)
-	}
-	if desc.Size < 0 {
-		return errcode.New(errcode.InvalidInput, "blob %s has a negative size %d", desc.Digest, desc.Size)
-	}
-	if size, ok := r.known.Load(desc.Digest); ok && (size.(int64) == desc.Size || size.(int64) < 0) {
-		return nil
-	}
-	layer := &readerAtLayer{desc: desc, src: src}
-	err := r.withRetry(ctx, "storing blob "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
-		err := r.pusher.Upload(ctx, r.repo, layer)
-		// The registry hashed what we sent: the source is not the blob.
-		var terr *transport.Error
-		if errors.As(err, &terr) {
-			for _, e := range terr.Errors {
-				if e.Code == transport.DigestInvalidErrorCode {
-					return errcode.Wrap(errcode.DigestMismatch, err, "data for blob %s does not match its digest", desc.Digest)
-				}
-			}
-		}
-		return err
-	})
-	if err != nil {
-		return err
-	}
-	r.remember(desc.Digest, desc.Size)
-	return nil
-}
-
-// readerAtLayer is a v1.Layer read from an io.ReaderAt, from the start each
-// time it is asked for its bytes.
-type readerAtLayer struct {
-	desc ocispec.Descriptor
-	src  io.ReaderAt
-}
-
-func (l *readerAtLayer) Digest() (v1.Hash, error) { return v1.NewHash(string(l.desc.Digest)) }
-func (l *readerAtLayer) DiffID() (v1.Hash, error) { return l.Digest() }
-func (l *readerAtLayer) Size() (int64, error)     { return l.desc.Size, nil }
-func (l *readerAtLayer) MediaType() (types.MediaType, error) {
-	return types.MediaType(l.desc.MediaType), nil
-}
-func (l *readerAtLayer) Compressed() (io.ReadCloser, error) {
-	return io.NopCloser(io.NewSectionReader(l.src, 0, l.desc.Size)), nil
-}
-func (l *readerAtLayer) Uncompressed() (io.ReadCloser, error) { return l.Compressed() }
 
 // ctxReader stops a copy when ctx ends.
 type ctxReader struct {

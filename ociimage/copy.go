@@ -50,7 +50,7 @@ func Copy(ctx context.Context, src, dst Repository, maxBytes int64, jobs int) (o
 		})
 	}
 	if err := g.Wait(); err != nil {
-		return desc, err
+		return desc, errcode.Ensure(errcode.RegistryError, err, "copying the image's blobs")
 	}
 	got, err := dst.PutManifest(ctx, m)
 	if err == nil && got.Digest != desc.Digest {

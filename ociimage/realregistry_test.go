@@ -72,6 +72,20 @@ func TestRealRegistryRoundTripAndSkopeo(t *testing.T) {
 		}
 	}
 
+	// A client that puts a blob the repository holds without asking first
+	// sends only the mount offer, which the registry answers 201: no body.
+	puts := strings.Count(reg.LogTail(100000), `"PUT /v2/vms/web/blobs/uploads/`)
+	if err := openReal(t, reg, "vms/web:other").PutBlob(ctx, descs[0], datas[0]); err != nil {
+		t.Fatal(err)
+	}
+	log := reg.LogTail(100000)
+	if !strings.Contains(log, "mount="+strings.Replace(string(descs[0].Digest), ":", "%3A", 1)+` HTTP/1.1" 201`) {
+		t.Fatalf("no mount offer answered 201 for %s in the registry's log:\n%s", descs[0].Digest, reg.LogTail(10))
+	}
+	if n := strings.Count(log, `"PUT /v2/vms/web/blobs/uploads/`); n != puts {
+		t.Fatalf("a put of a blob the registry holds sent a body (%d upload PUTs, %d before)", n, puts)
+	}
+
 	// distribution 2.8 has no referrers API: the fallback tag lists the
 	// state image, and Referrers finds it there.
 	fallback := strings.Replace(string(diskDesc.Digest), ":", "-", 1)

@@ -13,19 +13,20 @@ import (
 	"mime"
 	"net"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
-	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sync/errgroup"
+	"golang.org/x/sync/singleflight"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
@@ -53,13 +54,16 @@ type Registry struct {
 	tryBase  time.Duration // a request's time limit before its transfer (tests shorten it)
 	insecure bool          // plain HTTP allowed (WithInsecureRegistry)
 
-	mu sync.Mutex
-	rt http.RoundTripper // authenticated for pulls; set by the first request
+	mu     sync.Mutex
+	rt     http.RoundTripper // authenticated for pulls; set by the first request
+	pushRT http.RoundTripper // authenticated for pushes; set by the first upload
 
 	// known holds the blobs this Registry has seen in the repository
 	// (digest -> size), so that a chunk repeated in a stream (zero pages)
 	// is checked once, and PutManifest need not ask again.
 	known sync.Map
+	// uploads collapses concurrent puts of one digest into one upload.
+	uploads singleflight.Group
 }
 
 var _ Repository = (*Registry)(nil)
@@ -187,26 +191,144 @@ func (r *Registry) headBlob(ctx context.Context, d digest.Digest) (int64, bool, 
 func (r *Registry) remember(d digest.Digest, size int64) { r.known.Store(d, size) }
 
 // PutBlob uploads data as it is (it is already compressed, and at most
-// MaxChunkSize): no copy, no second read of anything but this slice.
+// MaxChunkSize), from the slice: nothing is copied, and nothing is hashed
+// again, because the registry hashes what it receives and refuses a body
+// that does not match the digest (DIGEST_MISMATCH).
 func (r *Registry) PutBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) error {
+	if int64(len(data)) != desc.Size {
+		return errcode.New(errcode.DigestMismatch, "data for blob %s is %d bytes, not the %d its descriptor says", desc.Digest, len(data), desc.Size)
+	}
+	return r.PutBlobStream(ctx, desc, bytes.NewReader(data))
+}
+
+// PutBlobStream uploads desc.Size bytes of src in two requests: a POST that
+// opens an upload session, offering to mount the blob from this very
+// repository (a registry that holds it answers 201 and nothing is sent),
+// and one PUT with the whole body and its digest. The registry checks the
+// digest when the upload completes; a mismatch fails it and nothing is
+// stored. Each retry reads src again from the start.
+func (r *Registry) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if err := verifyData(desc, data); err != nil {
-		return err
+	if _, err := parseDigest(string(desc.Digest)); err != nil {
+		return errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", desc.Digest)
+	}
+	if desc.Size < 0 {
+		return errcode.New(errcode.InvalidInput, "blob %s has a negative size %d", desc.Digest, desc.Size)
 	}
 	if size, ok := r.known.Load(desc.Digest); ok && (size.(int64) == desc.Size || size.(int64) < 0) {
 		return nil
 	}
-	layer := &blobLayer{desc: desc, data: data}
-	err := r.withRetry(ctx, "storing blob "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
-		return r.pusher.Upload(ctx, r.repo, layer)
+	// Concurrent puts of one blob (a chunk repeated in a stream) go up once.
+	_, err, _ := r.uploads.Do(string(desc.Digest), func() (any, error) {
+		return nil, r.withRetry(ctx, "storing blob "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
+			err := r.upload(ctx, desc, src)
+			// The registry hashed what we sent: the source is not the blob.
+			var terr *transport.Error
+			if errors.As(err, &terr) {
+				for _, e := range terr.Errors {
+					if e.Code == transport.DigestInvalidErrorCode {
+						return errcode.Wrap(errcode.DigestMismatch, err, "data for blob %s does not match its digest", desc.Digest)
+					}
+				}
+			}
+			return err
+		})
 	})
 	if err != nil {
 		return err
 	}
 	r.remember(desc.Digest, desc.Size)
 	return nil
+}
+
+// upload is one try of PutBlobStream.
+func (r *Registry) upload(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) error {
+	rt, err := r.pushTransport(ctx)
+	if err != nil {
+		return err
+	}
+	client := &http.Client{Transport: rt}
+	start, err := url.Parse(r.url("blobs", "uploads/"))
+	if err != nil {
+		return errcode.Wrap(errcode.Internal, err, "building a registry request")
+	}
+	start.RawQuery = url.Values{"mount": {string(desc.Digest)}, "from": {r.ref.Repository}}.Encode()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, start.String(), http.NoBody)
+	if err != nil {
+		return errcode.Wrap(errcode.Internal, err, "building a registry request")
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return err
+	}
+	if err := transport.CheckError(resp, http.StatusCreated, http.StatusAccepted); err != nil {
+		drain(resp)
+		return err
+	}
+	drain(resp)
+	if resp.StatusCode == http.StatusCreated {
+		return nil // mounted: the repository has it
+	}
+	loc, err := resp.Request.URL.Parse(resp.Header.Get("Location"))
+	if err != nil || resp.Header.Get("Location") == "" {
+		return errcode.New(errcode.RegistryError, "registry %s opened an upload without a usable Location (%q)", r.ref.Registry, resp.Header.Get("Location"))
+	}
+	q := loc.Query()
+	q.Set("digest", string(desc.Digest))
+	loc.RawQuery = q.Encode()
+	// net/http may go on reading a body after it returned the answer (a
+	// registry that refuses early), and callers reuse their buffers once
+	// PutBlob returns: every body is fenced off when the request is over.
+	var bodies []*fencedReader
+	defer func() {
+		for _, b := range bodies {
+			b.fence()
+		}
+	}()
+	body := func() (io.ReadCloser, error) {
+		b := &fencedReader{r: io.NewSectionReader(src, 0, desc.Size)}
+		bodies = append(bodies, b)
+		return b, nil
+	}
+	req, err = http.NewRequestWithContext(ctx, http.MethodPut, loc.String(), nil)
+	if err != nil {
+		return errcode.Wrap(errcode.Internal, err, "building a registry request")
+	}
+	req.Body, _ = body()
+	req.GetBody = body // a redirect sends the body again
+	req.ContentLength = desc.Size
+	req.Header.Set("Content-Type", "application/octet-stream")
+	if resp, err = client.Do(req); err != nil {
+		return err
+	}
+	defer drain(resp)
+	return transport.CheckError(resp, http.StatusCreated)
+}
+
+// fencedReader reads r until fence is called, and nothing after.
+type fencedReader struct {
+	mu     sync.Mutex
+	r      io.Reader
+	fenced bool
+}
+
+func (f *fencedReader) Read(p []byte) (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.fenced {
+		return 0, errors.New("the request this body belonged to is over")
+	}
+	return f.r.Read(p)
+}
+
+func (f *fencedReader) Close() error { return nil }
+
+func (f *fencedReader) fence() {
+	f.mu.Lock()
+	f.fenced = true
+	f.mu.Unlock()
 }
 
 // PutManifest pushes the manifest's exact bytes with its media type, to the
@@ -571,6 +693,21 @@ func (r *Registry) transport(ctx context.Context) (http.RoundTripper, error) {
 	return rt, nil
 }
 
+// pushTransport is transport's counterpart for uploads, with push scope.
+func (r *Registry) pushTransport(ctx context.Context) (http.RoundTripper, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.pushRT != nil {
+		return r.pushRT, nil
+	}
+	rt, err := transport.NewWithContext(ctx, r.repo.Registry, r.creds.auth, r.base, []string{r.repo.Scope(transport.PushScope)})
+	if err != nil {
+		return nil, err
+	}
+	r.pushRT = rt
+	return rt, nil
+}
+
 func (r *Registry) send(ctx context.Context, method, url, accept string) (*http.Response, error) {
 	rt, err := r.transport(ctx)
 	if err != nil {
@@ -682,8 +819,8 @@ func (r *Registry) withRetry(ctx context.Context, what string, size int64, op fu
 		if err == nil {
 			return nil
 		}
-		if cerr := ctx.Err(); cerr != nil {
-			return cerr
+		if ctx.Err() != nil {
+			return r.interrupted(ctx, what)
 		}
 		if stalled {
 			if try >= r.attempts {
@@ -699,11 +836,18 @@ func (r *Registry) withRetry(ctx context.Context, what string, size int64, op fu
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return ctx.Err()
+			return r.interrupted(ctx, what)
 		case <-t.C:
 		}
 		delay = min(delay*3, 30*time.Second)
 	}
+}
+
+// interrupted is the error of a request the caller's context ended: a
+// registry error (that is what we were waiting for), wrapping the context's
+// error so that callers still see a cancellation or a deadline.
+func (r *Registry) interrupted(ctx context.Context, what string) error {
+	return errcode.Wrap(errcode.RegistryError, ctx.Err(), "%s: registry %s had not answered when the caller stopped waiting", what, r.ref.Registry)
 }
 
 // errStalled is the cause of a try that ran out of its own time.
@@ -887,25 +1031,6 @@ func (r *Registry) authWords(ctx context.Context) string {
 }
 
 // --- go-containerregistry adapters ---
-
-// blobLayer is a v1.Layer over one blob already in memory, with its digest
-// known: remote uploads it from the slice (and reads it again only to retry
-// a request), nothing is hashed or buffered again.
-type blobLayer struct {
-	desc ocispec.Descriptor
-	data []byte
-}
-
-func (l *blobLayer) Digest() (v1.Hash, error) { return v1.NewHash(string(l.desc.Digest)) }
-func (l *blobLayer) DiffID() (v1.Hash, error) { return l.Digest() }
-func (l *blobLayer) Size() (int64, error)     { return int64(len(l.data)), nil }
-func (l *blobLayer) MediaType() (types.MediaType, error) {
-	return types.MediaType(l.desc.MediaType), nil
-}
-func (l *blobLayer) Compressed() (io.ReadCloser, error) {
-	return io.NopCloser(bytes.NewReader(l.data)), nil
-}
-func (l *blobLayer) Uncompressed() (io.ReadCloser, error) { return l.Compressed() }
 
 // rawManifest is a manifest pushed byte for byte, with its media type.
 type rawManifest struct {

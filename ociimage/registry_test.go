@@ -1,6 +1,7 @@
 package ociimage
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/base64"
@@ -210,6 +211,22 @@ func pushDisk(t testing.TB, repo Repository, layers []ocispec.Descriptor, subjec
 	return desc
 }
 
+// A body that does not match its digest is refused by the registry, and
+// that is DIGEST_MISMATCH, not a registry failure to retry.
+func TestRegistryPutOfWrongDataIsDigestMismatch(t *testing.T) {
+	f := newFakeRegistry(t)
+	descs, datas := testChunks(t, 1, 64<<10)
+	bad := bytes.Clone(datas[0])
+	bad[0] ^= 1
+	err := f.open(t, "vm:one").PutBlob(context.Background(), descs[0], bad)
+	if errcode.Of(err) != errcode.DigestMismatch {
+		t.Fatalf("err = %v, want DIGEST_MISMATCH", err)
+	}
+	if ok, _ := f.open(t, "vm:one").HasBlob(context.Background(), descs[0].Digest); ok {
+		t.Fatal("the registry holds the blob after a put of wrong data")
+	}
+}
+
 func TestRegistryRoundTrip(t *testing.T) {
 	f := newFakeRegistry(t)
 	repo := f.open(t, "vms/web:v1")
@@ -273,6 +290,10 @@ func TestRegistrySkipsBlobsItHasAndPushesTheManifestLast(t *testing.T) {
 	if n := f.count(http.MethodPost, "/blobs/uploads/"); n != 6 {
 		t.Fatalf("first push started %d uploads, want 6 (one per distinct chunk)", n)
 	}
+	// Each upload is one POST and one PUT with the whole body: no PATCH.
+	if n, p := f.count(http.MethodPut, "/blobs/uploads/"), f.count(http.MethodPatch, "/blobs/uploads/"); n != 6 || p != 0 {
+		t.Fatalf("first push made %d PUTs and %d PATCHes to uploads, want 6 and 0", n, p)
+	}
 
 	// A second snapshot with the same chunks, by a new client (another
 	// process): it asks, and uploads nothing.
@@ -280,8 +301,8 @@ func TestRegistrySkipsBlobsItHasAndPushesTheManifestLast(t *testing.T) {
 	repo := f.open(t, "vm:two")
 	putChunks(t, repo, descs, datas)
 	pushDisk(t, repo, descs, nil)
-	uploads := f.count(http.MethodPost, "/blobs/uploads/") + f.count(http.MethodPatch, "/blobs/uploads/")
-	if uploads != 1*2 { // the config blob only: POST + PATCH
+	uploads := f.count(http.MethodPost, "/blobs/uploads/") + f.count(http.MethodPatch, "/blobs/uploads/") + f.count(http.MethodPut, "/blobs/uploads/")
+	if uploads != 1*2 { // the config blob only: POST + PUT
 		t.Fatalf("second push made %d upload requests, want only the config's: %v", uploads, f.requests())
 	}
 	if heads := f.count(http.MethodHead, "/blobs/sha256:"); heads < 6 {
