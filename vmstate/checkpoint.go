@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"strconv"
 	"syscall"
 	"time"
 
@@ -46,6 +45,13 @@ type Config struct {
 	RawBytes    int64     `json:"rawBytes"`
 	Compression string    `json:"compression"`
 	ChunkSize   int       `json:"chunkSize"`
+	// Format is how the chunks hold the state: empty for QEMU's stream
+	// (every image before formats existed), FormatMappedRAM for QEMU's
+	// mapped-ram file, chunked at fixed offsets of ChunkSize.
+	Format Format `json:"format,omitempty"`
+	// DataBytes is, for a mapped-ram file, how much of RawBytes is data
+	// rather than holes: the space a restore needs to stage it.
+	DataBytes int64 `json:"dataBytes,omitempty"`
 }
 
 // CheckpointOptions tunes Checkpoint. The zero value is a pause-mode
@@ -60,6 +66,20 @@ type CheckpointOptions struct {
 	WhileStopped func(ctx context.Context) (Link, error)
 	// Annotations are added to the state manifest.
 	Annotations map[string]string
+	// Commit, if set, runs once the state manifest is stored, as the last
+	// step of a checkpoint that has stored everything: it moves the tags of
+	// the checkpoint's images (ociimage.TagManifest), the state's last. For
+	// that, give Checkpoint (and WhileStopped's stores) repositories whose
+	// references have no tag, so that every manifest is stored by digest
+	// first and a failure before Commit leaves every tag where it was. A
+	// Commit error fails the checkpoint like any other.
+	Commit func(ctx context.Context, state ocispec.Descriptor) error
+	// Format is how the state is captured: FormatAuto (the zero value),
+	// FormatStream or FormatMappedRAM (see mappedram.go).
+	Format Format
+	// StagingDir is where a mapped-ram checkpoint has QEMU write its file
+	// (default $TMPDIR).
+	StagingDir string
 }
 
 // Link ties the state manifest to an image stored beside it (the disk
@@ -77,6 +97,7 @@ type Durations struct {
 	Stopped time.Duration // WhileStopped hook
 	Push    time.Duration // config and manifest
 	Total   time.Duration
+	Save    time.Duration // mapped-ram: QEMU writing the staging file (part of Stream)
 }
 
 // CheckpointResult is what a checkpoint produced.
@@ -135,6 +156,13 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	}
 	opts.Stream.ChunkSize = chunkSizeFor(record.MemoryBytes, opts.Stream.ChunkSize)
 	res.Config = Config{Record: record, Mode: opts.Mode, Created: time.Now().UTC(), Compression: "zstd", ChunkSize: opts.Stream.ChunkSize}
+	format, err := chooseFormat(ctx, mon, opts, record)
+	if err != nil {
+		return nil, err
+	}
+	if format == FormatMappedRAM {
+		return checkpointMappedRAM(ctx, mon, repo, opts, st, res, start)
+	}
 
 	cleanupCtx := func(d time.Duration) (context.Context, context.CancelFunc) {
 		return context.WithTimeout(context.WithoutCancel(ctx), d)
@@ -277,26 +305,12 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	}
 	res.Config.RawBytes = res.Stream.RawBytes
 
-	annotations := map[string]string{
-		ociimage.AnnotationMode:        string(opts.Mode),
-		ociimage.AnnotationQEMUVersion: record.QEMUVersion,
-		ociimage.AnnotationMachine:     record.Machine,
-		ociimage.AnnotationMemory:      strconv.FormatInt(record.MemoryBytes, 10),
-		ociimage.AnnotationRawBytes:    strconv.FormatInt(res.Stream.RawBytes, 10),
-		ociimage.AnnotationCreated:     res.Config.Created.Format(time.RFC3339),
-	}
-	for k, v := range opts.Annotations {
-		annotations[k] = v
-	}
 	var link Link
 	phase = "capturing the disk"
 	if opts.WhileStopped != nil {
 		hookStart := time.Now()
 		if link, err = opts.WhileStopped(ctx); err != nil {
 			return res, err
-		}
-		for k, v := range link.Annotations {
-			annotations[k] = v
 		}
 		res.Durations.Stopped = time.Since(hookStart)
 	}
@@ -308,21 +322,10 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		res.Downtime = time.Since(stoppedAt)
 	}
 
-	phase = "storing the manifest"
-	pushStart := time.Now()
-	res.Manifest, err = ociimage.PushArtifact(ctx, repo, ociimage.Artifact{
-		ArtifactType:    ociimage.ArtifactTypeVMState,
-		ConfigMediaType: ociimage.MediaTypeVMStateConfig,
-		Config:          res.Config,
-		Layers:          res.Stream.Layers,
-		Annotations:     annotations,
-		Subject:         link.Subject,
-	})
-	if err != nil {
-		return res, errcode.Ensure(errcode.RegistryError, err, "storing the state manifest")
+	phase = "storing the manifest and moving the tags"
+	if err = pushStateManifest(ctx, repo, opts, res, link); err != nil {
+		return res, err
 	}
-	res.Durations.Push = time.Since(pushStart)
-	res.Image = repo.Reference().WithDigest(res.Manifest.Digest)
 	if opts.Mode == ModePause && wasRunning {
 		res.Downtime = time.Since(stoppedAt)
 	}
@@ -340,6 +343,9 @@ type migrationSettings struct {
 	// stoppedMemory, if not 0, is the memory of a VM that stays stopped
 	// during the whole migration.
 	stoppedMemory int64
+	// mappedRAM turns on mapped-ram and multifd (and, on the source, sets
+	// multifd-channels): a migration into or from a file (mappedram.go).
+	mappedRAM bool
 }
 
 // prepareMigration makes the next migration a plain precopy stream into one
@@ -388,6 +394,8 @@ func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (
 			want = true
 		case "background-snapshot":
 			want = set.background && set.source
+		case capMappedRAM, capMultifd:
+			want = set.mappedRAM
 		}
 		if c.State != want {
 			change = append(change, map[string]any{"capability": c.Capability, "state": want})
@@ -404,8 +412,9 @@ func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (
 		return undo, nil
 	}
 	var params struct {
-		MaxBandwidth  *int64 `json:"max-bandwidth"`
-		DowntimeLimit *int64 `json:"downtime-limit"`
+		MaxBandwidth    *int64 `json:"max-bandwidth"`
+		DowntimeLimit   *int64 `json:"downtime-limit"`
+		MultifdChannels *int64 `json:"multifd-channels"`
 	}
 	if err := mon.Execute(ctx, "query-migrate-parameters", nil, &params); err != nil {
 		return undo, errcode.Ensure(errcode.QMPError, err, "query-migrate-parameters")
@@ -421,6 +430,9 @@ func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (
 		want["downtime-limit"] = int64(maxDowntimeMs)
 		want["max-bandwidth"] = max(int64(1)<<20, set.stoppedMemory/(maxDowntimeMs/1000/2))
 	}
+	if set.mappedRAM && params.MultifdChannels != nil {
+		want["multifd-channels"] = multifdChannels()
+	}
 	if len(want) > 0 {
 		if err := mon.Execute(ctx, "migrate-set-parameters", want, nil); err != nil {
 			return undo, errcode.Ensure(errcode.QMPError, err, "setting the migration parameters")
@@ -430,6 +442,9 @@ func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (
 		}
 		if _, ok := want["downtime-limit"]; ok {
 			undoParams["downtime-limit"] = *params.DowntimeLimit
+		}
+		if _, ok := want["multifd-channels"]; ok {
+			undoParams["multifd-channels"] = *params.MultifdChannels
 		}
 	}
 	return undo, nil

@@ -4,12 +4,16 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"maps"
+	"math/bits"
 	"slices"
 	"strconv"
 	"strings"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/qmp"
 )
 
 // Record is what a VM is, as far as loading its migration stream is
@@ -26,6 +30,18 @@ type Record struct {
 	Devices     []string `json:"devices"`       // PCI functions, canonical and sorted
 	DevicesHash string   `json:"devicesDigest"` // sha256 of Devices, for a quick look
 	Blocks      []Block  `json:"blocks"`
+
+	// CPUFeatures are the CPUID feature words the guest sees (x86 only), by
+	// cpuidKey, zero words left out. The model's name does not pin them:
+	// -cpu host gives the host CPU's features, and so does a named model
+	// with features added or removed.
+	// Empty in records from before vmsnap read them, and on other
+	// architectures: nothing is compared then.
+	CPUFeatures map[string]uint32 `json:"cpuFeatures,omitempty"`
+	// CPUFiltered are features the CPU model asked for that the host could
+	// not give (QEMU filtered them out), likewise. Not compared: they only
+	// explain a difference of CPUFeatures.
+	CPUFiltered map[string]uint32 `json:"cpuFiltered,omitempty"`
 }
 
 // Block is one block device as the guest sees it. File names are left out:
@@ -78,6 +94,13 @@ func ReadRecord(ctx context.Context, mon Executor) (Record, error) {
 		if err := mon.Execute(ctx, "qom-get", map[string]string{"path": cpus[0].QOMPath, "property": "type"}, &r.CPUModel); err != nil {
 			return r, err
 		}
+		var err error
+		if r.CPUFeatures, err = readCPUIDWords(ctx, mon, cpus[0].QOMPath, "feature-words"); err != nil {
+			return r, err
+		}
+		if r.CPUFiltered, err = readCPUIDWords(ctx, mon, cpus[0].QOMPath, "filtered-features"); err != nil {
+			return r, err
+		}
 	}
 
 	var mem struct {
@@ -102,6 +125,160 @@ func ReadRecord(ctx context.Context, mon Executor) (Record, error) {
 	}
 	r.Blocks = blocks
 	return r, nil
+}
+
+// readCPUIDWords reads an x86 CPU's feature-words or filtered-features
+// property, keeping the words that are not zero. A QEMU without the
+// property (another architecture) refuses the qom-get: that gives nil.
+func readCPUIDWords(ctx context.Context, mon Executor, cpuPath, property string) (map[string]uint32, error) {
+	var words []struct {
+		Register string  `json:"cpuid-register"`
+		EAX      uint32  `json:"cpuid-input-eax"`
+		ECX      *uint32 `json:"cpuid-input-ecx"`
+		Features uint32  `json:"features"`
+	}
+	err := mon.Execute(ctx, "qom-get", map[string]string{"path": cpuPath, "property": property}, &words)
+	var refused *qmp.Error
+	if errors.As(err, &refused) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]uint32{}
+	for _, w := range words {
+		if w.Features != 0 {
+			out[cpuidKey(w.EAX, w.ECX, w.Register)] = w.Features
+		}
+	}
+	if len(out) == 0 {
+		return nil, nil
+	}
+	return out, nil
+}
+
+// cpuidKey names a CPUID feature word: the leaf (input EAX) in hex, the
+// subleaf (input ECX) for leaves that have them, and the output register,
+// as in "0x7.0:EBX" or "0x80000001:EDX".
+func cpuidKey(leaf uint32, subleaf *uint32, register string) string {
+	k := fmt.Sprintf("0x%x", leaf)
+	if subleaf != nil {
+		k += fmt.Sprintf(".%d", *subleaf)
+	}
+	return k + ":" + strings.ToUpper(register)
+}
+
+// compareCPUFeatures lists the CPUID feature bits that differ, one line per
+// word and direction. A word absent from a record is zero.
+func compareCPUFeatures(src, target Record) []string {
+	if len(src.CPUFeatures) == 0 {
+		return nil // an older record, or not x86: nothing to compare
+	}
+	if len(target.CPUFeatures) == 0 {
+		if src.Arch != target.Arch {
+			return nil // listed already
+		}
+		return []string{"CPU features: the snapshot records its CPUID feature words, the target QEMU reports none"}
+	}
+	words := maps.Clone(src.CPUFeatures)
+	maps.Copy(words, target.CPUFeatures)
+	var diffs []string
+	for _, k := range slices.Sorted(maps.Keys(words)) {
+		s, t := src.CPUFeatures[k], target.CPUFeatures[k]
+		if missing := s &^ t; missing != 0 {
+			d := fmt.Sprintf("CPU features missing on target (CPUID %s): %s", k, cpuFeatureNames(k, missing))
+			if f := target.CPUFiltered[k]; f&missing == missing {
+				d += " (the target's QEMU filtered them out: its host CPU lacks them)"
+			}
+			diffs = append(diffs, d)
+		}
+		if extra := t &^ s; extra != 0 {
+			diffs = append(diffs, fmt.Sprintf("CPU features not in snapshot (CPUID %s): %s", k, cpuFeatureNames(k, extra)))
+		}
+	}
+	return diffs
+}
+
+// parseCPUIDKey is cpuidKey's inverse.
+func parseCPUIDKey(k string) (leaf uint32, subleaf *uint32, register string, ok bool) {
+	word, register, _ := strings.Cut(k, ":")
+	switch register {
+	case "EAX", "EBX", "ECX", "EDX":
+	default:
+		return 0, nil, "", false
+	}
+	leafStr, subStr, hasSub := strings.Cut(word, ".")
+	hex, ok := strings.CutPrefix(leafStr, "0x")
+	if !ok {
+		return 0, nil, "", false
+	}
+	l, err := strconv.ParseUint(hex, 16, 32)
+	if err != nil {
+		return 0, nil, "", false
+	}
+	if hasSub {
+		n, err := strconv.ParseUint(subStr, 10, 32)
+		if err != nil {
+			return 0, nil, "", false
+		}
+		sub := uint32(n)
+		subleaf = &sub
+	}
+	return uint32(l), subleaf, register, true
+}
+
+// cpuFeatureNames names the set bits of a feature word: QEMU's name for
+// the feature where the table below has it, "bit N" otherwise.
+func cpuFeatureNames(key string, set uint32) string {
+	names := cpuidFeatureNames[key]
+	var out []string
+	for set != 0 {
+		bit := bits.TrailingZeros32(set)
+		set &^= 1 << bit
+		if bit < len(names) && names[bit] != "" {
+			out = append(out, fmt.Sprintf("%s (bit %d)", names[bit], bit))
+		} else {
+			out = append(out, fmt.Sprintf("bit %d", bit))
+		}
+	}
+	return strings.Join(out, ", ")
+}
+
+// cpuidFeatureNames are QEMU's names (as in -cpu qemu64,+avx2) of the bits
+// of the feature words that -cpu host differs in most, from QEMU 7.2's
+// target/i386/cpu.c. Bits without a name there are left empty.
+var cpuidFeatureNames = map[string][]string{
+	"0x1:EDX": {"fpu", "vme", "de", "pse", "tsc", "msr", "pae", "mce",
+		"cx8", "apic", "", "sep", "mtrr", "pge", "mca", "cmov",
+		"pat", "pse36", "pn", "clflush", "", "ds", "acpi", "mmx",
+		"fxsr", "sse", "sse2", "ss", "ht", "tm", "ia64", "pbe"},
+	"0x1:ECX": {"pni", "pclmulqdq", "dtes64", "monitor", "ds-cpl", "vmx", "smx", "est",
+		"tm2", "ssse3", "cid", "", "fma", "cx16", "xtpr", "pdcm",
+		"", "pcid", "dca", "sse4.1", "sse4.2", "x2apic", "movbe", "popcnt",
+		"tsc-deadline", "aes", "xsave", "", "avx", "f16c", "rdrand", "hypervisor"},
+	"0x7.0:EBX": {"fsgsbase", "tsc-adjust", "sgx", "bmi1", "hle", "avx2", "", "smep",
+		"bmi2", "erms", "invpcid", "rtm", "", "", "mpx", "",
+		"avx512f", "avx512dq", "rdseed", "adx", "smap", "avx512ifma", "pcommit", "clflushopt",
+		"clwb", "intel-pt", "avx512pf", "avx512er", "avx512cd", "sha-ni", "avx512bw", "avx512vl"},
+	"0x7.0:ECX": {"", "avx512vbmi", "umip", "pku", "", "waitpkg", "avx512vbmi2", "",
+		"gfni", "vaes", "vpclmulqdq", "avx512vnni", "avx512bitalg", "", "avx512-vpopcntdq", "",
+		"la57", "", "", "", "", "", "rdpid", "",
+		"bus-lock-detect", "cldemote", "", "movdiri", "movdir64b", "", "sgxlc", "pks"},
+	"0x7.0:EDX": {"", "", "avx512-4vnniw", "avx512-4fmaps", "fsrm", "", "", "",
+		"avx512-vp2intersect", "", "md-clear", "", "", "", "serialize", "",
+		"tsx-ldtrk", "", "", "arch-lbr", "", "", "amx-bf16", "avx512-fp16",
+		"amx-tile", "amx-int8", "spec-ctrl", "stibp", "flush-l1d", "arch-capabilities", "core-capability", "ssbd"},
+	"0x80000001:ECX": {"lahf-lm", "cmp-legacy", "svm", "extapic", "cr8legacy", "abm", "sse4a", "misalignsse",
+		"3dnowprefetch", "osvw", "ibs", "xop", "skinit", "wdt", "", "lwp",
+		"fma4", "tce", "", "nodeid-msr", "", "tbm", "topoext", "perfctr-core",
+		"perfctr-nb"},
+	// Most low bits repeat leaf 1's EDX, as AMD defines them.
+	"0x80000001:EDX": {"fpu", "vme", "de", "pse", "tsc", "msr", "pae", "mce",
+		"cx8", "apic", "", "syscall", "mtrr", "pge", "mca", "cmov",
+		"pat", "pse36", "", "", "nx", "", "mmxext", "mmx",
+		"fxsr", "fxsr-opt", "pdpe1gb", "rdtscp", "", "lm", "3dnowext", "3dnow"},
+	"0xd.1:EAX": {"xsaveopt", "xsavec", "xgetbv1", "xsaves", "xfd"},
+	"0x6:EAX":   {"", "", "arat"},
 }
 
 type pciDevice struct {
@@ -207,6 +384,7 @@ func Compare(src, target Record) []string {
 	differ("machine type", src.Machine, target.Machine)
 	differ("vCPU count", strconv.Itoa(src.CPUs), strconv.Itoa(target.CPUs))
 	differ("CPU model", src.CPUModel, target.CPUModel)
+	diffs = append(diffs, compareCPUFeatures(src, target)...)
 	if src.MemoryBytes != target.MemoryBytes {
 		diffs = append(diffs, fmt.Sprintf("memory: snapshot has %d MiB, target has %d MiB", src.MemoryBytes>>20, target.MemoryBytes>>20))
 	}
@@ -318,6 +496,18 @@ func (r Record) Validate() error {
 		return errcode.New(errcode.InvalidInput, "compatibility record lists too many devices")
 	case devicesDigest(r.Devices) != r.DevicesHash:
 		return errcode.New(errcode.InvalidInput, "compatibility record's device digest does not match its device list")
+	case len(r.CPUFeatures) > maxCPUIDWords || len(r.CPUFiltered) > maxCPUIDWords:
+		return errcode.New(errcode.InvalidInput, "compatibility record lists too many CPUID feature words")
+	}
+	for _, words := range []map[string]uint32{r.CPUFeatures, r.CPUFiltered} {
+		for k := range words {
+			if leaf, sub, reg, ok := parseCPUIDKey(k); !ok || cpuidKey(leaf, sub, reg) != k {
+				return errcode.New(errcode.InvalidInput, "compatibility record names CPUID feature word %q: want LEAF[.SUBLEAF]:REGISTER, as in 0x7.0:EBX", k)
+			}
+		}
 	}
 	return nil
 }
+
+// maxCPUIDWords bounds the feature words of a record (QEMU 7.2 has 24).
+const maxCPUIDWords = 256

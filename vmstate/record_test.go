@@ -1,10 +1,14 @@
 package vmstate
 
 import (
+	"context"
+	"maps"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
 func sampleRecord() Record {
@@ -105,5 +109,125 @@ func TestCmpVersion(t *testing.T) {
 		if (got > 0) != (c.sign > 0) || (got < 0) != (c.sign < 0) {
 			t.Errorf("cmpVersion(%s, %s) = %d", c.a, c.b, got)
 		}
+	}
+}
+
+// hostRecord is a record of a VM with -cpu host on some host: the CPU
+// model's name alone says nothing about its features.
+func hostRecord(features map[string]uint32) Record {
+	r := sampleRecord()
+	r.CPUModel = "host-x86_64-cpu"
+	r.CPUFeatures = features
+	return r
+}
+
+func TestCompareCPUFeatureWords(t *testing.T) {
+	src := hostRecord(map[string]uint32{"0x1:ECX": 0x80002001, "0x7.0:EBX": 1<<5 | 1<<16 | 1<<12, "0xd.1:EAX": 0x1})
+	if d := Compare(src, src); len(d) != 0 {
+		t.Fatalf("identical features differ: %v", d)
+	}
+	// Another host: no avx2, avx512f nor bit 12 (unnamed), but sha-ni and
+	// a word the source did not have.
+	dst := hostRecord(map[string]uint32{"0x1:ECX": 0x80002001, "0x7.0:EBX": 1 << 29, "0x80000001:ECX": 1 << 6, "0xd.1:EAX": 0x1})
+	diffs := Compare(src, dst)
+	want := []string{
+		"CPU features missing on target (CPUID 0x7.0:EBX): avx2 (bit 5), bit 12, avx512f (bit 16)",
+		"CPU features not in snapshot (CPUID 0x7.0:EBX): sha-ni (bit 29)",
+		"CPU features not in snapshot (CPUID 0x80000001:ECX): sse4a (bit 6)",
+	}
+	if strings.Join(diffs, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("diffs:\n%s\nwant:\n%s", strings.Join(diffs, "\n"), strings.Join(want, "\n"))
+	}
+	err := CheckCompatible(src, dst)
+	if errcode.Of(err) != errcode.CompatMismatch || len(errcode.DetailsOf(err)) != 3 {
+		t.Fatalf("CheckCompatible = %v", err)
+	}
+
+	// The target's QEMU says why a feature is missing when it filtered it.
+	dst = hostRecord(map[string]uint32{"0x1:ECX": 0x80002001, "0x7.0:EBX": 1<<16 | 1<<12, "0xd.1:EAX": 0x1})
+	dst.CPUFiltered = map[string]uint32{"0x7.0:EBX": 1 << 5}
+	if d := Compare(src, dst); len(d) != 1 || !strings.Contains(d[0], "avx2 (bit 5) (the target's QEMU filtered them out") {
+		t.Fatalf("diffs = %q", d)
+	}
+}
+
+func TestCompareCPUFeatureWordsOlderRecords(t *testing.T) {
+	// A record from before vmsnap read feature words restores anywhere
+	// its model matches.
+	old := sampleRecord()
+	now := sampleRecord()
+	now.CPUFeatures = map[string]uint32{"0x1:EDX": 0x078bfbfd}
+	if d := Compare(old, now); len(d) != 0 {
+		t.Fatalf("a record without feature words is refused: %v", d)
+	}
+	// A target that cannot report them cannot be checked: refused.
+	if d := Compare(now, old); len(d) != 1 || !strings.Contains(d[0], "the target QEMU reports none") {
+		t.Fatalf("diffs = %q", d)
+	}
+	// Unless it differs in architecture, which says it all.
+	other := sampleRecord()
+	other.Arch = "aarch64"
+	if d := Compare(now, other); len(d) != 1 || !strings.Contains(d[0], "architecture") {
+		t.Fatalf("diffs = %q", d)
+	}
+}
+
+func TestRecordValidateCPUFeatureWords(t *testing.T) {
+	good := hostRecord(map[string]uint32{"0x1:EDX": 1, "0x7.0:EBX": 2, "0x80000001:ECX": 3, "0xd.1:EAX": 4})
+	good.CPUFiltered = map[string]uint32{"0x7.0:EBX": 8}
+	if err := good.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{"", "0x1", "1:EDX", "0x1:edx", "0x01:EDX", "0x1:ESP", "0x7.:EBX", "0x7.00:EBX", "0x1ffffffff:EAX", "0xz:EAX", "0x7.-1:EBX"} {
+		r := hostRecord(map[string]uint32{key: 1})
+		if err := r.Validate(); errcode.Of(err) != errcode.InvalidInput {
+			t.Errorf("key %q: err = %v, want INVALID_INPUT", key, err)
+		}
+	}
+	many := map[string]uint32{}
+	for i := range maxCPUIDWords + 1 {
+		many[cpuidKey(uint32(i), nil, "EAX")] = 1
+	}
+	if err := hostRecord(many).Validate(); errcode.Of(err) != errcode.InvalidInput {
+		t.Errorf("%d words: err = %v, want INVALID_INPUT", len(many), err)
+	}
+}
+
+func TestReadRecordCPUFeatureWords(t *testing.T) {
+	ctx := context.Background()
+	q := qmptest.NewFakeQEMU(t, "running", nil)
+	r, err := ReadRecord(ctx, q.Dial(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]uint32{"0x1:EDX": 0x078bfbfd, "0x1:ECX": 0x80002001, "0x80000001:EDX": 0x2193fbfd, "0x80000001:ECX": 0x5}
+	if !maps.Equal(r.CPUFeatures, want) || r.CPUFiltered != nil {
+		t.Fatalf("features %v, filtered %v; want %v and none", r.CPUFeatures, r.CPUFiltered, want)
+	}
+	if err := r.Validate(); err != nil {
+		t.Fatal(err)
+	}
+
+	// QEMU for another architecture has no such properties.
+	other := qmptest.NewFakeQEMU(t, "running", nil)
+	other.FeatureWords, other.FilteredFeatures = nil, nil
+	if r, err := ReadRecord(ctx, other.Dial(t)); err != nil || r.CPUFeatures != nil || r.CPUFiltered != nil {
+		t.Fatalf("without feature words: %v, %v, %v", err, r.CPUFeatures, r.CPUFiltered)
+	}
+}
+
+func TestRestoreRefusesOtherCPUFeaturesBeforeSendingAByte(t *testing.T) {
+	ref := checkpointInto(t, t.TempDir(), testStream(t, 1<<20))
+	// The same CPU model, on a host with avx2 (as -cpu host would be).
+	dst := qmptest.NewFakeQEMU(t, "inmigrate", nil)
+	zero := uint32(0)
+	dst.FeatureWords = append(qmptest.Qemu64FeatureWords(), qmptest.FeatureWord{Register: "EBX", InputEAX: 7, InputECX: &zero, Features: 1 << 5})
+	_, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{})
+	if errcode.Of(err) != errcode.CompatMismatch ||
+		!slices.Equal(errcode.DetailsOf(err), []string{"CPU features not in snapshot (CPUID 0x7.0:EBX): avx2 (bit 5)"}) {
+		t.Fatalf("err = %v (details %q), want COMPAT_MISMATCH naming avx2 alone", err, errcode.DetailsOf(err))
+	}
+	if slices.Contains(dst.Commands(), "getfd") || dst.Status() != "inmigrate" {
+		t.Fatalf("the target was touched: %v, status %s", dst.Commands(), dst.Status())
 	}
 }

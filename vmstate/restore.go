@@ -18,6 +18,9 @@ type RestoreOptions struct {
 	// without -S may run the guest for an instant before it is stopped.
 	Paused bool
 	Stream StreamOptions
+	// StagingDir is where a mapped-ram image is staged, verified, before
+	// QEMU loads it (default $TMPDIR).
+	StagingDir string
 }
 
 // RestoreDurations are a restore's phases.
@@ -45,6 +48,9 @@ func LoadConfig(ctx context.Context, repo ociimage.Repository) (ocispec.Descript
 		return desc, m, cfg, err
 	}
 	if err := cfg.Record.Validate(); err != nil {
+		return desc, m, cfg, err
+	}
+	if err := cfg.checkFormat(); err != nil {
 		return desc, m, cfg, err
 	}
 	total, err := ValidateLayers(m.Layers)
@@ -86,8 +92,11 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	if err != nil {
 		return nil, errcode.Ensure(errcode.QMPError, err, "reading the waiting QEMU's compatibility record")
 	}
-	if err := CheckCompatible(res.Config.Record, target); err != nil {
+	if err := checkRestorable(ctx, mon, res.Config, target); err != nil {
 		return nil, err
+	}
+	if res.Config.Format == FormatMappedRAM {
+		return restoreMappedRAM(ctx, mon, repo, m.Layers, opts, res, start)
 	}
 	if _, err := prepareMigration(ctx, mon, migrationSettings{}); err != nil {
 		// A target is discarded on failure: its settings need no undo.

@@ -18,7 +18,8 @@ import (
 )
 
 // BlobSink is where EncodeStream puts compressed chunks. ociimage.Repository
-// satisfies it.
+// satisfies it. PutBlob must not keep data once it returns: the buffer is
+// reused for the next chunk.
 type BlobSink interface {
 	HasBlob(ctx context.Context, d digest.Digest) (bool, error)
 	PutBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) error
@@ -33,29 +34,45 @@ type BlobSource interface {
 // StreamOptions tunes both directions of the chunk pipeline. The zero value
 // picks the defaults.
 type StreamOptions struct {
-	// ChunkSize is the raw size of every chunk but the last (default 4 MiB).
+	// ChunkSize is the average raw size of a chunk (default 4 MiB), rounded
+	// down to a power of two. Chunks are cut where the content says (see
+	// chunker), between half and twice that size.
 	ChunkSize int
-	// Workers is how many chunks are compressed, stored, fetched or
-	// decompressed at once (default GOMAXPROCS, at least 2).
+	// Workers is how many chunks are compressed, fetched or decompressed at
+	// once (default GOMAXPROCS, at least 2).
 	Workers int
+	// Uploads is how many compressed chunks are being stored at once
+	// (default 3). Uploads wait on the network, not the CPU, so they run
+	// beside the compression workers rather than in their place.
+	Uploads int
 	// Level is the zstd level (default zstd.SpeedDefault, about zstd -3).
 	Level zstd.EncoderLevel
 	// Progress, if set, is called with the raw bytes done so far, from one
 	// goroutine at a time.
 	Progress func(rawBytes int64)
+	// Fixed makes EncodeStream cut every chunk at exactly ChunkSize
+	// (rounded down to a power of two) instead of where the content says:
+	// for a file whose bytes sit at fixed offsets (QEMU's mapped-ram
+	// format), where a chunk's offset is what makes it match the previous
+	// checkpoint's. DecodeStream needs no such option.
+	Fixed bool
 }
 
-const defaultChunkSize = 4 << 20
+const (
+	defaultChunkSize = 4 << 20
+	defaultUploads   = 3
+)
 
 func (o StreamOptions) withDefaults() StreamOptions {
 	if o.ChunkSize <= 0 {
 		o.ChunkSize = defaultChunkSize
 	}
-	if o.ChunkSize > ociimage.MaxChunkSize {
-		o.ChunkSize = ociimage.MaxChunkSize
-	}
+	o.ChunkSize = min(o.ChunkSize, ociimage.MaxChunkSize/2) // chunks reach twice the average
 	if o.Workers <= 0 {
 		o.Workers = max(runtime.GOMAXPROCS(0), 2)
+	}
+	if o.Uploads <= 0 {
+		o.Uploads = defaultUploads
 	}
 	if o.Level == 0 {
 		o.Level = zstd.SpeedDefault
@@ -77,24 +94,76 @@ type chunkJob struct {
 	raw    []byte
 }
 
-// EncodeStream reads r to its end, cuts it into chunks, compresses and
-// digests each chunk once, concurrently, and puts every chunk the sink does
-// not have yet. Memory is bounded by about 2*Workers chunks whatever the
-// stream's size: the reader blocks (and so back-pressures QEMU) while every
-// worker is busy.
+type uploadJob struct {
+	index int
+	desc  ocispec.Descriptor
+	data  []byte
+}
+
+// EncodeStream reads r to its end, cuts it into content-defined chunks,
+// compresses and digests each chunk once, concurrently, and stores every
+// chunk the sink does not have yet, each at most once.
+//
+// Three stages run at once: the reader (cutting), Workers compressors and
+// Uploads uploaders. Every buffer comes from one of two fixed pools, so
+// memory is bounded by (Workers+2) raw and (Workers+Uploads) compressed
+// chunks of at most twice ChunkSize, whatever the stream's size. When the
+// sink is slow the uploaders back up, then the compressors, then the
+// reader, and so QEMU.
 func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOptions) (StreamResult, error) {
 	opts = opts.withDefaults()
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 
+	ck := newChunker(opts.ChunkSize)
+	if opts.Fixed {
+		ck.min, ck.max = ck.avg, ck.avg // cut then returns min(len, avg)
+	}
 	var (
 		mu       sync.Mutex
 		layers   []ocispec.Descriptor
+		seen     = map[digest.Digest]bool{} // chunks put (or being put) by this stream
 		stored   atomic.Int64
 		uploaded atomic.Int64
 	)
-	pool := sync.Pool{New: func() any { b := make([]byte, opts.ChunkSize); return &b }}
-	jobs := make(chan chunkJob, opts.Workers)
+	record := func(index int, desc ocispec.Descriptor) (first bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		for len(layers) <= index {
+			layers = append(layers, ocispec.Descriptor{})
+		}
+		layers[index] = desc
+		first = !seen[desc.Digest]
+		seen[desc.Digest] = true
+		return first
+	}
+	rawBufs := newBufferPool(opts.Workers+2, ck.max)
+	// Sized for the worst case, so that incompressible data never grows a
+	// buffer.
+	compBufs := newBufferPool(opts.Workers+opts.Uploads, maxEncodedSize(ck.max))
+	jobs := make(chan chunkJob)
+	uploads := make(chan uploadJob)
+
+	// The first store failure. When the caller's deadline cuts a put short,
+	// it says what we were waiting for, with its code; the context's cause
+	// is only a bare deadline then.
+	var storeErr atomic.Pointer[error]
+	var upWG sync.WaitGroup
+	for range opts.Uploads {
+		upWG.Add(1)
+		go func() {
+			defer upWG.Done()
+			for job := range uploads {
+				if ctx.Err() == nil {
+					if err := putOnce(ctx, sink, job.desc, job.data, &uploaded); err != nil {
+						storeErr.CompareAndSwap(nil, &err)
+						cancel(err)
+					}
+				}
+				compBufs.put(job.data)
+			}
+		}()
+	}
 
 	var wg sync.WaitGroup
 	for range opts.Workers {
@@ -105,19 +174,19 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 			// chunk buys nothing and costs memory (zstd's default keeps
 			// about 18 MiB per encoder).
 			enc, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(opts.Level), zstd.WithEncoderConcurrency(1),
-				zstd.WithWindowSize(windowFor(opts.ChunkSize)))
+				zstd.WithWindowSize(windowFor(ck.max)))
 			if err != nil {
 				cancel(errcode.Wrap(errcode.Internal, err, "zstd encoder"))
 				return
 			}
 			defer enc.Close()
 			for job := range jobs {
-				if ctx.Err() != nil {
+				out, err := compBufs.get(ctx)
+				if err != nil {
+					rawBufs.put(job.raw)
 					continue // drain
 				}
-				// A fresh buffer per chunk: a store may hold on to data
-				// (an HTTP body) after PutBlob returns.
-				out := enc.EncodeAll(job.raw, make([]byte, 0, len(job.raw)/2))
+				out = enc.EncodeAll(job.raw, out[:0])
 				desc := ocispec.Descriptor{
 					MediaType: ociimage.MediaTypeChunk,
 					Digest:    digest.NewDigestFromBytes(digest.SHA256, sha256Sum(out)),
@@ -127,30 +196,33 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 						ociimage.AnnotationRawOffset: strconv.FormatInt(job.offset, 10),
 					},
 				}
-				buf := job.raw[:cap(job.raw)]
-				pool.Put(&buf)
-				if err := putOnce(ctx, sink, desc, out, &uploaded); err != nil {
-					cancel(err)
+				rawBufs.put(job.raw)
+				stored.Add(desc.Size)
+				if !record(job.index, desc) {
+					compBufs.put(out) // a repeat of a chunk already on its way
 					continue
 				}
-				stored.Add(desc.Size)
-				mu.Lock()
-				for len(layers) <= job.index {
-					layers = append(layers, ocispec.Descriptor{})
+				select {
+				case uploads <- uploadJob{index: job.index, desc: desc, data: out}:
+				case <-ctx.Done():
+					compBufs.put(out)
 				}
-				layers[job.index] = desc
-				mu.Unlock()
 			}
 		}()
 	}
 
-	raw, readErr := readChunks(ctx, r, &pool, jobs, opts)
+	raw, readErr := readChunks(ctx, r, ck, rawBufs, jobs, opts.Progress)
 	close(jobs)
 	wg.Wait()
+	close(uploads)
+	upWG.Wait()
 
 	// A worker's failure (or the caller's cancellation) is the cause; the
 	// reader's error is only the symptom then.
 	if err := context.Cause(ctx); err != nil {
+		if p := storeErr.Load(); p != nil && !errcode.Has(err) {
+			err = *p
+		}
 		return StreamResult{}, err
 	}
 	if readErr != nil {
@@ -159,32 +231,88 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 	return StreamResult{Layers: layers, RawBytes: raw, StoredBytes: stored.Load(), UploadedBytes: uploaded.Load()}, nil
 }
 
-// readChunks fills chunks from r and hands them to the workers; it returns the
-// number of raw bytes read.
-func readChunks(ctx context.Context, r io.Reader, pool *sync.Pool, jobs chan<- chunkJob, opts StreamOptions) (int64, error) {
+// readChunks reads r into buffers of ck.max bytes, cuts each chunk where
+// the chunker says and hands it to the workers; the bytes after the cut
+// start the next buffer. It returns the number of raw bytes read.
+func readChunks(ctx context.Context, r io.Reader, ck chunker, bufs *bufferPool, jobs chan<- chunkJob, progress func(int64)) (int64, error) {
 	var offset int64
+	cur, err := bufs.get(ctx)
+	if err != nil {
+		return 0, err
+	}
+	have := 0 // bytes in cur
 	for index := 0; ; index++ {
-		bp := pool.Get().(*[]byte)
-		n, err := io.ReadFull(r, *bp)
-		if n > 0 {
-			select {
-			case jobs <- chunkJob{index: index, offset: offset, raw: (*bp)[:n]}:
-			case <-ctx.Done():
-				return offset, context.Cause(ctx)
-			}
-			offset += int64(n)
-			if opts.Progress != nil {
-				opts.Progress(offset)
-			}
-		}
-		switch {
-		case err == io.EOF || err == io.ErrUnexpectedEOF:
-			return offset, nil
-		case err != nil:
+		n, err := io.ReadFull(r, cur[have:])
+		have += n
+		eof := err == io.EOF || err == io.ErrUnexpectedEOF
+		if err != nil && !eof {
+			bufs.put(cur)
 			return offset, errcode.Ensure(errcode.Internal, err, "reading the state stream")
+		}
+		if have == 0 {
+			bufs.put(cur)
+			return offset, nil
+		}
+		c := ck.cut(cur[:have])
+		next, err := bufs.get(ctx)
+		if err != nil {
+			bufs.put(cur)
+			return offset, err
+		}
+		rest := copy(next, cur[c:have])
+		select {
+		case jobs <- chunkJob{index: index, offset: offset, raw: cur[:c]}:
+		case <-ctx.Done():
+			bufs.put(cur)
+			bufs.put(next)
+			return offset, context.Cause(ctx)
+		}
+		offset += int64(c)
+		if progress != nil {
+			progress(offset)
+		}
+		cur, have = next, rest
+		if eof && have == 0 {
+			bufs.put(cur)
+			return offset, nil
 		}
 	}
 }
+
+// bufferPool hands out at most n buffers of one size, made on first use,
+// and makes get wait while all of them are out: the pools' sizes are the
+// pipeline's memory bound.
+type bufferPool struct {
+	free chan []byte
+	size int
+}
+
+func newBufferPool(n, size int) *bufferPool {
+	p := &bufferPool{free: make(chan []byte, n), size: size}
+	for range n {
+		p.free <- nil // not made yet
+	}
+	return p
+}
+
+func (p *bufferPool) get(ctx context.Context) ([]byte, error) {
+	select {
+	case b := <-p.free:
+		if b == nil {
+			b = make([]byte, p.size)
+		}
+		return b[:p.size], nil
+	case <-ctx.Done():
+		return nil, context.Cause(ctx)
+	}
+}
+
+func (p *bufferPool) put(b []byte) { p.free <- b[:cap(b)] }
+
+// maxEncodedSize bounds the zstd encoding of n bytes: data that does not
+// compress is stored in raw blocks of 128 KiB with a 3-byte header each,
+// behind a frame header of at most 18 bytes and a 4-byte checksum.
+func maxEncodedSize(n int) int { return n + n>>10 + 4096 }
 
 func putOnce(ctx context.Context, sink BlobSink, desc ocispec.Descriptor, data []byte, uploaded *atomic.Int64) error {
 	have, err := sink.HasBlob(ctx, desc.Digest)
@@ -265,7 +393,8 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 	// One result slot per chunk in the window; the writer takes them in
 	// order. The semaphore bounds how far fetching runs ahead of writing.
 	type result struct {
-		data []byte
+		data []byte // decompressed, in buf
+		buf  []byte // from bufs
 		err  error
 	}
 	slots := make([]chan result, len(layers))
@@ -274,6 +403,14 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 	}
 	window := make(chan struct{}, 2*opts.Workers)
 	next := make(chan int)
+	// A chunk's buffer is taken after its window token and given back once
+	// it is written, so one buffer per token is enough, reused throughout.
+	largest := 0
+	for _, l := range layers {
+		n, _ := rawSize(l) // validated above
+		largest = max(largest, n)
+	}
+	bufs := newBufferPool(cap(window), largest)
 
 	var wg sync.WaitGroup
 	for range opts.Workers {
@@ -288,8 +425,12 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 			}
 			defer dec.Close()
 			for i := range next {
-				data, err := fetchChunk(ctx, src, dec, layers[i])
-				slots[i] <- result{data, err}
+				buf, err := bufs.get(ctx)
+				var data []byte
+				if err == nil {
+					data, err = fetchChunk(ctx, src, dec, layers[i], buf)
+				}
+				slots[i] <- result{data, buf, err}
 			}
 		}()
 	}
@@ -316,7 +457,9 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 		select {
 		case res = <-slots[i]:
 		case <-ctx.Done():
-			err = context.Cause(ctx)
+			// We were waiting for the store (a worker's own failure has
+			// its code already).
+			err = errcode.Ensure(errcode.RegistryError, context.Cause(ctx), "waiting for chunk %d of %d from the image store", i+1, len(layers))
 		}
 		if err == nil {
 			err = res.err
@@ -330,6 +473,7 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 			break
 		}
 		written += int64(len(res.data))
+		bufs.put(res.buf)
 		<-window
 		if opts.Progress != nil {
 			opts.Progress(written)
@@ -342,7 +486,9 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 	return written, err
 }
 
-func fetchChunk(ctx context.Context, src BlobSource, dec *zstd.Decoder, desc ocispec.Descriptor) ([]byte, error) {
+// fetchChunk fetches a chunk and decompresses it into buf, which holds at
+// least its declared raw size.
+func fetchChunk(ctx context.Context, src BlobSource, dec *zstd.Decoder, desc ocispec.Descriptor, buf []byte) ([]byte, error) {
 	want, err := rawSize(desc)
 	if err != nil {
 		return nil, err
@@ -351,12 +497,12 @@ func fetchChunk(ctx context.Context, src BlobSource, dec *zstd.Decoder, desc oci
 	if err != nil {
 		return nil, err
 	}
-	// The source verifies digests; checking again here costs one hash per
-	// chunk and keeps this function safe with any BlobSource.
-	if got := digest.NewDigestFromBytes(digest.SHA256, sha256Sum(data)); got != desc.Digest {
-		return nil, errcode.New(errcode.DigestMismatch, "chunk %s: content has digest %s", desc.Digest, got)
-	}
-	out, err := dec.DecodeAll(data, make([]byte, 0, want))
+	// The source has verified the digest (BlobSource's contract; both
+	// ociimage stores hash what they read). A second hash here would cost
+	// as much CPU as the decompression.
+	// The decoder stops at the buffer's capacity (WithDecodeAllCapLimit):
+	// a chunk that inflates beyond its declared size fails here.
+	out, err := dec.DecodeAll(data, buf[:0:want])
 	if err != nil {
 		return nil, errcode.Wrap(errcode.InvalidInput, err, "chunk %s does not decompress to its declared %d bytes", desc.Digest, want)
 	}

@@ -399,6 +399,8 @@ func TestLoadConfigAndDecodeRealLayoutWithHostileLayers(t *testing.T) {
 		return l
 	}
 	L := res.Layers
+	raw0, _ := strconv.Atoi(L[0].Annotations[ociimage.AnnotationRawSize]) // the first chunk's size (content-defined)
+	r0 := strconv.Itoa(raw0)
 	missing := withRaw(ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk, Digest: digest.FromString("missing"), Size: 10}, "10")
 	cases := []struct {
 		tag    string
@@ -415,9 +417,9 @@ func TestLoadConfigAndDecodeRealLayoutWithHostileLayers(t *testing.T) {
 		{"rawbytes-lies", L, func(c *Config) { c.RawBytes++ }, errcode.InvalidInput, "load", false},
 		{"bad-record", L, func(c *Config) { c.Record.DevicesHash = "sha256:00" }, errcode.InvalidInput, "load", false},
 		{"no-cpus", L, func(c *Config) { c.Record.CPUs = 0 }, errcode.InvalidInput, "load", false},
-		{"corrupt-blob", []ocispec.Descriptor{withRaw(L[0], "65536"), missing}, func(c *Config) { c.RawBytes = 65536 + 10 }, errcode.DigestMismatch, "decode", false},
-		{"missing-blob", []ocispec.Descriptor{withRaw(L[0], "65536"), missing}, func(c *Config) { c.RawBytes = 65536 + 10 }, errcode.RegistryError, "decode", true},
-		{"raw-size-lies", []ocispec.Descriptor{withRaw(L[0], "65537")}, func(c *Config) { c.RawBytes = 65537 }, errcode.InvalidInput, "decode", false},
+		{"corrupt-blob", []ocispec.Descriptor{withRaw(L[0], r0), missing}, func(c *Config) { c.RawBytes = int64(raw0) + 10 }, errcode.DigestMismatch, "decode", false},
+		{"missing-blob", []ocispec.Descriptor{withRaw(L[0], r0), missing}, func(c *Config) { c.RawBytes = int64(raw0) + 10 }, errcode.RegistryError, "decode", true},
+		{"raw-size-lies", []ocispec.Descriptor{withRaw(L[0], strconv.Itoa(raw0+1))}, func(c *Config) { c.RawBytes = int64(raw0) + 1 }, errcode.InvalidInput, "decode", false},
 	}
 	for _, tc := range cases {
 		t.Run(tc.tag, func(t *testing.T) {

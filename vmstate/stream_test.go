@@ -6,12 +6,14 @@ import (
 	"crypto/rand"
 	"errors"
 	"io"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/klauspost/compress/zstd"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
@@ -87,9 +89,16 @@ func TestStreamRoundTrip(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			wantChunks := (len(data) + tc.chunk - 1) / tc.chunk
-			if len(res.Layers) != wantChunks || res.RawBytes != int64(len(data)) {
-				t.Fatalf("got %d chunks, %d bytes; want %d chunks, %d bytes", len(res.Layers), res.RawBytes, wantChunks, len(data))
+			if res.RawBytes != int64(len(data)) {
+				t.Fatalf("read %d bytes of %d", res.RawBytes, len(data))
+			}
+			// Every chunk but the last is between half and twice the
+			// average.
+			for i, l := range res.Layers {
+				n, _ := strconv.Atoi(l.Annotations[ociimage.AnnotationRawSize])
+				if n > 2*tc.chunk || n < tc.chunk/2 && i < len(res.Layers)-1 {
+					t.Fatalf("chunk %d of %d holds %d bytes; want %d..%d", i, len(res.Layers), n, tc.chunk/2, 2*tc.chunk)
+				}
 			}
 			// Uploaded may be less than stored: identical chunks within one
 			// stream are stored once.
@@ -112,42 +121,85 @@ func TestStreamRoundTrip(t *testing.T) {
 	}
 }
 
+// TestStreamDedup changes a stream the ways a VM's memory changes between
+// two checkpoints: bytes rewritten in place, and bytes inserted or removed
+// (a zero page that became data, or went back to zero, changes the
+// stream's length). Chunks are content-defined, so only the chunks around
+// the change are new; the rest are found in the store. Fixed-size chunks
+// would upload everything after an insertion again.
 func TestStreamDedup(t *testing.T) {
-	data := testStream(t, 3<<20)
-	store := newMemStore()
-	opts := StreamOptions{ChunkSize: 256 << 10}
-	first, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
-	if err != nil {
+	const chunk = 256 << 10
+	base := make([]byte, 8<<20)
+	if _, err := rand.Read(base); err != nil {
 		t.Fatal(err)
 	}
-	// Change one byte in the middle: only its chunk is new.
-	data[len(data)/2] ^= 0xff
-	second, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	changed := second.Layers[len(data)/2/(256<<10)]
-	if second.UploadedBytes != changed.Size {
-		t.Fatalf("second stream uploaded %d bytes, want only the changed chunk's %d (first uploaded %d)", second.UploadedBytes, changed.Size, first.UploadedBytes)
+	mid := len(base) / 2
+	insert := make([]byte, 4096)
+	rand.Read(insert)
+	for _, tc := range []struct {
+		name   string
+		change func([]byte) []byte
+	}{
+		{"one byte rewritten", func(b []byte) []byte { b = bytes.Clone(b); b[mid] ^= 0xff; return b }},
+		{"4 KiB inserted", func(b []byte) []byte { return slices.Concat(b[:mid], insert, b[mid:]) }},
+		{"4 KiB removed", func(b []byte) []byte { return slices.Concat(b[:mid], b[mid+4096:]) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			store := newMemStore()
+			opts := StreamOptions{ChunkSize: chunk}
+			first, err := EncodeStream(context.Background(), bytes.NewReader(base), store, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			changed := tc.change(base)
+			second, err := EncodeStream(context.Background(), bytes.NewReader(changed), store, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The change touches one chunk, or two if it moved a boundary;
+			// each is at most twice the average (random data does not
+			// compress).
+			if second.UploadedBytes <= 0 || second.UploadedBytes > 2*(2*chunk+1024) {
+				t.Fatalf("second stream uploaded %d bytes of %d; want one or two chunks' worth", second.UploadedBytes, first.UploadedBytes)
+			}
+			var out bytes.Buffer
+			if _, err := DecodeStream(context.Background(), second.Layers, store, &out, opts); err != nil || !bytes.Equal(out.Bytes(), changed) {
+				t.Fatalf("round trip of the changed stream: %v", err)
+			}
+		})
 	}
 }
 
 func TestDecodeRefusesCorruptChunkBeforeWritingIt(t *testing.T) {
 	data := testStream(t, 4<<20)
 	store := newMemStore()
-	opts := StreamOptions{ChunkSize: 512 << 10, Workers: 3}
+	opts := StreamOptions{ChunkSize: 256 << 10, Workers: 3}
 	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	bad := 5
+	// A chunk whose content occurs once: the zeros in the middle of the
+	// stream make identical chunks, stored once.
+	count := map[digest.Digest]int{}
+	for _, l := range res.Layers {
+		count[l.Digest]++
+	}
+	bad := len(res.Layers) / 2
+	for count[res.Layers[bad].Digest] > 1 {
+		bad++
+	}
+	var want int64
+	for _, l := range res.Layers[:bad] {
+		n, _ := strconv.Atoi(l.Annotations[ociimage.AnnotationRawSize])
+		want += int64(n)
+	}
 	store.blobs[res.Layers[bad].Digest][10] ^= 1
 	var out bytes.Buffer
 	n, err := DecodeStream(context.Background(), res.Layers, store, &out, opts)
 	if errcode.Of(err) != errcode.DigestMismatch {
 		t.Fatalf("err = %v, want DIGEST_MISMATCH", err)
 	}
-	if want := int64(bad * (512 << 10)); n != want || int64(out.Len()) != want {
+	if n != want || int64(out.Len()) != want {
 		t.Fatalf("wrote %d bytes (%d reported) before the bad chunk, want exactly the %d verified ones", out.Len(), n, want)
 	}
 	if !bytes.Equal(out.Bytes(), data[:out.Len()]) {
@@ -158,7 +210,7 @@ func TestDecodeRefusesCorruptChunkBeforeWritingIt(t *testing.T) {
 func TestDecodeRefusesLyingRawSize(t *testing.T) {
 	data := testStream(t, 1<<20)
 	store := newMemStore()
-	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, StreamOptions{ChunkSize: 256 << 10})
+	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, StreamOptions{ChunkSize: 64 << 10})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,8 +299,12 @@ func TestEncodeBackPressure(t *testing.T) {
 		done <- err
 	}()
 	time.Sleep(300 * time.Millisecond)
-	// workers hold one chunk each, the queue holds `workers`, the reader one.
-	if got, limit := src.n.Load(), int64((2*workers+1)*chunk); got > limit {
+	// Raw chunks (at most twice the average): one per worker, `workers`
+	// queued, the reader's; compressed ones (no smaller, the data is
+	// random) in the workers and the stalled uploaders. The reader may be
+	// one buffer ahead.
+	uploads := StreamOptions{}.withDefaults().Uploads
+	if got, limit := src.n.Load(), int64((2*workers+1+uploads+1)*2*chunk); got > limit {
 		t.Fatalf("read %d bytes while the store was stalled; the bound is %d", got, limit)
 	}
 	close(release)
@@ -301,4 +357,23 @@ type discardSink struct{}
 func (discardSink) HasBlob(context.Context, digest.Digest) (bool, error) { return false, nil }
 func (discardSink) PutBlob(context.Context, ocispec.Descriptor, []byte) error {
 	return nil
+}
+
+// The compression buffers are sized once for the worst case: incompressible
+// data must fit without growing them.
+func TestMaxEncodedSizeHoldsIncompressibleData(t *testing.T) {
+	for _, n := range []int{1, 4095, 128 << 10, 1<<20 + 7, 4 << 20} {
+		data := make([]byte, n)
+		rand.Read(data)
+		enc, err := zstd.NewWriter(nil, zstd.WithEncoderConcurrency(1), zstd.WithWindowSize(windowFor(n)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 0, maxEncodedSize(n))
+		out := enc.EncodeAll(data, buf)
+		enc.Close()
+		if len(out) > cap(buf) || &out[:1][0] != &buf[:1][0] {
+			t.Fatalf("%d random bytes encode to %d, more than the %d reserved", n, len(out), cap(buf))
+		}
+	}
 }

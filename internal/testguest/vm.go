@@ -27,6 +27,7 @@ type Options struct {
 	GuestMemMB int      // size of the guest's random in-memory data (vmsnap.mem_mb, default 16)
 	KernelArgs []string // appended to the kernel command line (e.g. "vmsnap.marker=new")
 	Dir        string   // where the QMP socket, serial log and stderr go (default FreeShortDir)
+	QEMURoot   string   // an unpacked QEMU tree to run (QEMU10's) instead of the system's QEMU
 }
 
 // Defaults of Options.
@@ -76,6 +77,10 @@ func Start(t testing.TB, opts Options) *VM {
 	qemu, err := exec.LookPath(QEMUBinary)
 	if err != nil {
 		skipf(t, "%s not installed (apt-get install qemu-system-x86)", QEMUBinary)
+	}
+	var qemuArgs, qemuEnv []string
+	if opts.QEMURoot != "" {
+		qemu, qemuArgs, qemuEnv = qemuFromRoot(opts.QEMURoot)
 	}
 	if opts.MemMB == 0 {
 		opts.MemMB = DefaultMemMB
@@ -150,6 +155,7 @@ func Start(t testing.TB, opts Options) *VM {
 		args = append(args, "-incoming", "defer")
 	}
 	args = append(args, opts.ExtraArgs...)
+	args = append(qemuArgs, args...)
 	vm.args = append([]string{qemu}, args...)
 
 	stderr, err := os.Create(vm.stderrPath)
@@ -161,6 +167,9 @@ func Start(t testing.TB, opts Options) *VM {
 	cmd.Stdout = stderr
 	cmd.Stderr = stderr
 	cmd.SysProcAttr = sysProcAttr()
+	if qemuEnv != nil {
+		cmd.Env = append(os.Environ(), qemuEnv...)
+	}
 	t.Logf("testguest: starting %s: %s", name, shellQuote(vm.args))
 	vm.started = time.Now()
 	if err := cmd.Start(); err != nil {

@@ -39,13 +39,22 @@ type FakeQEMU struct {
 	// RefuseMigrate makes the migrate command itself fail.
 	RefuseMigrate bool
 	done          sync.WaitGroup
+	fileMigration // add-fd and file: URIs, QEMU 9's mapped-ram (fakefile.go)
+
+	// FeatureWords and FilteredFeatures are what the vCPU's x86 QOM
+	// properties of those names report (QEMU 7.2's qemu64 model by
+	// default, nothing filtered). Nil makes QEMU refuse the property, as
+	// QEMU for another architecture does.
+	FeatureWords     []FeatureWord
+	FilteredFeatures []FeatureWord
 }
 
 // NewFakeQEMU starts a fake QEMU in the given run state ("running",
 // "paused" or "inmigrate" for a restore target) whose migrations carry state.
 func NewFakeQEMU(t testing.TB, status string, state []byte) *FakeQEMU {
 	f := &FakeQEMU{status: status, migration: "none", Memory: 256 << 20, State: state, fds: map[string]*os.File{},
-		Caps: map[string]bool{"events": false, "background-snapshot": false}, Bandwidth: 128 << 20, DowntimeLimit: 300}
+		Caps: map[string]bool{"events": false, "background-snapshot": false}, Bandwidth: 128 << 20, DowntimeLimit: 300,
+		FeatureWords: Qemu64FeatureWords(), FilteredFeatures: []FeatureWord{}}
 	f.Srv = NewServer(t, f.handle)
 	t.Cleanup(f.done.Wait)
 	return f
@@ -87,6 +96,28 @@ func (f *FakeQEMU) Commands() []string {
 	return out
 }
 
+// FeatureWord is one CPUID feature word as QEMU's x86 CPU reports it in
+// its feature-words and filtered-features properties.
+type FeatureWord struct {
+	Register string  `json:"cpuid-register"`
+	InputEAX uint32  `json:"cpuid-input-eax"`
+	InputECX *uint32 `json:"cpuid-input-ecx,omitempty"`
+	Features uint32  `json:"features"`
+}
+
+// Qemu64FeatureWords are the feature words QEMU 7.2's qemu64 CPU model sets
+// under TCG, and one of the words it leaves zero (QEMU reports 24 words).
+func Qemu64FeatureWords() []FeatureWord {
+	zero := uint32(0)
+	return []FeatureWord{
+		{Register: "EDX", InputEAX: 0x1, Features: 0x078bfbfd},
+		{Register: "ECX", InputEAX: 0x1, Features: 0x80002001},
+		{Register: "EBX", InputEAX: 0x7, InputECX: &zero, Features: 0},
+		{Register: "EDX", InputEAX: 0x80000001, Features: 0x2193fbfd},
+		{Register: "ECX", InputEAX: 0x80000001, Features: 0x5},
+	}
+}
+
 func (f *FakeQEMU) event(status string) {
 	f.Srv.Emit(goqmp.Event{Event: "MIGRATION", Data: map[string]any{"status": status}})
 }
@@ -95,6 +126,9 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	gerr := func(desc string) *qmp.Error { return &qmp.Error{Class: "GenericError", Desc: desc} }
+	if res, qerr, handled := f.handleFile(cmd, files); handled {
+		return res, qerr
+	}
 	switch cmd.Execute {
 	case "query-status":
 		return map[string]any{"status": f.status, "running": f.status == "running"}, nil
@@ -103,10 +137,21 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 	case "query-target":
 		return map[string]string{"arch": "x86_64"}, nil
 	case "qom-get":
-		var a struct{ Path string }
+		var a struct{ Path, Property string }
 		_ = cmd.Args(&a)
 		if a.Path == "/machine" {
 			return "pc-i440fx-7.2-machine", nil
+		}
+		switch a.Property {
+		case "feature-words", "filtered-features":
+			words := f.FeatureWords
+			if a.Property == "filtered-features" {
+				words = f.FilteredFeatures
+			}
+			if words == nil {
+				return nil, gerr("Property 'qemu64-x86_64-cpu." + a.Property + "' not found")
+			}
+			return words, nil
 		}
 		return "qemu64-x86_64-cpu", nil
 	case "query-cpus-fast":

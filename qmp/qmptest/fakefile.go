@@ -1,0 +1,231 @@
+package qmptest
+
+import (
+	"bytes"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/vmsnap/vmsnap/qmp"
+)
+
+// fileMigration is the part of FakeQEMU that plays a QEMU 9.0 or later:
+// fdsets (add-fd, remove-fd, query-fdsets) and migrations into and from
+// "file:/dev/fdset/N", laid out as mapped-ram does (zero pages left as
+// holes) when that capability is on. Call EnableMappedRAM to offer the
+// capabilities; without it the fake is QEMU 7.2 as before.
+type fileMigration struct {
+	fdsets    map[int64]*os.File
+	nextFDSet int64
+	// MultifdChannels, if not 0, is the multifd-channels parameter, which
+	// query-migrate-parameters then reports and migrate-set-parameters sets.
+	MultifdChannels int64
+	// MigrateURIs are the URIs of every migrate and migrate-incoming, in order.
+	MigrateURIs []string
+	// FileErrorDesc, if set, makes a migration into a file fail with this
+	// error-desc in query-migrate (as "No space left on device").
+	FileErrorDesc string
+	// FileSize and FileAllocated are the size and allocated bytes of the
+	// file of the last outgoing file migration, once it completed.
+	FileSize, FileAllocated int64
+	errorDesc               string // of the last failed file migration
+}
+
+// EnableMappedRAM makes the fake offer the mapped-ram and multifd
+// migration capabilities (off) and the multifd-channels parameter (2), as
+// QEMU 9.0 and later do.
+func (f *FakeQEMU) EnableMappedRAM() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.Caps["mapped-ram"] = false
+	f.Caps["multifd"] = false
+	f.MultifdChannels = 2
+}
+
+// FDSets is how many fdsets QEMU holds.
+func (f *FakeQEMU) FDSets() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.fdsets)
+}
+
+const fdsetPrefix = "file:/dev/fdset/"
+
+// handleFile answers the commands of fileMigration, with f.mu held; it
+// returns handled false for the others (and for migrate-set-parameters,
+// which the main handler finishes).
+func (f *FakeQEMU) handleFile(cmd Command, files []*os.File) (any, *qmp.Error, bool) {
+	gerr := func(desc string) *qmp.Error { return &qmp.Error{Class: "GenericError", Desc: desc} }
+	switch cmd.Execute {
+	case "add-fd":
+		if len(files) != 1 {
+			return nil, gerr("No file descriptor supplied via SCM_RIGHTS"), true
+		}
+		if f.fdsets == nil {
+			f.fdsets = map[int64]*os.File{}
+		}
+		id := f.nextFDSet
+		f.nextFDSet++
+		f.fdsets[id] = files[0]
+		return map[string]int64{"fdset-id": id, "fd": 100 + id}, nil, true
+	case "remove-fd":
+		var a struct {
+			ID int64 `json:"fdset-id"`
+		}
+		_ = cmd.Args(&a)
+		file, ok := f.fdsets[a.ID]
+		if !ok {
+			return nil, gerr("File descriptor named 'fdset-id:" + strconv.FormatInt(a.ID, 10) + "' not found"), true
+		}
+		file.Close()
+		delete(f.fdsets, a.ID)
+		return nil, nil, true
+	case "query-fdsets":
+		out := []map[string]any{}
+		for id := range f.fdsets {
+			out = append(out, map[string]any{"fdset-id": id, "fds": []map[string]int64{{"fd": 100 + id}}})
+		}
+		return out, nil, true
+	case "query-migrate-parameters":
+		if f.MultifdChannels == 0 {
+			return nil, nil, false
+		}
+		return map[string]any{"max-bandwidth": f.Bandwidth, "downtime-limit": f.DowntimeLimit, "multifd-channels": f.MultifdChannels}, nil, true
+	case "migrate-set-parameters":
+		var a struct {
+			Channels *int64 `json:"multifd-channels"`
+		}
+		_ = cmd.Args(&a)
+		if a.Channels != nil {
+			if f.MultifdChannels == 0 {
+				return nil, gerr("Parameter 'multifd-channels' is unexpected"), true
+			}
+			f.MultifdChannels = *a.Channels
+		}
+		return nil, nil, false
+	case "cont":
+		if f.status == "finish-migrate" {
+			return nil, gerr("Migration is not finalized yet"), true
+		}
+		return nil, nil, false
+	case "query-migrate":
+		if f.migration == "failed" && f.errorDesc != "" {
+			return map[string]any{"status": f.migration, "error-desc": f.errorDesc}, nil, true
+		}
+		return nil, nil, false
+	case "migrate", "migrate-incoming":
+		var a struct{ URI string }
+		_ = cmd.Args(&a)
+		f.MigrateURIs = append(f.MigrateURIs, a.URI)
+		mapped := f.Caps["mapped-ram"]
+		if !strings.HasPrefix(a.URI, fdsetPrefix) {
+			if mapped && strings.HasPrefix(a.URI, "fd:") {
+				return nil, gerr("Migration requires seekable transport (e.g. file)"), true
+			}
+			return nil, nil, false
+		}
+		id, err := strconv.ParseInt(strings.TrimPrefix(a.URI, fdsetPrefix), 10, 64)
+		file := f.fdsets[id]
+		if err != nil || file == nil {
+			return nil, gerr("Outgoing migration needs an fdset: " + a.URI + " not found"), true
+		}
+		f.migration = "active"
+		f.errorDesc = ""
+		f.done.Add(1)
+		if cmd.Execute == "migrate" {
+			go f.migrateFileOut(file, mapped)
+		} else {
+			go f.migrateFileIn(file)
+		}
+		return nil, nil, true
+	}
+	return nil, nil, false
+}
+
+// migrateFileOut writes State into file: page by page at their offsets,
+// zero pages left out, with mapped-ram; in one piece without.
+func (f *FakeQEMU) migrateFileOut(file *os.File, mapped bool) {
+	defer f.done.Done()
+	f.mu.Lock()
+	state, failDesc := f.State, f.FileErrorDesc
+	f.mu.Unlock()
+	var err error
+	if failDesc != "" {
+		_, _ = file.WriteAt(state[:len(state)/2], 0)
+	} else if mapped {
+		const page = 4096
+		var zero [page]byte
+		for off := 0; off < len(state) && err == nil; off += page {
+			p := state[off:min(off+page, len(state))]
+			if !bytes.Equal(p, zero[:len(p)]) {
+				_, err = file.WriteAt(p, int64(off))
+			}
+		}
+		if err == nil {
+			err = file.Truncate(int64(len(state)))
+		}
+	} else {
+		_, err = file.WriteAt(state, 0)
+	}
+	f.mu.Lock()
+	if err != nil || failDesc != "" {
+		f.status = "paused"
+		f.migration = "failed"
+		f.errorDesc = failDesc
+		if err != nil {
+			f.errorDesc = err.Error()
+		}
+		f.mu.Unlock()
+		f.event("failed")
+		return
+	}
+	if fi, err := file.Stat(); err == nil {
+		f.FileSize = fi.Size()
+		f.FileAllocated = allocated(fi)
+	}
+	// As QEMU does, the event comes a moment before the run state leaves
+	// finish-migrate, and cont is refused until then.
+	f.status = "finish-migrate"
+	f.migration = "completed"
+	f.mu.Unlock()
+	f.event("completed")
+	time.Sleep(finalizeDelay)
+	f.mu.Lock()
+	f.status = "postmigrate"
+	f.mu.Unlock()
+}
+
+// finalizeDelay is how long an outgoing file migration stays in the
+// finish-migrate run state after its "completed" event.
+const finalizeDelay = 100 * time.Millisecond
+
+// migrateFileIn reads file from its start and loads it if it is State.
+func (f *FakeQEMU) migrateFileIn(file *os.File) {
+	defer f.done.Done()
+	got, _ := io.ReadAll(io.NewSectionReader(file, 0, 1<<40))
+	f.mu.Lock()
+	f.Received = got
+	ok := bytes.Equal(got, f.State)
+	f.migration = "failed"
+	if ok {
+		f.status = "paused"
+		f.migration = "completed"
+	}
+	f.mu.Unlock()
+	if ok {
+		f.event("completed")
+	} else {
+		f.event("failed")
+	}
+}
+
+// allocated is the bytes a file takes on disk.
+func allocated(fi os.FileInfo) int64 {
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return st.Blocks * 512
+	}
+	return 0
+}

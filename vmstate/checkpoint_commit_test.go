@@ -1,0 +1,62 @@
+package vmstate
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
+)
+
+// Commit runs once the state manifest is stored (by digest, into an
+// untagged repository) and moves the tag; without Commit nothing is tagged.
+func TestCheckpointCommitMovesTheTagLast(t *testing.T) {
+	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
+	dir := t.TempDir()
+	untagged := openLayout(t, "oci:"+dir)
+	var committed ocispec.Descriptor
+	res, err := Checkpoint(context.Background(), q.Dial(t), untagged, CheckpointOptions{
+		Mode: ModePause,
+		Commit: func(ctx context.Context, state ocispec.Descriptor) error {
+			// The manifest is stored whole, and not tagged yet.
+			if _, _, _, err := LoadConfig(ctx, openLayout(t, "oci:"+dir+"@"+state.Digest.String())); err != nil {
+				return err
+			}
+			if _, err := openLayout(t, "oci:"+dir+":vm").Resolve(ctx); err == nil {
+				t.Error("the state was tagged before Commit")
+			}
+			committed = state
+			return ociimage.TagManifest(ctx, untagged, state, "vm")
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if committed.Digest != res.Manifest.Digest || !res.Image.IsDigest() || res.Image.Tag != "" {
+		t.Fatalf("committed %s, result %s (%s)", committed.Digest, res.Manifest.Digest, res.Image)
+	}
+	if d, err := openLayout(t, "oci:"+dir+":vm").Resolve(context.Background()); err != nil || d.Digest != res.Manifest.Digest {
+		t.Fatalf("the tag names %v, %v", d.Digest, err)
+	}
+}
+
+// A Commit that fails fails the checkpoint: the VM runs again.
+func TestCheckpointCommitFailureContinuesVM(t *testing.T) {
+	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
+	commitErr := errcode.New(errcode.AuthFailed, "no push to that tag")
+	res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()), CheckpointOptions{
+		Mode:   ModePause,
+		Commit: func(context.Context, ocispec.Descriptor) error { return commitErr },
+	})
+	if res != nil || !errors.Is(err, commitErr) || errcode.Of(err) != errcode.AuthFailed || !strings.Contains(err.Error(), "the VM was continued") {
+		t.Fatalf("checkpoint with a failing commit: %+v, %v", res, err)
+	}
+	if q.Status() != "running" {
+		t.Fatalf("VM is %s, want running", q.Status())
+	}
+}

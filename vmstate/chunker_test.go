@@ -1,0 +1,92 @@
+package vmstate
+
+import (
+	"math/rand/v2"
+	"slices"
+	"testing"
+)
+
+// cuts returns the chunk boundaries (end offsets) the chunker finds in b.
+func cuts(ck chunker, b []byte) []int {
+	var out []int
+	for off := 0; off < len(b); {
+		off += ck.cut(b[off:min(len(b), off+ck.max)])
+		out = append(out, off)
+	}
+	return out
+}
+
+func randomBytes(seed uint64, n int) []byte {
+	r := rand.New(rand.NewPCG(seed, seed))
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(r.Uint32())
+	}
+	return b
+}
+
+func TestChunkerSizes(t *testing.T) {
+	ck := newChunker(64 << 10)
+	if ck.min != 32<<10 || ck.avg != 64<<10 || ck.max != 128<<10 {
+		t.Fatalf("newChunker(64 KiB) = %+v", ck)
+	}
+	if c := newChunker(100 << 10); c.avg != 64<<10 {
+		t.Fatalf("newChunker(100 KiB) averages %d, want it rounded down to 64 KiB", c.avg)
+	}
+	b := randomBytes(1, 16<<20)
+	c := cuts(ck, b)
+	prev := 0
+	for i, end := range c {
+		n := end - prev
+		if n > ck.max || n < ck.min && i < len(c)-1 {
+			t.Fatalf("chunk %d is %d bytes, outside %d..%d", i, n, ck.min, ck.max)
+		}
+		prev = end
+	}
+	// On random data the sizes center on the average.
+	mean := len(b) / len(c)
+	if mean < ck.avg*3/4 || mean > ck.avg*3/2 {
+		t.Fatalf("mean chunk %d bytes over %d chunks, want about %d", mean, len(c), ck.avg)
+	}
+	// Data without boundaries (all zero) is cut at max.
+	z := cuts(ck, make([]byte, 1<<20))
+	if len(z) != 8 || z[0] != ck.max {
+		t.Fatalf("zero data cut at %v, want every %d bytes", z, ck.max)
+	}
+}
+
+// The cut points after a change are those of the original, shifted by the
+// change's length: boundaries depend on content, not on offsets.
+func TestChunkerBoundariesSurviveInsertion(t *testing.T) {
+	ck := newChunker(64 << 10)
+	b := randomBytes(2, 4<<20)
+	before := cuts(ck, b)
+	at, ins := len(b)/3, randomBytes(3, 5000)
+	after := cuts(ck, slices.Concat(b[:at], ins, b[at:]))
+	shifted := map[int]bool{}
+	for _, c := range before {
+		if c > at {
+			shifted[c+len(ins)] = true
+		} else {
+			shifted[c] = true
+		}
+	}
+	differ := 0
+	for _, c := range after {
+		if !shifted[c] {
+			differ++
+		}
+	}
+	if differ > 2 {
+		t.Fatalf("%d of %d boundaries moved after inserting %d bytes at %d; want at most 2", differ, len(after), len(ins), at)
+	}
+}
+
+func BenchmarkChunker(b *testing.B) {
+	ck := newChunker(4 << 20)
+	data := randomBytes(4, 64<<20)
+	b.SetBytes(int64(len(data)))
+	for b.Loop() {
+		cuts(ck, data)
+	}
+}

@@ -1,0 +1,688 @@
+package vmstate
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+)
+
+// QEMU 9.0 and later can save a stopped VM in its mapped-ram format: a
+// normal migration stream whose RAM section gives every RAMBlock a bitmap
+// and a region of its own, each page at a fixed offset of a seekable file
+// (zero pages are left as holes), written by several multifd threads at
+// once. vmsnap uses it where it can (Format, CheckpointOptions.Format):
+//
+//   - checkpoint: QEMU writes the state into a sparse staging file; in
+//     snapshot mode the VM runs again as soon as QEMU is done, and the file
+//     is then cut into chunks at fixed offsets (StreamOptions.Fixed), so
+//     that a chunk of an unchanged region has the same digest as in the
+//     previous checkpoint, and stored like a stream's chunks;
+//   - restore: every chunk is fetched and verified into a sparse staging
+//     file (zero pages are not written), and only then is QEMU told to load
+//     it, with the same capabilities.
+//
+// QEMU gets both files as descriptors (add-fd over SCM_RIGHTS, then the URI
+// file:/dev/fdset/N), never as paths: it may run in another container. The
+// staging files are unlinked as soon as they are open, so that nothing is
+// left behind, even if vmsnap is killed.
+
+// Format is how a VM state image holds the VM's state.
+type Format string
+
+const (
+	// FormatAuto picks mapped-ram where the source QEMU has it and the mode
+	// stops the VM (pause, snapshot), else the stream. It is an option,
+	// never recorded.
+	FormatAuto Format = "auto"
+	// FormatStream is QEMU's sequential migration stream, as QEMU writes it
+	// into a pipe. Configs leave it out (an empty format is a stream), so
+	// that their JSON is what it was before formats existed.
+	FormatStream Format = "stream"
+	// FormatMappedRAM is QEMU's mapped-ram file (QEMU 9.0 or later): the
+	// image's chunks, in order, are that file's bytes.
+	FormatMappedRAM Format = "mapped-ram"
+)
+
+// ParseFormat accepts the format names of the command line ("" is auto).
+func ParseFormat(s string) (Format, error) {
+	switch f := Format(s); f {
+	case "":
+		return FormatAuto, nil
+	case FormatAuto, FormatStream, FormatMappedRAM:
+		return f, nil
+	}
+	return "", errcode.New(errcode.Usage, "unknown state format %q: use auto, stream or mapped-ram", s)
+}
+
+// capMappedRAM and capMultifd are QEMU's names of the migration capabilities.
+const (
+	capMappedRAM = "mapped-ram"
+	capMultifd   = "multifd"
+)
+
+// stagingSlack is added to the guest's memory when checking that a staging
+// directory can hold a mapped-ram file: the device state, the bitmaps and
+// the alignment of each RAMBlock's region.
+const stagingSlack = 64 << 20
+
+// migrationCapabilities lists the migration capabilities QEMU has, with
+// their current state.
+func migrationCapabilities(ctx context.Context, mon Executor) (map[string]bool, error) {
+	var caps []struct {
+		Capability string `json:"capability"`
+		State      bool   `json:"state"`
+	}
+	if err := mon.Execute(ctx, "query-migrate-capabilities", nil, &caps); err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "query-migrate-capabilities")
+	}
+	out := make(map[string]bool, len(caps))
+	for _, c := range caps {
+		out[c.Capability] = c.State
+	}
+	return out, nil
+}
+
+// chooseFormat decides how a checkpoint captures the VM: the format asked
+// for, or for auto, mapped-ram when the QEMU has it (9.0 or later), the
+// mode stops the VM and the staging directory has room for the worst case
+// (every page of memory written). A stream asked for, and live mode, cost
+// no QMP command.
+func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, record Record) (Format, error) {
+	explicit := false
+	switch opts.Format {
+	case "", FormatAuto:
+	case FormatStream:
+		return FormatStream, nil
+	case FormatMappedRAM:
+		if opts.Mode == ModeLive {
+			return "", errcode.New(errcode.Usage, "the mapped-ram format captures a stopped VM: live mode keeps the VM running and needs the stream format (use --format auto or stream)")
+		}
+		explicit = true
+	default:
+		return "", errcode.New(errcode.Usage, "unknown state format %q: use auto, stream or mapped-ram", opts.Format)
+	}
+	// auto picks mapped-ram for snapshot mode only, where it wins: the VM
+	// runs again once QEMU has written the file, before the upload. In
+	// pause mode the VM stays stopped anyway, and the stream, which
+	// compresses while QEMU saves, is as fast to take and faster to
+	// restore (measured on QEMU 10, see the README).
+	if opts.Mode == ModeLive || (!explicit && opts.Mode != ModeSnapshot) {
+		return FormatStream, nil
+	}
+	caps, err := migrationCapabilities(ctx, mon)
+	if err != nil {
+		return "", err
+	}
+	if _, ok := caps[capMappedRAM]; !ok {
+		if explicit {
+			return "", errcode.New(errcode.Usage, "the mapped-ram format needs QEMU 9.0 or later, and this QEMU (%s) lacks the mapped-ram migration capability: use --format auto or stream", record.QEMUVersion)
+		}
+		return FormatStream, nil
+	}
+	dir := stagingDir(opts.StagingDir)
+	need := record.MemoryBytes + stagingSlack
+	free, err := freeSpace(dir)
+	if err == nil {
+		// A read-only root (the agent's container) has no room at all.
+		err = syscall.Access(dir, 2|1) // W_OK|X_OK
+	}
+	if err == nil && free >= need {
+		return FormatMappedRAM, nil
+	}
+	if !explicit {
+		return FormatStream, nil // the stream needs no staging space
+	}
+	if err != nil {
+		return "", errcode.Wrap(errcode.Internal, err, "staging directory %s (for the mapped-ram file; pick another with --staging-dir)", dir)
+	}
+	return "", errcode.New(errcode.Internal, "staging directory %s has %d MiB free, and a mapped-ram checkpoint of this VM may need up to %d MiB there: free space there or pick another directory with --staging-dir", dir, free>>20, need>>20)
+}
+
+// stagingDir is where the mapped-ram file is staged: dir, else $TMPDIR.
+func stagingDir(dir string) string {
+	if dir == "" {
+		return os.TempDir()
+	}
+	return dir
+}
+
+// freeSpace is what an unprivileged user may still allocate in dir (a
+// variable for tests).
+var freeSpace = func(dir string) (int64, error) {
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil {
+		return 0, err
+	}
+	return int64(st.Bavail) * st.Bsize, nil
+}
+
+// multifdChannels is how many threads QEMU writes the mapped-ram file with.
+func multifdChannels() int64 { return int64(min(max(runtime.NumCPU(), 2), 8)) }
+
+// newStagingFile creates an empty file in dir and returns it open for
+// reading and writing, and a second descriptor of it open with flag
+// (os.O_WRONLY for QEMU's outgoing side, os.O_RDONLY for its incoming
+// side: QEMU's fdset matches the access mode). The file is unlinked before
+// this returns: it goes away with the last descriptor, whatever happens.
+func newStagingFile(dir string, flag int) (rw, qemu *os.File, err error) {
+	rw, err = os.CreateTemp(dir, ".vmsnap-state-*.tmp")
+	if err != nil {
+		return nil, nil, stagingError(dir, err, "creating the staging file")
+	}
+	name := rw.Name()
+	defer os.Remove(name)
+	qemu, err = os.OpenFile(name, flag, 0)
+	if err != nil {
+		rw.Close()
+		return nil, nil, stagingError(dir, err, "opening the staging file")
+	}
+	if err := os.Remove(name); err != nil {
+		rw.Close()
+		qemu.Close()
+		return nil, nil, stagingError(dir, err, "unlinking the staging file")
+	}
+	return rw, qemu, nil
+}
+
+// stagingError is INTERNAL and names the directory to free or change.
+func stagingError(dir string, err error, what string) error {
+	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
+		return errcode.Wrap(errcode.Internal, err, "%s: the staging directory %s is full: free space there or pick another with --staging-dir", what, dir)
+	}
+	return errcode.Wrap(errcode.Internal, err, "%s in the staging directory %s (pick another with --staging-dir)", what, dir)
+}
+
+// addFD hands f to QEMU in a new fdset (add-fd over SCM_RIGHTS) and returns
+// the set's id: "file:/dev/fdset/ID" then opens a duplicate of it.
+func addFD(ctx context.Context, mon Monitor, f *os.File) (int64, error) {
+	var r struct {
+		FDSetID int64 `json:"fdset-id"`
+	}
+	if err := mon.ExecuteWithFile(ctx, "add-fd", map[string]any{"opaque": "vmsnap staging file"}, &r, f); err != nil {
+		return 0, errcode.Ensure(errcode.QMPError, err, "passing the staging file to QEMU")
+	}
+	return r.FDSetID, nil
+}
+
+// removeFD drops an fdset from QEMU (best effort: it only holds a file
+// that is already unlinked).
+func removeFD(ctx context.Context, mon Executor, id int64) {
+	_ = mon.Execute(ctx, "remove-fd", map[string]any{"fdset-id": id}, nil)
+}
+
+func fdsetURI(id int64) string { return "file:/dev/fdset/" + strconv.FormatInt(id, 10) }
+
+// checkpointMappedRAM is Checkpoint's mapped-ram path: from Checkpoint,
+// which has checked the VM's run state (st), read its record into
+// res.Config, and sized the chunks.
+func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository, opts CheckpointOptions, st runState, res *CheckpointResult, start time.Time) (_ *CheckpointResult, err error) {
+	wasRunning := st.Running
+	res.Config.Format = FormatMappedRAM
+	dir := stagingDir(opts.StagingDir)
+	cleanupCtx := func(d time.Duration) (context.Context, context.CancelFunc) {
+		return context.WithTimeout(context.WithoutCancel(ctx), d)
+	}
+
+	restoreSettings, err := prepareMigration(ctx, mon, migrationSettings{source: true, mappedRAM: true})
+	defer func() {
+		cctx, cancel := cleanupCtx(cleanupTimeout)
+		defer cancel()
+		restoreSettings(cctx)
+	}()
+	if err != nil {
+		return nil, err
+	}
+
+	var stoppedAt time.Time
+	migrating := false
+	phase := "preparing"
+	defer func() {
+		if err == nil {
+			return
+		}
+		if migrating {
+			cctx, cancel := cleanupCtx(5 * time.Second)
+			cancelMigration(cctx, mon)
+			cancel()
+		}
+		state := ""
+		if wasRunning {
+			cctx, cancel := cleanupCtx(cleanupTimeout)
+			if cerr := ensureRunning(cctx, mon); cerr != nil {
+				state = fmt.Sprintf("; the VM could not be continued: %v", cerr)
+			} else {
+				state = "; the VM was continued"
+			}
+			cancel()
+		}
+		if ctx.Err() != nil && errcode.Of(err) == errcode.Internal {
+			err = errcode.Wrap(errcode.Internal, err, "the checkpoint was interrupted while %s (%v)%s", phase, context.Cause(ctx), state)
+		} else if state != "" {
+			err = fmt.Errorf("%w%s", err, state)
+		}
+	}()
+
+	sub := mon.Subscribe()
+	defer sub.Close()
+
+	file, qemuFile, err := newStagingFile(dir, os.O_WRONLY)
+	if err != nil {
+		return nil, err
+	}
+	defer file.Close()
+	fdset, err := addFD(ctx, mon, qemuFile)
+	qemuFile.Close() // QEMU holds its own copy now
+	if err != nil {
+		return nil, err
+	}
+	fdsetHeld := true
+	dropFDSet := func() {
+		if fdsetHeld {
+			cctx, cancel := cleanupCtx(5 * time.Second)
+			removeFD(cctx, mon, fdset)
+			cancel()
+			fdsetHeld = false
+		}
+	}
+	defer dropFDSet()
+	res.Durations.Prepare = time.Since(start)
+
+	if st.Running {
+		phase = "stopping the VM"
+		if err = mon.Execute(ctx, "stop", nil, nil); err != nil {
+			return nil, errcode.Ensure(errcode.QMPError, err, "stopping the VM")
+		}
+		stoppedAt = time.Now()
+	}
+
+	phase = "saving the VM state into the staging file"
+	saveStart := time.Now()
+	migrating = true // set before asking: if the reply is lost, the migration may still run
+	if err = mon.Execute(ctx, "migrate", map[string]any{"uri": fdsetURI(fdset)}, nil); err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "starting the migration into the staging file")
+	}
+	if _, err = waitMigration(ctx, mon, sub, nil); err != nil {
+		if strings.Contains(err.Error(), "No space left") || strings.Contains(err.Error(), "quota exceeded") {
+			err = stagingError(dir, syscall.ENOSPC, "QEMU writing the VM state: "+err.Error())
+		}
+		return nil, err
+	}
+	migrating = false
+	dropFDSet()
+	if err = waitFinalized(ctx, mon); err != nil {
+		return nil, err
+	}
+	res.Durations.Save = time.Since(saveStart)
+	size, allocated, err := fileExtent(file)
+	if err != nil {
+		return nil, stagingError(dir, err, "reading the staging file")
+	}
+	if size == 0 {
+		return nil, errcode.New(errcode.QMPError, "QEMU reported the migration complete but wrote no state")
+	}
+
+	var link Link
+	if opts.WhileStopped != nil {
+		phase = "capturing the disk"
+		hookStart := time.Now()
+		if link, err = opts.WhileStopped(ctx); err != nil {
+			return nil, err
+		}
+		res.Durations.Stopped = time.Since(hookStart)
+	}
+	// The state is in the file: the VM need not wait for the upload.
+	if opts.Mode == ModeSnapshot && wasRunning {
+		if err = mon.Execute(ctx, "cont", nil, nil); err != nil {
+			return nil, errcode.Ensure(errcode.QMPError, err, "continuing the VM after the snapshot")
+		}
+		res.Downtime = time.Since(stoppedAt)
+	}
+
+	phase = "storing the VM state"
+	streamStart := time.Now()
+	so := opts.Stream
+	so.Fixed = true
+	res.Stream, err = EncodeStream(ctx, &sparseReader{f: file, size: size}, repo, so)
+	if err != nil {
+		return nil, err
+	}
+	if res.Stream.RawBytes != size {
+		return nil, errcode.New(errcode.Internal, "read %d bytes of the %d-byte staging file", res.Stream.RawBytes, size)
+	}
+	res.Durations.Stream = res.Durations.Save + time.Since(streamStart)
+	res.Config.RawBytes = size
+	res.Config.DataBytes = allocated
+	file.Close() // the staging space is free from here on
+
+	phase = "storing the manifest"
+	if err = pushStateManifest(ctx, repo, opts, res, link); err != nil {
+		return nil, err
+	}
+	if opts.Mode == ModePause && wasRunning {
+		res.Downtime = time.Since(stoppedAt)
+	}
+	res.Durations.Total = time.Since(start)
+	if st, serr := queryStatus(ctx, mon); serr == nil {
+		res.VMRunning = st.Running
+	}
+	return res, nil
+}
+
+// waitFinalized waits until QEMU has left the finish-migrate run state: it
+// sends the MIGRATION "completed" event a moment before, and refuses cont
+// ("Migration is not finalized yet") until then.
+func waitFinalized(ctx context.Context, mon Executor) error {
+	for {
+		st, err := queryStatus(ctx, mon)
+		if err != nil || st.Status != "finish-migrate" {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return errcode.Wrap(errcode.QMPError, context.Cause(ctx), "QEMU was still finishing the migration")
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// pushStateManifest stores the state manifest with its annotations (the
+// Checkpoint's and the link's) and runs the Commit hook: the tail of a
+// checkpoint, as Checkpoint does it.
+func pushStateManifest(ctx context.Context, repo ociimage.Repository, opts CheckpointOptions, res *CheckpointResult, link Link) error {
+	record := res.Config.Record
+	annotations := map[string]string{
+		ociimage.AnnotationMode:        string(opts.Mode),
+		ociimage.AnnotationQEMUVersion: record.QEMUVersion,
+		ociimage.AnnotationMachine:     record.Machine,
+		ociimage.AnnotationMemory:      strconv.FormatInt(record.MemoryBytes, 10),
+		ociimage.AnnotationRawBytes:    strconv.FormatInt(res.Stream.RawBytes, 10),
+		ociimage.AnnotationCreated:     res.Config.Created.Format(time.RFC3339),
+	}
+	for k, v := range opts.Annotations {
+		annotations[k] = v
+	}
+	for k, v := range link.Annotations {
+		annotations[k] = v
+	}
+	pushStart := time.Now()
+	var err error
+	res.Manifest, err = ociimage.PushArtifact(ctx, repo, ociimage.Artifact{
+		ArtifactType:    ociimage.ArtifactTypeVMState,
+		ConfigMediaType: ociimage.MediaTypeVMStateConfig,
+		Config:          res.Config,
+		Layers:          res.Stream.Layers,
+		Annotations:     annotations,
+		Subject:         link.Subject,
+	})
+	if err != nil {
+		return errcode.Ensure(errcode.RegistryError, err, "storing the state manifest")
+	}
+	if opts.Commit != nil {
+		if err = opts.Commit(ctx, res.Manifest); err != nil {
+			return errcode.Ensure(errcode.RegistryError, err, "moving the checkpoint's tags")
+		}
+	}
+	res.Durations.Push = time.Since(pushStart)
+	res.Image = repo.Reference().WithDigest(res.Manifest.Digest)
+	return nil
+}
+
+// fileExtent returns a file's size and the bytes allocated to it.
+func fileExtent(f *os.File) (size, allocated int64, err error) {
+	fi, err := f.Stat()
+	if err != nil {
+		return 0, 0, err
+	}
+	size = fi.Size()
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		allocated = min(st.Blocks*512, size)
+	}
+	return size, allocated, nil
+}
+
+// Linux's lseek whence values for sparse files.
+const (
+	seekData = 3 // SEEK_DATA
+	seekHole = 4 // SEEK_HOLE
+)
+
+// sparseReader reads a file's first size bytes, producing the zeros of its
+// holes without reading them (SEEK_DATA/SEEK_HOLE): a mapped-ram file is
+// mostly holes (every zero page of the guest).
+type sparseReader struct {
+	f         *os.File
+	size, off int64
+	end       int64 // end of the extent off is in
+	hole      bool  // that extent is a hole
+}
+
+func (r *sparseReader) Read(p []byte) (int, error) {
+	if r.off >= r.size {
+		return 0, io.EOF
+	}
+	if r.off >= r.end {
+		if err := r.nextExtent(); err != nil {
+			return 0, err
+		}
+	}
+	n := int(min(int64(len(p)), r.end-r.off))
+	var err error
+	if r.hole {
+		clear(p[:n])
+	} else {
+		n, err = r.f.ReadAt(p[:n], r.off)
+		if err == io.EOF && n > 0 {
+			err = nil
+		}
+		if err == io.EOF { // the file shrank under us
+			err = io.ErrUnexpectedEOF
+		}
+	}
+	r.off += int64(n)
+	return n, err
+}
+
+// nextExtent finds the data or hole extent that starts at r.off.
+func (r *sparseReader) nextExtent() error {
+	fd := int(r.f.Fd())
+	data, err := syscall.Seek(fd, r.off, seekData)
+	switch {
+	case errors.Is(err, syscall.ENXIO): // nothing but a hole up to the end
+		r.hole, r.end = true, r.size
+		return nil
+	case errors.Is(err, syscall.EINVAL): // no SEEK_DATA here: all data
+		r.hole, r.end = false, r.size
+		return nil
+	case err != nil:
+		return err
+	case data > r.off:
+		r.hole, r.end = true, min(data, r.size)
+		return nil
+	}
+	hole, err := syscall.Seek(fd, r.off, seekHole)
+	if err != nil {
+		return err
+	}
+	r.hole, r.end = false, min(max(hole, r.off+1), r.size)
+	return nil
+}
+
+// sparseWriter writes a stream into a file at increasing offsets, leaving
+// every all-zero page out: the file was truncated to its full size, so
+// those read back as the zeros they are, and take no space.
+type sparseWriter struct {
+	f   *os.File
+	off int64
+}
+
+const sparsePage = 4096
+
+var zeroPage [sparsePage]byte
+
+func (w *sparseWriter) Write(p []byte) (int, error) {
+	isZero := func(b []byte) bool { return bytes.Equal(b, zeroPage[:len(b)]) }
+	for i := 0; i < len(p); {
+		j := min(i+sparsePage, len(p))
+		if isZero(p[i:j]) {
+			i = j
+			continue
+		}
+		k := j // extend the run of pages with data
+		for k < len(p) {
+			e := min(k+sparsePage, len(p))
+			if isZero(p[k:e]) {
+				break
+			}
+			k = e
+		}
+		if _, err := w.f.WriteAt(p[i:k], w.off+int64(i)); err != nil {
+			return i, err
+		}
+		i = k
+	}
+	w.off += int64(len(p))
+	return len(p), nil
+}
+
+// checkRestorable is Restore's compatibility check: CheckCompatible, plus,
+// for a mapped-ram image, the target's mapped-ram capability, so that a
+// QEMU that cannot load the file is refused with every difference at once
+// and before anything is fed. A stream image costs no QMP command more.
+func checkRestorable(ctx context.Context, mon Executor, cfg Config, target Record) error {
+	diffs := Compare(cfg.Record, target)
+	format := ""
+	if cfg.Format == FormatMappedRAM {
+		caps, err := migrationCapabilities(ctx, mon)
+		if err != nil {
+			return err
+		}
+		if _, ok := caps[capMappedRAM]; !ok {
+			format = fmt.Sprintf("the snapshot is in QEMU's mapped-ram format (QEMU 9.0 or later), which this QEMU %s cannot load; ", target.QEMUVersion)
+			diffs = append(diffs, fmt.Sprintf("migration format: snapshot is %s (saved by QEMU %s), target QEMU %s lacks the mapped-ram migration capability", FormatMappedRAM, cfg.Record.QEMUVersion, target.QEMUVersion))
+		}
+	}
+	if len(diffs) == 0 {
+		return nil
+	}
+	return errcode.WithDetails(errcode.CompatMismatch, diffs,
+		"the waiting QEMU cannot load this snapshot (%d difference(s)): %sstart it with the same machine, CPU, memory and devices as the source", len(diffs), format)
+}
+
+// checkFormat refuses a config whose format this vmsnap does not know.
+func (c Config) checkFormat() error {
+	switch c.Format {
+	case "", FormatStream:
+		if c.DataBytes != 0 {
+			return errcode.New(errcode.InvalidInput, "the image's config declares %d bytes of staged data for a stream", c.DataBytes)
+		}
+		return nil
+	case FormatMappedRAM:
+		if c.DataBytes < 0 || c.DataBytes > c.RawBytes {
+			return errcode.New(errcode.InvalidInput, "the image's config declares %d bytes of data in a %d-byte mapped-ram file", c.DataBytes, c.RawBytes)
+		}
+		return nil
+	}
+	return errcode.New(errcode.InvalidInput, "the image holds VM state in format %q, which this vmsnap does not know (a newer vmsnap wrote it?)", c.Format)
+}
+
+// restoreMappedRAM is Restore's mapped-ram path, from Restore, which has
+// loaded and checked the image and the target: it stages the verified file,
+// then has QEMU load it.
+func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository, layers []ocispec.Descriptor, opts RestoreOptions, res *RestoreResult, start time.Time) (*RestoreResult, error) {
+	cfg := res.Config
+	dir := stagingDir(opts.StagingDir)
+	if free, err := freeSpace(dir); err != nil {
+		return nil, stagingError(dir, err, "checking the free space")
+	} else if need := cfg.DataBytes + stagingSlack; free < need {
+		return nil, errcode.New(errcode.Internal, "staging directory %s has %d MiB free, and this mapped-ram snapshot needs about %d MiB there: free space there or pick another directory with --staging-dir", dir, free>>20, need>>20)
+	}
+	file, qemuFile, err := newStagingFile(dir, os.O_RDONLY)
+	if err != nil {
+		return nil, err
+	}
+	defer file.Close()
+	defer qemuFile.Close()
+	if err := file.Truncate(cfg.RawBytes); err != nil {
+		return nil, stagingError(dir, err, "sizing the staging file")
+	}
+	res.Durations.Prepare = time.Since(start)
+
+	// Every chunk is verified before it is written, and QEMU sees the file
+	// only once all of them are: a bad chunk leaves the target untouched.
+	streamStart := time.Now()
+	n, err := DecodeStream(ctx, layers, repo, &sparseWriter{f: file}, opts.Stream)
+	if err != nil {
+		// A failed write names the staging file; a failed read from the
+		// store is reported as it is.
+		var perr *os.PathError
+		if errors.As(err, &perr) && perr.Path == file.Name() {
+			return nil, stagingError(dir, err, "writing the staging file")
+		}
+		return nil, err
+	}
+	if n != cfg.RawBytes {
+		return nil, errcode.New(errcode.InvalidInput, "the image's chunks hold %d bytes, its config declares %d", n, cfg.RawBytes)
+	}
+	res.RawBytes = n
+
+	if _, err := prepareMigration(ctx, mon, migrationSettings{mappedRAM: true}); err != nil {
+		return nil, err // a target is discarded on failure: its settings need no undo
+	}
+	sub := mon.Subscribe()
+	defer sub.Close()
+	fdset, err := addFD(ctx, mon, qemuFile)
+	qemuFile.Close()
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		removeFD(cctx, mon, fdset)
+		cancel()
+	}()
+	if err := mon.Execute(ctx, "migrate-incoming", map[string]string{"uri": fdsetURI(fdset)}, nil); err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "starting the incoming migration from the staging file")
+	}
+	if _, err := waitMigration(ctx, mon, sub, nil); err != nil {
+		// Whatever QEMU made of the file, it must not run it.
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		_ = mon.Execute(cctx, "quit", nil, nil)
+		cancel()
+		return nil, errcode.Wrap(errcode.Of(err), err, "QEMU failed to load the verified state, so it was told to quit: start a new one to try again")
+	}
+	res.Durations.Stream = time.Since(streamStart)
+	return finishRestore(ctx, mon, opts, res, start)
+}
+
+// finishRestore sets a loaded VM's run state, as Restore does.
+func finishRestore(ctx context.Context, mon Monitor, opts RestoreOptions, res *RestoreResult, start time.Time) (*RestoreResult, error) {
+	st, err := queryStatus(ctx, mon)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case opts.Paused && st.Running:
+		err = mon.Execute(ctx, "stop", nil, nil)
+	case !opts.Paused && !st.Running:
+		err = mon.Execute(ctx, "cont", nil, nil)
+	}
+	if err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "setting the restored VM's run state")
+	}
+	res.VMRunning = !opts.Paused
+	res.Durations.Total = time.Since(start)
+	return res, nil
+}
