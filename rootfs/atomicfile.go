@@ -123,7 +123,7 @@ func (f *AtomicFile) writeBlocks(data []byte) error {
 		_, err := f.tmp.WriteAt(data[runStart:end], f.flushed+int64(runStart))
 		runStart = -1
 		if err != nil {
-			f.err = errcode.Wrap(errcode.Internal, err, "writing %s", f.tmp.Name())
+			f.err = errcode.Wrap(errcode.Internal, err, "writing %s", f.path)
 		}
 		return f.err
 	}
@@ -158,16 +158,16 @@ func (f *AtomicFile) Sync() error {
 	// block-aligned, and once the block fills it is written again whole.
 	if len(f.buf) > 0 && !bytes.Equal(f.buf, zeroBlock[:len(f.buf)]) {
 		if _, err := f.tmp.WriteAt(f.buf, f.flushed); err != nil {
-			f.err = errcode.Wrap(errcode.Internal, err, "writing %s", f.tmp.Name())
+			f.err = errcode.Wrap(errcode.Internal, err, "writing %s", f.path)
 			return f.err
 		}
 	}
 	if err := f.tmp.Truncate(f.Size()); err != nil {
-		f.err = errcode.Wrap(errcode.Internal, err, "setting the length of %s", f.tmp.Name())
+		f.err = errcode.Wrap(errcode.Internal, err, "setting the length of %s", f.path)
 		return f.err
 	}
 	if err := f.tmp.Sync(); err != nil {
-		f.err = errcode.Wrap(errcode.Internal, err, "syncing %s", f.tmp.Name())
+		f.err = errcode.Wrap(errcode.Internal, err, "syncing %s", f.path)
 		return f.err
 	}
 	return nil
@@ -199,17 +199,17 @@ func (f *AtomicFile) Commit() error {
 		// Skipped blocks at the end were never written: only Truncate gives
 		// the file its full length.
 		if e := f.tmp.Truncate(f.flushed); e != nil {
-			err = errcode.Wrap(errcode.Internal, e, "setting the length of %s", f.tmp.Name())
+			err = errcode.Wrap(errcode.Internal, e, "setting the length of %s", f.path)
 		}
 	}
 	if err == nil {
 		if e := f.tmp.Sync(); e != nil {
-			err = errcode.Wrap(errcode.Internal, e, "syncing %s", f.tmp.Name())
+			err = errcode.Wrap(errcode.Internal, e, "syncing %s", f.path)
 		}
 	}
 	if err == nil {
 		if e := f.tmp.Close(); e != nil {
-			err = errcode.Wrap(errcode.Internal, e, "closing %s", f.tmp.Name())
+			err = errcode.Wrap(errcode.Internal, e, "closing %s", f.path)
 		}
 	}
 	if err == nil {

@@ -63,7 +63,10 @@ type CaptureResult struct {
 
 // Capture stores the qcow2 overlay at path as a disk image in repo, chunked
 // and compressed like VM state. The VM must not be writing to it: call it
-// while the VM is stopped (vmstate.CheckpointOptions.WhileStopped).
+// while the VM is stopped (vmstate.CheckpointOptions.WhileStopped). Like
+// any PutManifest, the manifest is tagged only if repo's reference has a
+// tag: a checkpoint passes an untagged repository and moves the tag once
+// all its images are stored (ociimage.TagManifest).
 func Capture(ctx context.Context, path string, repo ociimage.Repository, opts vmstate.StreamOptions) (*CaptureResult, error) {
 	start := time.Now()
 	h, err := InspectOverlay(path)

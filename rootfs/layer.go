@@ -1,13 +1,13 @@
 package rootfs
 
 import (
-	"compress/gzip"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io"
+	"slices"
 	"strings"
 	"time"
 
@@ -39,13 +39,14 @@ const (
 
 // LayerOptions tunes CaptureLayer. The zero value is the default.
 type LayerOptions struct {
-	// Compression asks for LayerZstd (the default) or LayerGzip.
-	// containerd's differ before 1.7 cannot write zstd: then the layer is
-	// gzip, and LayerResult.Compression says so.
+	// Compression asks for LayerZstd (the default) or LayerGzip. Both work
+	// whatever containerd's version: where its differ cannot write zstd
+	// (1.6), vmsnap compresses containerd's uncompressed diff itself.
 	Compression string
-	// PauseTask freezes the container's task while its writable layer is
-	// read (what `nerdctl commit` does by default), so that no process in
-	// it changes a file half-way through the diff. Off by default: in a
+	// PauseTask freezes the container's task while containerd reads its
+	// writable layer (what `nerdctl commit` does by default), so that no
+	// process in it changes a file half-way through the diff; the task runs
+	// again as soon as containerd has stored the diff. Off by default: in a
 	// checkpoint the VM is already stopped, and QEMU must keep answering
 	// QMP.
 	PauseTask bool
@@ -57,8 +58,12 @@ type LayerOptions struct {
 	CreatedBy string
 	// Annotations are added to the new manifest's.
 	Annotations map[string]string
-	// Progress, if set, is called with the bytes of each blob stored.
-	Progress func(n int64)
+	// Progress, if set, is called with the bytes of the new layer written
+	// so far (compressed, into containerd's content store, from where it is
+	// pushed), from one goroutine at a time, as they are written: increasing,
+	// the last call with Layer.Size. The push to the repository that
+	// follows is not counted.
+	Progress func(layerBytes int64)
 }
 
 // LayerResult is the image CaptureLayer stored.
@@ -70,9 +75,6 @@ type LayerResult struct {
 	Layer       ocispec.Descriptor
 	DiffID      digest.Digest // of the new layer, uncompressed
 	Compression string        // LayerZstd or LayerGzip
-	// ZstdRefused is containerd's answer when zstd was asked for and gzip
-	// used instead ("" otherwise).
-	ZstdRefused string
 
 	ContainerID   string
 	BaseImage     string        // the container's image name in containerd
@@ -85,9 +87,10 @@ type LayerResult struct {
 
 // LayerDurations are the phases of CaptureLayer.
 type LayerDurations struct {
-	Diff  time.Duration // containerd computing and storing the diff
-	Push  time.Duration // blobs and manifest into the repository
-	Total time.Duration
+	Diff     time.Duration // containerd computing and storing the diff
+	Compress time.Duration // vmsnap compressing containerd's tar diff: 0 if containerd's differ compressed
+	Push     time.Duration // blobs and manifest into the repository
+	Total    time.Duration
 }
 
 // CaptureLayer stores, in repo, the image a container of containerd runs
@@ -102,10 +105,18 @@ type LayerDurations struct {
 // file mounts such as CRI's /etc/hosts), as in any commit. Files the
 // container deleted from its image are whiteouts (.wh.NAME) in the layer.
 //
+// The layer is zstd by default. containerd 1.7 and later write it in their
+// differ. Where the differ refuses zstd (1.6), and for gzip (which the
+// differ writes about half as fast), containerd writes the diff as an
+// uncompressed tar into its content store, and vmsnap compresses it back
+// into the content store, streaming, with the diff ID and the blob's digest
+// computed in the same pass, then deletes the tar.
+//
 // Everything happens under a containerd lease: the diff and the base image's
-// content cannot be garbage-collected while they are read, and the diff is
-// dropped once the lease ends. Blobs go to repo first (layers of any size
-// are streamed if repo is an ociimage.BlobStreamer), the manifest last.
+// content cannot be garbage-collected while they are read, and what this
+// capture wrote is deleted once pushed (or dropped when the lease ends or
+// expires, if vmsnap dies first). Blobs go to repo first (layers of any
+// size are streamed if repo is an ociimage.BlobStreamer), the manifest last.
 //
 // Errors: an unknown container is VM_NOT_FOUND; a container with no image or
 // snapshot, or whose image or layers containerd no longer holds, is
@@ -209,30 +220,37 @@ func CaptureLayer(ctx context.Context, client *containerd.Client, namespace, con
 			"the writable layer of container %s sits on snapshot %q, not on its image %s (%s): cannot express it as a layer of that image", containerID, sinfo.Parent, info.Image, chain)
 	}
 
+	// The diff, with the task frozen if asked while containerd reads the
+	// snapshot (not while vmsnap compresses the tar containerd stored).
+	tDiff := time.Now()
+	res := &LayerResult{ContainerID: containerID, BaseImage: info.Image, BaseDigest: img.Target().Digest, BaseLayers: len(base.Layers), Compression: opts.Compression}
+	tmp := &scratch{cs: cs, token: randomRef()}
+	defer tmp.cleanup(ctx)
+	d := layerDiff{svc: diffService(client), sn: sn, key: info.SnapshotKey, containerID: containerID, tmp: tmp}
+	resume := func() {}
 	if opts.PauseTask {
-		resume, err := pauseTask(ctx, cont)
-		if err != nil {
+		if resume, err = pauseTask(ctx, cont); err != nil {
 			return nil, err
 		}
-		defer resume()
 	}
-
-	tDiff := time.Now()
-	res := &LayerResult{ContainerID: containerID, BaseImage: info.Image, BaseDigest: img.Target().Digest, BaseLayers: len(base.Layers)}
-	layer, err := createDiff(ctx, client, sn, info.SnapshotKey, containerID, opts.Compression, res)
+	layer, tarDesc, err := d.make(ctx, opts.Compression, opts.Progress)
+	resume()
 	if err != nil {
 		return nil, err
 	}
-	diffID, err := uncompressedDigest(ctx, cs, layer)
-	if err != nil {
-		return nil, err
-	}
-	res.DiffID = diffID
 	res.Durations.Diff = time.Since(tDiff)
+	if tarDesc.Digest != "" {
+		tCompress := time.Now()
+		if layer, err = d.compress(ctx, tarDesc, opts.Compression, opts.Progress); err != nil {
+			return nil, err
+		}
+		res.Durations.Compress = time.Since(tCompress)
+	}
+	res.DiffID = layer.DiffID
 
 	// The new config: the base's, every field kept, with the layer added.
 	now := time.Now().UTC()
-	rootFS.DiffIDs = append(rootFS.DiffIDs, diffID)
+	rootFS.DiffIDs = append(rootFS.DiffIDs, layer.DiffID)
 	if err := setJSON(cfg, "rootfs", rootFS); err != nil {
 		return nil, err
 	}
@@ -275,7 +293,7 @@ func CaptureLayer(ctx context.Context, client *containerd.Client, namespace, con
 	// manifest last.
 	tPush := time.Now()
 	for i, l := range m.Layers {
-		src := layer // the new one, last
+		src := res.Layer // the new one, last, in containerd's content store
 		if i < len(base.Layers) {
 			src = base.Layers[i]
 		}
@@ -285,9 +303,6 @@ func CaptureLayer(ctx context.Context, client *containerd.Client, namespace, con
 			return nil, err
 		}
 		res.UploadedBytes += n
-		if opts.Progress != nil && n > 0 {
-			opts.Progress(n)
-		}
 	}
 	if err := repo.PutBlob(ctx, configDesc, newConfig); err != nil {
 		return nil, err
@@ -306,32 +321,224 @@ func CaptureLayer(ctx context.Context, client *containerd.Client, namespace, con
 	return res, nil
 }
 
-// createDiff asks containerd's diff service for the snapshot's diff in the
-// compression asked for; zstd refused as not implemented (containerd 1.6)
-// falls back to gzip.
-func createDiff(ctx context.Context, client *containerd.Client, sn snapshots.Snapshotter, key, containerID, compression string, res *LayerResult) (ocispec.Descriptor, error) {
-	mediaType := ocispec.MediaTypeImageLayerZstd
-	if compression == LayerGzip {
-		mediaType = ocispec.MediaTypeImageLayerGzip
-	}
-	ref := "vmsnap-rootfs-" + containerID + "-" + randomRef()
-	desc, err := ctdrootfs.CreateDiff(ctx, key, sn, client.DiffService(), diff.WithMediaType(mediaType), diff.WithReference(ref))
-	if err != nil && mediaType == ocispec.MediaTypeImageLayerZstd && (errdefs.IsNotImplemented(err) || strings.Contains(err.Error(), "not implemented")) {
-		res.ZstdRefused = err.Error()
-		mediaType, compression = ocispec.MediaTypeImageLayerGzip, LayerGzip
-		desc, err = ctdrootfs.CreateDiff(ctx, key, sn, client.DiffService(), diff.WithMediaType(mediaType), diff.WithReference(ref+"-gzip"))
-	}
-	if err != nil {
-		if errdefs.IsNotFound(err) {
-			return desc, errcode.Wrap(errcode.VMNotFound, err, "the writable layer of container %s is gone (the container was deleted)", containerID)
+// diffService is the differ CaptureLayer asks; tests replace it.
+var diffService = func(c *containerd.Client) diff.Comparer { return c.DiffService() }
+
+// layerDiff makes the new layer in containerd's content store, from the
+// container's snapshot, in one of two ways:
+//
+//   - zstd, where containerd's differ writes it (containerd 1.7 and later):
+//     it walks the snapshot and compresses in one pass, with no tar stored;
+//   - else (zstd on containerd 1.6, and gzip, which vmsnap writes about twice
+//     as fast as containerd's differ does), the differ stores an uncompressed
+//     tar, which vmsnap compresses.
+type layerDiff struct {
+	svc         diff.Comparer
+	sn          snapshots.Snapshotter
+	key         string
+	containerID string
+	tmp         *scratch
+}
+
+// make asks containerd's differ for the layer: compressed as asked if it can
+// (zstd on containerd 1.7 and later), else as a tar (tarDesc) for compress.
+func (d *layerDiff) make(ctx context.Context, compression string, progress func(int64)) (layer compressedLayer, tarDesc ocispec.Descriptor, err error) {
+	if compression == LayerZstd {
+		layer, ok, err := d.zstdDiff(ctx, progress)
+		if err != nil || ok {
+			return layer, ocispec.Descriptor{}, err
 		}
-		return desc, ctdErr(err, "computing the diff of container %s's writable layer", containerID)
 	}
+	tarDesc, err = d.diff(ctx, ocispec.MediaTypeImageLayer, "tar", nil)
+	return compressedLayer{}, tarDesc, err
+}
+
+// diff asks containerd's differ for the diff of the snapshot as mediaType,
+// stored in its content store under the context's lease and marked as tmp's
+// (name tells the ingest's reference apart). progress, if set, is called
+// with the bytes stored so far, as the differ writes them.
+func (d *layerDiff) diff(ctx context.Context, mediaType, name string, progress func(int64)) (ocispec.Descriptor, error) {
+	ref := "vmsnap-rootfs-" + d.containerID + "-" + d.tmp.token + "-" + name
+	stop := pollIngest(ctx, d.tmp.cs, ref, progress)
+	desc, err := ctdrootfs.CreateDiff(ctx, d.key, d.sn, d.svc, diff.WithMediaType(mediaType),
+		diff.WithReference(ref), diff.WithLabels(d.tmp.labels()))
+	last := stop()
+	if err != nil {
+		// The differ leaves an ingest it was given a reference for.
+		d.tmp.cs.Abort(context.WithoutCancel(ctx), ref)
+		if errdefs.IsNotFound(err) {
+			return desc, errcode.Wrap(errcode.VMNotFound, err, "the writable layer of container %s is gone (the container was deleted)", d.containerID)
+		}
+		return desc, ctdErr(err, "computing the diff of container %s's writable layer", d.containerID)
+	}
+	d.tmp.add(desc.Digest)
 	if desc.MediaType != mediaType {
 		return desc, errcode.New(errcode.Internal, "containerd: asked for a %s diff, got %s", mediaType, desc.MediaType)
 	}
-	res.Compression = compression
+	if progress != nil && desc.Size > last {
+		progress(desc.Size)
+	}
 	return desc, nil
+}
+
+// zstdDiff asks containerd's differ for a zstd layer. ok is false, with no
+// error, where the differ cannot write zstd (containerd 1.6).
+func (d *layerDiff) zstdDiff(ctx context.Context, progress func(int64)) (_ compressedLayer, ok bool, err error) {
+	desc, err := d.diff(ctx, ocispec.MediaTypeImageLayerZstd, "zstd-diff", progress)
+	if err != nil {
+		if errdefs.IsNotImplemented(err) || strings.Contains(err.Error(), "not implemented") {
+			return compressedLayer{}, false, nil
+		}
+		return compressedLayer{}, false, err
+	}
+	diffID, err := d.diffID(ctx, desc)
+	if err != nil {
+		return compressedLayer{}, false, err
+	}
+	return compressedLayer{MediaType: desc.MediaType, Digest: desc.Digest, Size: desc.Size, DiffID: diffID}, true, nil
+}
+
+// diffID is the diff ID of the zstd layer containerd's differ wrote: the
+// label it puts on the content, else (content it already had, with no such
+// label) computed by decompressing the layer.
+func (d *layerDiff) diffID(ctx context.Context, desc ocispec.Descriptor) (digest.Digest, error) {
+	info, err := d.tmp.cs.Info(ctx, desc.Digest)
+	if err != nil {
+		return "", ctdErr(err, "reading the new layer's content info")
+	}
+	if id, err := digest.Parse(info.Labels[labels.LabelUncompressed]); err == nil {
+		return id, nil
+	}
+	ra, err := d.tmp.cs.ReaderAt(ctx, desc)
+	if err != nil {
+		return "", ctdErr(err, "opening the new layer")
+	}
+	defer ra.Close()
+	zr, err := zstd.NewReader(io.NewSectionReader(newReadAheadReaderAt(ra, desc.Size), 0, desc.Size))
+	if err != nil {
+		return "", errcode.Wrap(errcode.Internal, err, "zstd")
+	}
+	defer zr.Close()
+	h := digest.SHA256.Digester()
+	if _, err := io.Copy(h.Hash(), zr); err != nil {
+		return "", errcode.Wrap(errcode.Internal, err, "decompressing the new layer")
+	}
+	return h.Digest(), nil
+}
+
+// compress compresses the tar diff into a new blob of containerd's content
+// store (marked as tmp's), in one streaming pass that also checks the tar
+// against its digest, and deletes the tar once done.
+func (d *layerDiff) compress(ctx context.Context, tarDesc ocispec.Descriptor, compression string, progress func(int64)) (compressedLayer, error) {
+	cs := d.tmp.cs
+	ra, err := cs.ReaderAt(ctx, tarDesc)
+	if err != nil {
+		return compressedLayer{}, ctdErr(err, "opening the diff of container %s", d.containerID)
+	}
+	defer ra.Close()
+	ref := "vmsnap-rootfs-" + d.containerID + "-" + d.tmp.token + "-" + compression
+	cw, err := content.OpenWriter(ctx, cs, content.WithRef(ref), content.WithDescriptor(ocispec.Descriptor{MediaType: layerMediaType(compression)}))
+	if err != nil {
+		return compressedLayer{}, ctdErr(err, "storing the new layer of container %s", d.containerID)
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			cw.Close()
+			cs.Abort(context.WithoutCancel(ctx), ref)
+		}
+	}()
+	layer, err := compressLayer(ctx, cw, io.NewSectionReader(ra, 0, tarDesc.Size), compression, progress)
+	if err != nil {
+		return layer, err
+	}
+	if layer.DiffID != tarDesc.Digest || layer.RawSize != tarDesc.Size {
+		return layer, errcode.New(errcode.Internal, "containerd: the diff of container %s read back as %d bytes of digest %s, not the %d bytes of %s it stored",
+			d.containerID, layer.RawSize, layer.DiffID, tarDesc.Size, tarDesc.Digest)
+	}
+	lbls := d.tmp.labels()
+	lbls[labels.LabelUncompressed] = layer.DiffID.String()
+	err = cw.Commit(ctx, layer.Size, layer.Digest, content.WithLabels(lbls))
+	committed = true
+	if err != nil && !errdefs.IsAlreadyExists(err) {
+		cs.Abort(context.WithoutCancel(ctx), ref)
+		return layer, ctdErr(err, "storing the new layer of container %s", d.containerID)
+	}
+	d.tmp.add(layer.Digest)
+	d.tmp.remove(ctx, tarDesc.Digest) // done with it: free its space now
+	return layer, nil
+}
+
+// pollIngest calls progress, if set, with the bytes written so far into
+// containerd's ingest ref, every ingestPoll until stop is called, and only
+// when they grew. stop returns, once progress is no longer called, the last
+// value it was called with.
+func pollIngest(ctx context.Context, cs content.Store, ref string, progress func(int64)) (stop func() int64) {
+	if progress == nil {
+		return func() int64 { return 0 }
+	}
+	done := make(chan struct{})
+	exited := make(chan struct{})
+	var last int64
+	go func() {
+		defer close(exited)
+		t := time.NewTicker(ingestPoll)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			if st, err := cs.Status(ctx, ref); err == nil && st.Offset > last {
+				last = st.Offset
+				progress(last)
+			}
+		}
+	}()
+	return func() int64 {
+		close(done)
+		<-exited
+		return last
+	}
+}
+
+const ingestPoll = 250 * time.Millisecond
+
+// scratch is the content a capture stores in containerd's content store for
+// itself. Each blob it writes carries the label scratchLabel=token, which
+// containerd sets only on content it creates: a blob that was already there
+// (the same bytes, from another image) keeps its labels and is never
+// deleted here.
+type scratch struct {
+	cs      content.Store
+	token   string
+	digests []digest.Digest
+}
+
+const scratchLabel = "dev.vmsnap.rootfs-capture"
+
+func (s *scratch) labels() map[string]string { return map[string]string{scratchLabel: s.token} }
+
+func (s *scratch) add(d digest.Digest) { s.digests = append(s.digests, d) }
+
+// remove deletes d if this capture created it. A failure is left to the
+// lease: its end lets containerd collect what nothing else references.
+func (s *scratch) remove(ctx context.Context, d digest.Digest) {
+	s.digests = slices.DeleteFunc(s.digests, func(x digest.Digest) bool { return x == d })
+	ctx = context.WithoutCancel(ctx)
+	if info, err := s.cs.Info(ctx, d); err == nil && info.Labels[scratchLabel] == s.token {
+		s.cs.Delete(ctx, d)
+	}
+}
+
+// cleanup removes what remains.
+func (s *scratch) cleanup(ctx context.Context) {
+	for len(s.digests) > 0 {
+		s.remove(ctx, s.digests[0])
+	}
 }
 
 // holdContent adds the blobs to the context's lease, so that an image
@@ -364,56 +571,6 @@ func pauseTask(ctx context.Context, cont containerd.Container) (resume func(), e
 	return func() { task.Resume(context.WithoutCancel(ctx)) }, nil
 }
 
-// uncompressedDigest is the layer's diff ID: the label containerd's differ
-// puts on the content it wrote, else computed by decompressing it.
-func uncompressedDigest(ctx context.Context, cs content.Store, desc ocispec.Descriptor) (digest.Digest, error) {
-	info, err := cs.Info(ctx, desc.Digest)
-	if err != nil {
-		return "", ctdErr(err, "reading the new layer's content info")
-	}
-	if s, ok := info.Labels[labels.LabelUncompressed]; ok {
-		if d, err := digest.Parse(s); err == nil {
-			return d, nil
-		}
-	}
-	ra, err := cs.ReaderAt(ctx, desc)
-	if err != nil {
-		return "", ctdErr(err, "opening the new layer")
-	}
-	defer ra.Close()
-	r, err := decompressor(desc.MediaType, io.NewSectionReader(ra, 0, desc.Size))
-	if err != nil {
-		return "", err
-	}
-	defer r.Close()
-	d := digest.SHA256.Digester()
-	if _, err := io.Copy(d.Hash(), r); err != nil {
-		return "", errcode.Wrap(errcode.Internal, err, "decompressing the new layer")
-	}
-	return d.Digest(), nil
-}
-
-// decompressor reads a layer of media type mt uncompressed.
-func decompressor(mt string, r io.Reader) (io.ReadCloser, error) {
-	switch {
-	case strings.HasSuffix(mt, "+zstd") || strings.HasSuffix(mt, ".zstd"):
-		z, err := zstd.NewReader(r)
-		if err != nil {
-			return nil, errcode.Wrap(errcode.Internal, err, "zstd")
-		}
-		return z.IOReadCloser(), nil
-	case strings.HasSuffix(mt, "+gzip") || strings.HasSuffix(mt, ".gzip"):
-		g, err := gzip.NewReader(r)
-		if err != nil {
-			return nil, errcode.Wrap(errcode.InvalidInput, err, "layer is not gzip")
-		}
-		return g, nil
-	case mt == ocispec.MediaTypeImageLayer || mt == images.MediaTypeDockerSchema2Layer:
-		return io.NopCloser(r), nil
-	}
-	return nil, errcode.New(errcode.InvalidInput, "unknown layer media type %q", mt)
-}
-
 // pushFromContent stores a blob of containerd's content store (src) in repo
 // as desc, unless repo has it. It returns the bytes uploaded.
 func pushFromContent(ctx context.Context, cs content.Store, repo ociimage.Repository, desc, src ocispec.Descriptor) (int64, error) {
@@ -433,7 +590,7 @@ func pushFromContent(ctx context.Context, cs content.Store, repo ociimage.Reposi
 		return 0, ctdErr(err, "opening blob %s", desc.Digest)
 	}
 	defer ra.Close()
-	if err := ociimage.PutBlobFrom(ctx, repo, desc, ra); err != nil {
+	if err := ociimage.PutBlobFrom(ctx, repo, desc, newReadAheadReaderAt(ra, src.Size)); err != nil {
 		return 0, err
 	}
 	return desc.Size, nil
