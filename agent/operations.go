@@ -108,13 +108,20 @@ func (t *table) insert(o *op) {
 	}
 }
 
-// finish marks an operation's end: the VM is free for the next one.
-func (t *table) finish(o *op) {
+// release frees the VM for its next operation. It is called before an
+// operation's end is recorded, so that a caller who sees the end can start
+// the next operation at once (not BUSY); finish releases too.
+func (t *table) release(o *op) {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	if t.active[o.key] == o {
 		delete(t.active, o.key)
 	}
-	t.mu.Unlock()
+}
+
+// finish marks an operation's end: the VM is free for the next one.
+func (t *table) finish(o *op) {
+	t.release(o)
 	close(o.done)
 	t.wg.Done()
 }

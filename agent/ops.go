@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"time"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
@@ -20,33 +21,53 @@ import (
 // requests on its socket. Paths are host paths here; the daemon resolves a
 // pod's paths before it calls them.
 
-// Progress reports bytes done in a phase ("vmstate", "disk", "restore",
-// "stage"). It may be nil.
+// Progress reports bytes done in a phase ("vmstate", "disk", "rootfs",
+// "restore", "stage"). It may be nil.
 type Progress func(phase string, bytes int64)
 
-func (p Progress) stream(phase string, o vmstate.StreamOptions) vmstate.StreamOptions {
-	if p != nil {
-		o.Progress = func(n int64) { p(phase, n) }
+// bytes is the progress callback of one phase, or nil.
+func (p Progress) bytes(phase string) func(int64) {
+	if p == nil {
+		return nil
 	}
+	return func(n int64) { p(phase, n) }
+}
+
+func (p Progress) stream(phase string, o vmstate.StreamOptions) vmstate.StreamOptions {
+	o.Progress = p.bytes(phase)
 	return o
 }
 
 // CheckpointSpec is one checkpoint of the VM behind a QMP socket.
 type CheckpointSpec struct {
-	QMPPath   string
-	DiskPath  string // optional: the qcow2 overlay to capture while the VM is stopped
-	Image     string // where the state goes: oci:DIR[:TAG] or HOST/REPO[:TAG]
-	DiskImage string // where the overlay goes (with DiskPath)
+	QMPPath  string
+	DiskPath string // optional: the qcow2 overlay to capture while the VM is stopped
+	Image    string // where the state goes: oci:DIR[:TAG] or HOST/REPO[:TAG]
+	// DiskImage is where the overlay goes as an image of its own. It may be
+	// left out when the overlay rides in the rootfs image (DiskInRootfs
+	// with RootfsImage); given anyway, the overlay is stored there as well.
+	DiskImage string
+	// DiskInRootfs says that DiskPath is in the QEMU container's writable
+	// layer, not on a volume (the agent's resolver knows which), and
+	// DiskRootfsPath is its path inside the container. With RootfsImage, the
+	// overlay is then captured as part of the rootfs image, at that path,
+	// and not a second time.
+	DiskInRootfs   bool
+	DiskRootfsPath string
 	// RootfsImage, with CaptureRootfs, is where the QEMU container's
 	// writable layer goes, as a container image. CaptureRootfs stores it
 	// there; the agent sets it from its resolver (it knows the container),
 	// and in pause and snapshot modes it runs while the VM is stopped.
 	RootfsImage   string
-	CaptureRootfs func(ctx context.Context, repo ociimage.Repository) (*rootfs.LayerResult, error)
+	CaptureRootfs func(ctx context.Context, repo ociimage.Repository, progress func(layerBytes int64)) (*rootfs.LayerResult, error)
 	Mode          vmstate.Mode
 	Stream        vmstate.StreamOptions
 	Store         []ociimage.Option
 	Progress      Progress
+	// Format and StagingDir: vmstate.CheckpointOptions's (auto and $TMPDIR
+	// when left empty).
+	Format     vmstate.Format
+	StagingDir string
 	// BeforeStop, if set, runs once everything has been checked and just
 	// before the VM is touched, with whether the VM runs now (the agent
 	// journals there).
@@ -58,8 +79,14 @@ func (s CheckpointSpec) Validate() error {
 	if s.QMPPath == "" || s.Image == "" {
 		return errcode.New(errcode.Usage, "a checkpoint needs a QMP socket and an image reference")
 	}
-	if (s.DiskPath == "") != (s.DiskImage == "") {
-		return errcode.New(errcode.Usage, "the disk overlay and its image reference go together")
+	if s.DiskImage != "" && s.DiskPath == "" {
+		return errcode.New(errcode.Usage, "a disk image reference needs the disk overlay's path")
+	}
+	if s.DiskPath != "" && s.DiskImage == "" && s.RootfsImage == "" {
+		return errcode.New(errcode.Usage, "the disk overlay and its image reference go together (the reference may be left out only for an overlay in the container's writable layer captured with the rootfs image)")
+	}
+	if s.DiskInRootfs && s.DiskRootfsPath == "" {
+		return errcode.New(errcode.Usage, "a disk overlay in the container's writable layer needs its path inside the container")
 	}
 	if s.RootfsImage != "" && s.Mode == vmstate.ModeLive {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so the container's writable layer would not match the captured memory: use mode snapshot or pause to capture it")
@@ -67,28 +94,75 @@ func (s CheckpointSpec) Validate() error {
 	if s.Mode == vmstate.ModeLive && s.DiskPath != "" {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so its disk would not match the captured memory: use mode snapshot or pause to capture the disk")
 	}
-	if _, err := vmstate.ParseMode(string(s.Mode)); err != nil {
-		return err
+	_, err := vmstate.ParseMode(string(s.Mode))
+	return err
+}
+
+// checkDiskPlace refuses a disk overlay that no image would hold: one
+// without a disk image that is not in the writable layer the rootfs image
+// captures. This is known only once the disk is resolved (DiskInRootfs):
+// the agent checks it then, Checkpoint again.
+func (s CheckpointSpec) checkDiskPlace() error {
+	if s.DiskPath != "" && s.DiskImage == "" && !(s.DiskInRootfs && s.RootfsImage != "") {
+		return errcode.New(errcode.Usage,
+			"the disk overlay %s is on a volume, not in the container's writable layer, so the rootfs image does not hold it: give it an image reference of its own (--disk-image)", s.diskName())
 	}
 	return nil
 }
 
-// openStore parses a reference, opens it and checks that we may write or
-// read there, so that credentials or a CA problem surface before a VM is
-// stopped.
-func openStore(ctx context.Context, s string, opts []ociimage.Option) (ociimage.Repository, error) {
-	ref, err := ociimage.ParseReference(s)
-	if err != nil {
-		return nil, err
+func (s CheckpointSpec) diskName() string {
+	if s.DiskRootfsPath != "" {
+		return s.DiskRootfsPath
 	}
-	repo, err := ociimage.Open(ctx, ref, opts...)
-	if err != nil {
-		return nil, err
-	}
-	return repo, ociimage.CheckAccess(ctx, repo)
+	return s.DiskPath
 }
 
-// Checkpoint captures a VM (and its disk overlay) into images.
+// openStore parses a reference to write to, opens it and checks that we may
+// write there, so that credentials or a CA problem surface before a VM is
+// stopped. The repository is opened without the reference's tag, which is
+// returned: every manifest of a checkpoint is stored by digest, and the tags
+// move only once all of them are stored (commit).
+func openStore(ctx context.Context, s string, opts []ociimage.Option) (ociimage.Repository, string, error) {
+	ref, err := ociimage.ParseReference(s)
+	if err != nil {
+		return nil, "", err
+	}
+	if ref.IsDigest() {
+		return nil, "", errcode.New(errcode.InvalidInput,
+			"cannot store a checkpoint at %s: a digest reference names an existing manifest; give REF or REF:TAG", s)
+	}
+	tag := ref.Tag
+	ref.Tag = ""
+	repo, err := ociimage.Open(ctx, ref, opts...)
+	if err != nil {
+		return nil, "", err
+	}
+	return repo, tag, ociimage.CheckAccess(ctx, repo)
+}
+
+// store is where one image of a checkpoint goes: a repository opened
+// without its tag, and the tag to move once everything is stored.
+type store struct {
+	repo ociimage.Repository
+	tag  string
+}
+
+// commit points the store's tag, if any, at desc.
+func (st store) commit(ctx context.Context, desc ocispec.Descriptor) error {
+	if st.tag == "" {
+		return nil
+	}
+	if err := ociimage.TagManifest(ctx, st.repo, desc, st.tag); err != nil {
+		return errcode.Ensure(errcode.RegistryError, err, "tagging %s as %s", st.repo.Reference().WithDigest(desc.Digest), st.tag)
+	}
+	return nil
+}
+
+// Checkpoint captures a VM (its disk overlay, and its container's writable
+// layer) into images. Every image is stored by digest first; only once all
+// of them are stored do their tags move, the VM state's last: it is the
+// checkpoint's commit point, and a failure before it leaves every tag where
+// it was.
 func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, error) {
 	if s.Mode == "" {
 		s.Mode = vmstate.ModeSnapshot
@@ -96,24 +170,37 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	if err := s.Validate(); err != nil {
 		return nil, err
 	}
-	repo, err := openStore(ctx, s.Image, s.Store)
+	if err := s.checkDiskPlace(); err != nil {
+		return nil, err
+	}
+	stateRepo, stateTag, err := openStore(ctx, s.Image, s.Store)
 	if err != nil {
 		return nil, err
 	}
-	var rootfsRepo ociimage.Repository
+	state := store{stateRepo, stateTag}
+	var rootfsStore *store
 	if s.RootfsImage != "" {
 		if s.CaptureRootfs == nil {
 			return nil, errcode.New(errcode.Usage, "capturing the container's writable layer needs the node agent, which finds the container through containerd: checkpoint through --agent")
 		}
-		if rootfsRepo, err = openStore(ctx, s.RootfsImage, s.Store); err != nil {
+		repo, tag, err := openStore(ctx, s.RootfsImage, s.Store)
+		if err != nil {
 			return nil, err
 		}
+		rootfsStore = &store{repo, tag}
 	}
-	var diskRepo ociimage.Repository
-	if s.DiskPath != "" {
-		if diskRepo, err = openStore(ctx, s.DiskImage, s.Store); err != nil {
+	var diskStore *store
+	if s.DiskImage != "" {
+		repo, tag, err := openStore(ctx, s.DiskImage, s.Store)
+		if err != nil {
 			return nil, err
 		}
+		diskStore = &store{repo, tag}
+	}
+	// The overlay rides in the rootfs image when it is in the writable layer
+	// that image captures.
+	diskInRootfs := s.DiskPath != "" && s.DiskInRootfs && rootfsStore != nil
+	if s.DiskPath != "" {
 		// Refuse a bad overlay before the VM is touched.
 		if _, err := rootfs.InspectOverlay(s.DiskPath); err != nil {
 			return nil, err
@@ -134,31 +221,60 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		}
 	}
 
-	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream)}
-	var disk *rootfs.CaptureResult
-	var layer *rootfs.LayerResult
-	if diskRepo != nil || rootfsRepo != nil {
+	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir}
+	var (
+		disk       *rootfs.CaptureResult
+		layer      *rootfs.LayerResult
+		overlay    rootfs.Header // of an overlay captured in the rootfs image only
+		overlaySz  int64
+		overlayDur time.Duration
+	)
+	if diskStore != nil || rootfsStore != nil {
 		opts.WhileStopped = func(ctx context.Context) (vmstate.Link, error) {
 			link := vmstate.Link{Annotations: map[string]string{}}
 			var err error
-			if diskRepo != nil {
-				disk, err = rootfs.Capture(ctx, s.DiskPath, diskRepo, s.Progress.stream("disk", s.Stream))
+			if diskStore != nil {
+				disk, err = rootfs.Capture(ctx, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream))
 				if err != nil {
 					return vmstate.Link{}, err
 				}
 				link.Annotations[ociimage.AnnotationDiskImage] = disk.Image.String()
 				link.Subject = &disk.Manifest
 			}
-			if rootfsRepo != nil {
-				if layer, err = s.CaptureRootfs(ctx, rootfsRepo); err != nil {
+			if rootfsStore != nil {
+				if diskInRootfs && disk == nil {
+					// What the rootfs image will hold, as it is now.
+					t0 := time.Now()
+					if overlay, overlaySz, err = inspectOverlayFile(s.DiskPath); err != nil {
+						return vmstate.Link{}, err
+					}
+					overlayDur = time.Since(t0)
+				}
+				if layer, err = s.CaptureRootfs(ctx, rootfsStore.repo, s.Progress.bytes("rootfs")); err != nil {
 					return vmstate.Link{}, err
 				}
 				link.Annotations[ociimage.AnnotationRootfsImage] = layer.Image.String()
+				if diskInRootfs {
+					link.Annotations[ociimage.AnnotationDiskRootfsPath] = s.DiskRootfsPath
+				}
 			}
 			return link, nil
 		}
 	}
-	res, err := vmstate.Checkpoint(ctx, mon, repo, opts)
+	opts.Commit = func(ctx context.Context, desc ocispec.Descriptor) error {
+		if disk != nil {
+			if err := diskStore.commit(ctx, disk.Manifest); err != nil {
+				return err
+			}
+		}
+		if layer != nil {
+			if err := rootfsStore.commit(ctx, layer.Manifest); err != nil {
+				return err
+			}
+		}
+		return state.commit(ctx, desc)
+	}
+	res, err := vmstate.Checkpoint(ctx, mon, state.repo, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -183,12 +299,18 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		VMRunning:  res.VMRunning,
 		TotalMs:    api.Ms(res.Durations.Total),
 	}
-	if disk != nil {
+	switch {
+	case disk != nil:
 		out.Disk = &api.DiskResult{
 			Image: disk.Image.String(), Digest: disk.Manifest.Digest.String(), Path: s.DiskPath,
 			RawBytes: disk.Stream.RawBytes, StoredBytes: disk.Stream.StoredBytes, UploadedBytes: disk.Stream.UploadedBytes,
 			Chunks: len(disk.Stream.Layers), VirtualSize: disk.Config.VirtualSize, BackingFile: disk.Config.BackingFile,
 			DurationsMs: map[string]float64{"total": api.Ms(disk.Duration)},
+		}
+	case diskInRootfs:
+		out.Disk = &api.DiskResult{
+			Path: s.DiskPath, RawBytes: overlaySz, VirtualSize: overlay.VirtualSize, BackingFile: overlay.BackingFile,
+			DurationsMs: map[string]float64{"total": api.Ms(overlayDur)},
 		}
 	}
 	if layer != nil {
@@ -196,10 +318,27 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			Image: layer.Image.String(), Digest: layer.Manifest.Digest.String(), ContainerID: layer.ContainerID,
 			BaseImage: layer.BaseImage, Layer: layer.Layer.Digest.String(), LayerBytes: layer.Layer.Size, Compression: layer.Compression,
 			StoredBytes: layer.StoredBytes, UploadedBytes: layer.UploadedBytes,
-			DurationsMs: map[string]float64{"diff": api.Ms(layer.Durations.Diff), "push": api.Ms(layer.Durations.Push), "total": api.Ms(layer.Durations.Total)},
+			DurationsMs: map[string]float64{"diff": api.Ms(layer.Durations.Diff), "compress": api.Ms(layer.Durations.Compress), "push": api.Ms(layer.Durations.Push), "total": api.Ms(layer.Durations.Total)},
+		}
+		if diskInRootfs {
+			out.Disk.InRootfs = &api.DiskInRootfs{Image: out.Rootfs.Image, Digest: out.Rootfs.Digest, Path: s.DiskRootfsPath}
 		}
 	}
 	return out, nil
+}
+
+// inspectOverlayFile validates the overlay at path and returns its header
+// and size.
+func inspectOverlayFile(path string) (rootfs.Header, int64, error) {
+	h, err := rootfs.InspectOverlay(path)
+	if err != nil {
+		return h, 0, err
+	}
+	fi, err := os.Stat(path)
+	if err != nil {
+		return h, 0, errcode.Wrap(errcode.Internal, err, "stat %s", path)
+	}
+	return h, fi.Size(), nil
 }
 
 // openPinned opens a reference for restore: by digest only, unless allowTag.
@@ -224,6 +363,8 @@ type RestoreSpec struct {
 	Stream   vmstate.StreamOptions
 	Store    []ociimage.Option
 	Progress Progress
+	// StagingDir is where a mapped-ram image is staged (default $TMPDIR).
+	StagingDir string
 }
 
 // RestoreState loads a VM state image into a waiting QEMU.
@@ -240,7 +381,7 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 		return nil, err
 	}
 	defer mon.Close()
-	res, err := vmstate.Restore(ctx, mon, repo, vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream)})
+	res, err := vmstate.Restore(ctx, mon, repo, vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream), StagingDir: s.StagingDir})
 	if err != nil {
 		return nil, err
 	}
@@ -350,9 +491,13 @@ func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (i
 	if err != nil {
 		return err
 	}
-	_, m, _, err := vmstate.LoadConfig(ctx, repo)
+	_, m, cfg, err := vmstate.LoadConfig(ctx, repo)
 	if err != nil {
 		return err
+	}
+	if cfg.Format == vmstate.FormatMappedRAM {
+		return errcode.New(errcode.CompatMismatch,
+			"the staged image is in the mapped-ram format, which QEMU loads from a file, not from a stream: restore it with vmsnap restore --qmp into a QEMU 9.0 or later waiting with -incoming defer")
 	}
 	_, err = vmstate.DecodeStream(ctx, m.Layers, repo, w, o)
 	return err

@@ -12,5 +12,5 @@ import (
 // (agent/containerd's) captures its writable layer as a container image in
 // repo. A checkpoint request with a rootfsImage needs it.
 type RootfsCapturer interface {
-	CaptureRootfs(ctx context.Context, t Target, repo ociimage.Repository) (*rootfs.LayerResult, error)
+	CaptureRootfs(ctx context.Context, t Target, repo ociimage.Repository, progress func(layerBytes int64)) (*rootfs.LayerResult, error)
 }

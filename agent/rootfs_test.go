@@ -9,6 +9,8 @@ import (
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -26,8 +28,8 @@ type ctrdResolver struct {
 	client *containerd.Client
 }
 
-func (r *ctrdResolver) CaptureRootfs(ctx context.Context, t Target, repo ociimage.Repository) (*rootfs.LayerResult, error) {
-	return rootfs.CaptureLayer(ctx, r.client, testcontainerd.Namespace, t.ContainerID, repo, rootfs.LayerOptions{})
+func (r *ctrdResolver) CaptureRootfs(ctx context.Context, t Target, repo ociimage.Repository, progress func(int64)) (*rootfs.LayerResult, error) {
+	return rootfs.CaptureLayer(ctx, r.client, testcontainerd.Namespace, t.ContainerID, repo, rootfs.LayerOptions{Progress: progress})
 }
 
 // TestAgentCheckpointWithRootfsLayer: one checkpoint through the agent
@@ -122,4 +124,127 @@ func TestAgentRootfsNeedsContainerd(t *testing.T) {
 func startAgentWith(t *testing.T, resolver Resolver) *testAgent {
 	t.Helper()
 	return startAgentConfig(t, Config{StateDir: t.TempDir(), Resolver: resolver})
+}
+
+// copyFile copies src to dst, creating dst's directory.
+func copyFile(t *testing.T, src, dst string) {
+	t.Helper()
+	b, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dst, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestAgentCheckpointDiskInWritableLayer: a disk overlay in the container's
+// writable layer rides in the rootfs image: no disk image of its own
+// (unless one is asked for as well), the result and the state manifest say
+// where it is in the rootfs image, and the image's new layer holds it, byte
+// for byte. A disk on a volume still needs a disk image.
+func TestAgentCheckpointDiskInWritableLayer(t *testing.T) {
+	d := testcontainerd.Start(t)
+	c := d.Create(t, testcontainerd.PodContainer{PodUID: uid1})
+	src := testguest.NewDisk(t, t.TempDir())
+	inLayer := filepath.Join(d.RootfsDir(c), "vm", "disk")
+	copyFile(t, src, filepath.Join(inLayer, "overlay.qcow2"))
+	copyFile(t, filepath.Join(filepath.Dir(src), "base.qcow2"), filepath.Join(inLayer, "base.qcow2"))
+	overlay, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20))
+	res := &ctrdResolver{newStaticResolver(), d.Client}
+	res.vms[uid1] = api.Target{PodUID: uid1, Container: "qemu", ContainerID: c.ID, QMPPath: vm.Path(),
+		DiskPath: filepath.Join(inLayer, "overlay.qcow2"), DiskInRootfs: true}
+	a := startAgentWith(t, res)
+	store := t.TempDir()
+	ctx := context.Background()
+	req := api.CheckpointRequest{
+		VM:    api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock", DiskPath: "/vm/disk/overlay.qcow2"},
+		Image: "oci:" + store + ":vm", RootfsImage: "oci:" + store + ":rootfs", Mode: "snapshot",
+	}
+	op, err := a.client.Checkpoint(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	final := waitOp(t, a.client, op.ID)
+	cp := final.Checkpoint
+	if final.State != api.StateSucceeded || cp == nil || cp.Disk == nil || cp.Rootfs == nil {
+		t.Fatalf("checkpoint ended %+v (error %+v)", final, final.Error)
+	}
+	want := api.DiskInRootfs{Image: cp.Rootfs.Image, Digest: cp.Rootfs.Digest, Path: "/vm/disk/overlay.qcow2"}
+	if cp.Disk.Image != "" || cp.Disk.Digest != "" || cp.Disk.InRootfs == nil || *cp.Disk.InRootfs != want ||
+		cp.Disk.RawBytes != int64(len(overlay)) || cp.Disk.VirtualSize != testguest.DiskSizeMB<<20 || cp.Disk.BackingFile != "base.qcow2" {
+		t.Fatalf("disk result %+v (in rootfs %+v), want it in the rootfs image at %s", cp.Disk, cp.Disk.InRootfs, want.Path)
+	}
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: store})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := repo.Manifest(ctx, mustResolve(t, store, "vm"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Annotations[ociimage.AnnotationRootfsImage] != cp.Rootfs.Image || m.Annotations[ociimage.AnnotationDiskRootfsPath] != want.Path ||
+		m.Annotations[ociimage.AnnotationDiskImage] != "" || m.Subject != nil {
+		t.Errorf("state manifest annotations %v, subject %v", m.Annotations, m.Subject)
+	}
+	rm, err := repo.Manifest(ctx, mustResolve(t, store, "rootfs"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	top := rm.Layers[len(rm.Layers)-1]
+	f, err := os.Open(filepath.Join(store, "blobs", "sha256", top.Digest.Encoded()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	entries, err := testcontainerd.ReadLayer(f, top.MediaType)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e, ok := entries["vm/disk/overlay.qcow2"]; !ok || e.Digest != digest.FromBytes(overlay) {
+		t.Fatalf("the rootfs image's layer does not hold the overlay as it was (%+v)", e)
+	}
+
+	// Asked for a disk image as well, it gets one too.
+	req.DiskImage = "oci:" + store + ":disk"
+	op, err = a.client.Checkpoint(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	final = waitOp(t, a.client, op.ID)
+	if cp := final.Checkpoint; cp == nil || cp.Disk.Image == "" || cp.Disk.InRootfs == nil || cp.Disk.InRootfs.Digest != cp.Rootfs.Digest {
+		t.Fatalf("checkpoint with a disk image too: %+v (error %+v)", final.Checkpoint, final.Error)
+	}
+
+	// A disk on a volume rides in no rootfs image: it needs a disk image.
+	res.mu.Lock()
+	tg := res.vms[uid1]
+	tg.DiskInRootfs = false
+	res.vms[uid1] = tg
+	res.mu.Unlock()
+	req.DiskImage = ""
+	if _, err := a.client.Checkpoint(ctx, req); !errcode.Is(err, errcode.Usage) || !strings.Contains(err.Error(), "--disk-image") {
+		t.Fatalf("disk on a volume with a rootfs image only: %v, want USAGE", err)
+	}
+}
+
+func mustResolve(t *testing.T, dir, tag string) ocispec.Descriptor {
+	t.Helper()
+	repo, err := ociimage.Open(context.Background(), ociimage.Reference{Layout: dir, Tag: tag})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := repo.Resolve(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
 }

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"path"
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
@@ -22,6 +23,9 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	spec := CheckpointSpec{
 		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: mode,
 		Stream: vmstate.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
+		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
+		// gets it as a descriptor, so its container need not see the path).
+		StagingDir: s.cfg.StateDir,
 	}
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
@@ -31,13 +35,19 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		return api.Operation{}, err
 	}
 	spec.QMPPath, spec.DiskPath = target.QMPPath, target.DiskPath
+	if target.DiskInRootfs {
+		spec.DiskInRootfs, spec.DiskRootfsPath = true, path.Clean(req.VM.DiskPath)
+	}
+	if err := spec.checkDiskPlace(); err != nil {
+		return api.Operation{}, err
+	}
 	if spec.RootfsImage != "" {
 		rc, ok := s.cfg.Resolver.(RootfsCapturer)
 		if !ok {
 			return api.Operation{}, errcode.New(errcode.Usage, "this agent's resolver cannot capture a container's writable layer (it needs containerd)")
 		}
-		spec.CaptureRootfs = func(ctx context.Context, repo ociimage.Repository) (*rootfs.LayerResult, error) {
-			return rc.CaptureRootfs(ctx, target, repo)
+		spec.CaptureRootfs = func(ctx context.Context, repo ociimage.Repository, progress func(int64)) (*rootfs.LayerResult, error) {
+			return rc.CaptureRootfs(ctx, target, repo, progress)
 		}
 	}
 	o := newOp(api.KindCheckpoint, req.VM, &target)
@@ -80,6 +90,9 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 		res, err := RestoreState(ctx, RestoreSpec{
 			QMPPath: target.QMPPath, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
 			Stream: vmstate.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
+			// A mapped-ram image is staged as a file: the agent's root is
+			// read-only, its state directory is not.
+			StagingDir: s.cfg.StateDir,
 		})
 		if err == nil {
 			res.Endpoint = &api.Endpoint{PodUID: req.VM.PodUID, Container: req.VM.Container, QMPPath: req.VM.QMPPath}
@@ -153,6 +166,9 @@ func (s *Server) end(o *op, err error, seconds float64, log interface {
 	Info(string, ...any)
 	Error(string, ...any)
 }) {
+	// The work is over: free the VM first, so that whoever sees the end
+	// (an event, or a poll of the operation) can start the next one at once.
+	s.ops.release(o)
 	state := api.StateSucceeded
 	switch {
 	case err == nil:

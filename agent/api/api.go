@@ -38,18 +38,32 @@ type VMStateResult struct {
 	DurationsMs   map[string]float64 `json:"durationsMs"`
 }
 
-// DiskResult describes a stored disk overlay image.
+// DiskResult describes a captured disk overlay: stored as an image of its
+// own (Image, Digest: what `restore --disk-image` takes), or, when it was in
+// the QEMU container's writable layer, as part of the rootfs image
+// (InRootfs), or both if both were asked for. Without an image of its own,
+// Image and Digest are empty and the stored, uploaded and chunk counts 0.
 type DiskResult struct {
-	Image         string             `json:"image"`
-	Digest        string             `json:"digest"`
-	Path          string             `json:"path"`
-	RawBytes      int64              `json:"rawBytes"`
+	Image         string             `json:"image,omitempty"`
+	Digest        string             `json:"digest,omitempty"`
+	Path          string             `json:"path"` // where it was read (a host path, through the agent)
+	InRootfs      *DiskInRootfs      `json:"inRootfs,omitempty"`
+	RawBytes      int64              `json:"rawBytes"` // the overlay file's size
 	StoredBytes   int64              `json:"storedBytes"`
 	UploadedBytes int64              `json:"uploadedBytes"`
 	Chunks        int                `json:"chunks"`
 	VirtualSize   uint64             `json:"virtualSize"`
 	BackingFile   string             `json:"backingFile,omitempty"`
 	DurationsMs   map[string]float64 `json:"durationsMs"`
+}
+
+// DiskInRootfs says where a disk overlay that lived in the QEMU container's
+// writable layer is in the rootfs image that holds it: a container started
+// from that image finds the overlay at Path, as the source container did.
+type DiskInRootfs struct {
+	Image  string `json:"image"` // the rootfs image, REF@sha256:... (as rootfs.image)
+	Digest string `json:"digest"`
+	Path   string `json:"path"` // the overlay's path inside the container
 }
 
 // RootfsResult describes a stored container image: the QEMU container's
@@ -186,13 +200,21 @@ type Target struct {
 	ContainerID string `json:"containerID"`
 	QMPPath     string `json:"qmpHostPath"`
 	DiskPath    string `json:"diskHostPath,omitempty"`
+	// DiskInRootfs says the disk overlay is in the container's writable
+	// layer (DiskPath is then inside the snapshot containerd keeps that
+	// layer in), not on a volume.
+	DiskInRootfs bool `json:"diskInRootfs,omitempty"`
 }
 
 // CheckpointRequest asks the agent to checkpoint a VM on its node.
 type CheckpointRequest struct {
-	VM        VMRef  `json:"vm"`
-	Image     string `json:"image"`
-	DiskImage string `json:"diskImage,omitempty"` // with VM.DiskPath
+	VM    VMRef  `json:"vm"`
+	Image string `json:"image"`
+	// DiskImage, with VM.DiskPath, is where the disk overlay goes as an
+	// image of its own. It may be left out when the overlay is in the
+	// container's writable layer and RootfsImage is set: the overlay then
+	// rides in the rootfs image.
+	DiskImage string `json:"diskImage,omitempty"`
 	// RootfsImage, if set, is where the QEMU container's writable layer
 	// goes, as a container image (its image plus one layer).
 	RootfsImage string `json:"rootfsImage,omitempty"`

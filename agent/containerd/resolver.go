@@ -8,7 +8,8 @@
 // io.kubernetes.container.name=NAME (never by pod name: a pod recreated
 // under the same name is another VM), takes the one whose task is running,
 // and maps the paths to host paths through the bind mounts (the pod's
-// volumes) of its OCI spec. Watch reports containers that are deleted or
+// volumes) of its OCI spec, or, for a disk on none of them, through the
+// snapshot that holds the container's writable layer. Watch reports containers that are deleted or
 // whose main process exited, so that the agent can drop every record about
 // them at once.
 //
@@ -37,6 +38,7 @@ import (
 	tasktypes "github.com/containerd/containerd/api/types/task"
 	"github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/containers"
+	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/errdefs"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -137,14 +139,19 @@ func (r *Resolver) Close() error { return r.client.Close() }
 func (r *Resolver) Namespace() string { return r.namespace }
 
 // Resolve finds the running container of ref's pod and maps ref's paths to
-// host paths. Errors carry a code:
+// host paths. The QMP socket must be on a volume. A disk on none of the
+// container's mounts is in its writable layer: it maps to the file in the
+// snapshot containerd keeps that layer in, and Target.DiskInRootfs says so.
+// Errors carry a code:
 //   - VM_NOT_FOUND: an empty pod UID (at once, without asking containerd);
 //     no container of that pod, or none with that name, or none of them
 //     running; the QMP socket or disk not there.
 //   - INVALID_INPUT: a malformed pod UID or container name; a path that is
-//     relative, has a ".." component, is not on a bind mount (a volume), or
-//     goes through a symbolic link inside the volume; a QMP path that is not
-//     a socket, a disk that is not a regular file.
+//     relative, has a ".." component, is on a mount that is not a bind
+//     mount (a volume), or goes through a symbolic link inside the volume or
+//     the writable layer; a QMP path on no mount, or that is not a socket; a
+//     disk that is not a regular file, or in a writable layer vmsnap cannot
+//     read from the host (a snapshotter other than overlayfs or native).
 //   - INTERNAL: containerd failed.
 func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (agent.Target, error) {
 	if ref.PodUID == "" {
@@ -190,7 +197,14 @@ func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (agent.Target, 
 		return agent.Target{}, err
 	}
 	if diskIn != "" {
-		if t.DiskPath, err = hostPath(spec.Mounts, "disk", diskIn, 0); err != nil {
+		t.DiskPath, err = hostPath(spec.Mounts, "disk", diskIn, 0)
+		var notOnMount *notOnMountError
+		if errors.As(err, &notOnMount) {
+			// Not on any mount: in the container's own writable layer.
+			t.DiskPath, err = r.writableLayerPath(ctx, c, diskIn)
+			t.DiskInRootfs = err == nil
+		}
+		if err != nil {
 			return agent.Target{}, err
 		}
 	}
@@ -282,10 +296,10 @@ func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, e
 		}
 	}
 	if best < 0 {
-		return "", errcode.New(errcode.InvalidInput,
+		return "", &notOnMountError{errcode.New(errcode.InvalidInput,
 			"%s %s is in the container's own root filesystem, not on a volume: the %s must be on a volume "+
 				"(a bind mount such as an emptyDir) shared with the node; paths in the container's root filesystem are not supported",
-			what, p, what)
+			what, p, what)}
 	}
 	m := mounts[best]
 	dest := path.Clean("/" + m.Destination)
@@ -317,8 +331,23 @@ func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, e
 			"%s %s: the volume mounted at %s (host path %s) is not there as the agent sees it (%v); if the agent runs in a container, mount the kubelet's pod directory into it at the same path",
 			what, p, dest, src, err)
 	}
+	return walkBelow(src, rel, dest, "in the volume", what, p, mode, fi)
+}
+
+// walkBelow returns src/rel, the host path of p (the container's path of a
+// what), once it has checked that every component of rel exists below src
+// and none is a symbolic link (links there are the container's to set, and
+// the agent runs as root on the host), and that it ends in a socket (mode
+// fs.ModeSocket) or a regular file (mode 0). dest is where src appears in
+// the container, where names that place ("in the volume"); fi is src's.
+func walkBelow(src, rel, dest, where, what, p string, mode fs.FileMode, fi fs.FileInfo) (string, error) {
+	host := path.Join(src, rel)
+	if !within(host, src) {
+		return "", errcode.New(errcode.InvalidInput, "%s %s maps to %s, outside %s", what, p, host, src)
+	}
 	cur := src
 	if rel != "" {
+		var err error
 		parts := strings.Split(rel, "/")
 		for i, part := range parts {
 			cur = path.Join(cur, part)
@@ -333,7 +362,7 @@ func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, e
 				return "", errcode.Wrap(errcode.Internal, err, "%s %s", what, p)
 			}
 			if fi.Mode()&fs.ModeSymlink != 0 {
-				return "", errcode.New(errcode.InvalidInput, "%s %s: %s in the volume is a symbolic link; vmsnap does not follow links inside a container's volume", what, p, path.Join(dest, strings.Join(parts[:i+1], "/")))
+				return "", errcode.New(errcode.InvalidInput, "%s %s: %s %s is a symbolic link; vmsnap does not follow links inside a container", what, p, path.Join(dest, strings.Join(parts[:i+1], "/")), where)
 			}
 		}
 	}
@@ -344,6 +373,103 @@ func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, e
 		return "", errcode.New(errcode.InvalidInput, "%s %s (host path %s) is not a regular file (%s)", what, p, host, fi.Mode().Type())
 	}
 	return host, nil
+}
+
+// notOnMountError is hostPath's error for a path on none of the
+// container's mounts, which is in the container's writable layer.
+type notOnMountError struct{ error }
+
+func (e *notOnMountError) Unwrap() error { return e.error }
+
+// writableLayerPath maps p, a clean absolute path inside container c that
+// is on none of its mounts, to the host path of the file in c's writable
+// layer, as the snapshotter keeps it: the overlay's upper directory (or a
+// bind-mounted directory: the native snapshotter, or an overlay snapshot
+// with no image layers below it). The file must be there: a disk overlay
+// QEMU writes to is copied up into the upper directory when QEMU opens it.
+// Every component below must exist without a symbolic link, and end in a
+// regular file.
+//
+// The agent reads the file there, to check the overlay before the VM is
+// touched: if it runs in a container, containerd's root must be mounted
+// into it at the same path.
+func (r *Resolver) writableLayerPath(ctx context.Context, c containers.Container, p string) (string, error) {
+	if c.Snapshotter == "" || c.SnapshotKey == "" {
+		return "", errcode.New(errcode.InvalidInput,
+			"disk %s is in the root filesystem of container %s, which has no snapshot (writable layer) in containerd: put the disk on a volume", p, shortID(c.ID))
+	}
+	mounts, err := r.client.SnapshotService(c.Snapshotter).Mounts(ctx, c.SnapshotKey)
+	if err != nil {
+		if errdefs.IsNotFound(err) {
+			return "", errcode.Wrap(errcode.VMNotFound, err, "the writable layer of container %s is gone", shortID(c.ID))
+		}
+		return "", errcode.Wrap(errcode.Internal, err, "asking containerd for the writable layer of container %s", c.ID)
+	}
+	root, err := upperDir(mounts)
+	if err != nil {
+		return "", errcode.Wrap(errcode.InvalidInput, err,
+			"disk %s is in the writable layer of container %s (snapshotter %s), which vmsnap cannot read from the host: put the disk on a volume", p, shortID(c.ID), c.Snapshotter)
+	}
+	fi, err := os.Stat(root)
+	if err != nil {
+		return "", errcode.New(errcode.VMNotFound,
+			"disk %s: the writable layer of container %s (host path %s) is not there as the agent sees it (%v); if the agent runs in a container, mount containerd's root directory into it at the same path",
+			p, shortID(c.ID), root, err)
+	}
+	host, err := walkBelow(root, strings.TrimPrefix(p, "/"), "/", "in the container's writable layer", "disk", p, 0, fi)
+	if errcode.Of(err) == errcode.VMNotFound {
+		return "", errcode.Wrap(errcode.VMNotFound, err,
+			"no disk at %s in the writable layer of container %s, nor on a volume (a disk QEMU has opened for writing is in that layer)", p, shortID(c.ID))
+	}
+	return host, err
+}
+
+// upperDir is the directory holding a writable layer, from the mounts of an
+// active snapshot: an overlay's upperdir, or a bind mount's source.
+func upperDir(mounts []mount.Mount) (string, error) {
+	if len(mounts) != 1 {
+		return "", fmt.Errorf("the snapshot is %d mounts, not one", len(mounts))
+	}
+	m := mounts[0]
+	var dir string
+	switch {
+	case m.Type == "overlay":
+		for _, o := range m.Options {
+			if v, ok := strings.CutPrefix(o, "upperdir="); ok {
+				dir = unescapeOption(v)
+			}
+		}
+		if dir == "" {
+			return "", errors.New("a read-only overlay (no upperdir)")
+		}
+	case isBind(specs.Mount{Type: m.Type, Options: m.Options}):
+		if slices.Contains(m.Options, "ro") {
+			return "", errors.New("a read-only bind mount")
+		}
+		dir = m.Source
+	default:
+		return "", fmt.Errorf("a %s mount of %s", m.Type, m.Source)
+	}
+	if !strings.HasPrefix(dir, "/") || slices.Contains(strings.Split(dir, "/"), "..") {
+		return "", fmt.Errorf("its directory %q is not a plain absolute path", dir)
+	}
+	return path.Clean(dir), nil
+}
+
+// unescapeOption undoes the backslash escaping of a path in an overlay
+// mount option (containerd 2 escapes ',' ':' and '\\' in them).
+func unescapeOption(v string) string {
+	if !strings.Contains(v, `\`) {
+		return v
+	}
+	var b strings.Builder
+	for i := 0; i < len(v); i++ {
+		if v[i] == '\\' && i+1 < len(v) {
+			i++
+		}
+		b.WriteByte(v[i])
+	}
+	return b.String()
 }
 
 // within reports whether p is dir or below it (both clean and absolute).

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/containerd/v2/core/mount"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/vmsnap/vmsnap/agent"
@@ -226,7 +227,7 @@ func TestResolvePathErrors(t *testing.T) {
 		{"/run/vm/disk.qcow2", "", errcode.InvalidInput, "not a unix socket"},
 		{"/run/vm/qmp.sock", "/run/vm/qmp.sock", errcode.InvalidInput, "not a regular file"},
 		{"/run/vm/qmp.sock", "/run/vm/sub", errcode.InvalidInput, "not a regular file"},
-		{"/run/vm/qmp.sock", "/tmp/disk.qcow2", errcode.InvalidInput, "must be on a volume"},
+		{"/run/vm/qmp.sock", "/tmp/disk.qcow2", errcode.VMNotFound, "writable layer"}, // not there either
 		{"/run/vm/missing.sock", "", errcode.VMNotFound, "no QMP socket"},
 		{"/run/vm/sub/deeper/qmp.sock", "", errcode.VMNotFound, "does not exist"},
 		{"/run/vm/qmp.sock", "/run/vm/nodisk.qcow2", errcode.VMNotFound, "no disk"},
@@ -239,6 +240,95 @@ func TestResolvePathErrors(t *testing.T) {
 			continue
 		}
 		wantCode(t, "qmp "+tc.qmp+" disk "+tc.disk, err, tc.code, tc.msg)
+	}
+}
+
+// TestResolveDiskInWritableLayer: a disk on none of the container's mounts
+// is the file in its writable layer, found in the snapshot's upper
+// directory, where QEMU's writes land; links and odd files are refused as
+// on a volume.
+func TestResolveDiskInWritableLayer(t *testing.T) {
+	e := newEnv(t)
+	execIn(t, e, e.c, "/bin/busybox", "sh", "-c", strings.Join([]string{
+		"mkdir -p /vm/disk /vm/dir",
+		"echo overlay > /vm/disk/overlay.qcow2",
+		"ln -s /vm/disk /vm/link",
+		"ln -s overlay.qcow2 /vm/disk/alias.qcow2",
+	}, " && "))
+	ref := e.ref()
+	ref.DiskPath = "/vm//disk/./overlay.qcow2"
+	tg, err, _ := resolve(t, e.r, ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !tg.DiskInRootfs || tg.QMPPath != filepath.Join(e.c.HostDir, "qmp.sock") || strings.HasPrefix(tg.DiskPath, e.c.HostDir) {
+		t.Fatalf("target %+v: want the disk in the writable layer", tg)
+	}
+	if b, err := os.ReadFile(tg.DiskPath); err != nil || string(b) != "overlay\n" {
+		t.Fatalf("%s holds %q, %v: not the container's file", tg.DiskPath, b, err)
+	}
+	// Writes through the host path are what the container sees (the
+	// snapshot's upper directory is the layer itself).
+	if err := os.WriteFile(tg.DiskPath, []byte("rewritten\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	execIn(t, e, e.c, "/bin/busybox", "sh", "-c", "cp /vm/disk/overlay.qcow2 /run/vm/seen")
+	if b, _ := os.ReadFile(filepath.Join(e.c.HostDir, "seen")); string(b) != "rewritten\n" {
+		t.Fatalf("the container sees %q, not what was written at %s", b, tg.DiskPath)
+	}
+	// A disk on a volume is not in the writable layer.
+	if tg, err, _ := resolve(t, e.r, e.ref()); err != nil || tg.DiskInRootfs {
+		t.Fatalf("disk on the volume: %+v, %v", tg, err)
+	}
+	for _, tc := range []struct {
+		disk string
+		code errcode.Code
+		msg  string
+	}{
+		{"/vm/link/overlay.qcow2", errcode.InvalidInput, "symbolic link"},
+		{"/vm/disk/alias.qcow2", errcode.InvalidInput, "symbolic link"},
+		{"/vm/dir", errcode.InvalidInput, "not a regular file"},
+		{"/vm/disk/none.qcow2", errcode.VMNotFound, "writable layer"},
+		{"/bin/busybox", errcode.VMNotFound, "writable layer"}, // in the image, never written
+		{"/dev/shm/x", errcode.InvalidInput, "tmpfs"},          // on a mount that is no volume
+	} {
+		ref.DiskPath = tc.disk
+		tg, err, _ := resolve(t, e.r, ref)
+		if err == nil {
+			t.Errorf("disk %s: resolved to %+v, want %s", tc.disk, tg, tc.code)
+			continue
+		}
+		wantCode(t, "disk "+tc.disk, err, tc.code, tc.msg)
+	}
+}
+
+// TestUpperDir: the writable layer's directory from a snapshot's mounts.
+func TestUpperDir(t *testing.T) {
+	for _, tc := range []struct {
+		mounts []mount.Mount
+		want   string
+	}{
+		{[]mount.Mount{{Type: "overlay", Source: "overlay", Options: []string{"index=off", "workdir=/s/2/work", "upperdir=/s/2/fs", "lowerdir=/s/1/fs"}}}, "/s/2/fs"},
+		{[]mount.Mount{{Type: "overlay", Source: "overlay", Options: []string{`upperdir=/s/a\,b/fs`}}}, "/s/a,b/fs"},
+		{[]mount.Mount{{Type: "bind", Source: "/s/1/fs", Options: []string{"rbind", "rw"}}}, "/s/1/fs"},
+		{[]mount.Mount{{Type: "none", Source: "/s/1/fs", Options: []string{"rbind"}}}, "/s/1/fs"},
+		{[]mount.Mount{{Type: "overlay", Source: "overlay", Options: []string{"lowerdir=/s/1/fs:/s/0/fs"}}}, ""}, // a view
+		{[]mount.Mount{{Type: "bind", Source: "/s/1/fs", Options: []string{"rbind", "ro"}}}, ""},
+		{[]mount.Mount{{Type: "ext4", Source: "/dev/dm-3"}}, ""},
+		{[]mount.Mount{{Type: "overlay", Options: []string{"upperdir=s/2/fs"}}}, ""},
+		{[]mount.Mount{{Type: "overlay", Options: []string{"upperdir=/s/../../etc"}}}, ""},
+		{nil, ""},
+	} {
+		got, err := upperDir(tc.mounts)
+		if tc.want == "" {
+			if err == nil {
+				t.Errorf("%+v: %q, want an error", tc.mounts, got)
+			}
+			continue
+		}
+		if err != nil || got != tc.want {
+			t.Errorf("%+v: %q, %v; want %q", tc.mounts, got, err, tc.want)
+		}
 	}
 }
 

@@ -22,6 +22,7 @@ const (
 // Volume names used by the agent and the Job.
 const (
 	volContainerd = "containerd-socket"
+	volCtrdRoot   = "containerd-root"
 	volPods       = "kubelet-pods"
 	volSocket     = "agent-socket"
 	volState      = "agent-state"
@@ -172,6 +173,8 @@ func DaemonSet(o Options) *appsv1.DaemonSet {
 		Resources:       o.AgentResources,
 		VolumeMounts: []corev1.VolumeMount{
 			{Name: volContainerd, MountPath: o.ContainerdSocket},
+			// Plain directories (a layer's upperdir): no propagation needed.
+			{Name: volCtrdRoot, MountPath: o.ContainerdRoot, ReadOnly: true},
 			{Name: volPods, MountPath: o.KubeletPodsDir, ReadOnly: true,
 				MountPropagation: ptr(corev1.MountPropagationHostToContainer)},
 			{Name: volSocket, MountPath: o.SocketDir},
@@ -214,6 +217,7 @@ func DaemonSet(o Options) *appsv1.DaemonSet {
 					Containers:                    []corev1.Container{container},
 					Volumes: []corev1.Volume{
 						hostPathVolume(volContainerd, o.ContainerdSocket, corev1.HostPathSocket),
+						hostPathVolume(volCtrdRoot, o.ContainerdRoot, corev1.HostPathDirectory),
 						hostPathVolume(volPods, o.KubeletPodsDir, corev1.HostPathDirectory),
 						hostPathVolume(volSocket, o.SocketDir, corev1.HostPathDirectoryOrCreate),
 						hostPathVolume(volState, o.StateDir, corev1.HostPathDirectoryOrCreate),

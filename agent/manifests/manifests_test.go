@@ -348,6 +348,7 @@ func TestAgentDaemonSet(t *testing.T) {
 	wantHost := map[string]corev1.HostPathType{
 		"/run/containerd/containerd.sock": corev1.HostPathSocket,
 		"/var/lib/kubelet/pods":           corev1.HostPathDirectory,
+		"/var/lib/containerd":             corev1.HostPathDirectory,
 		"/run/vmsnap":                     corev1.HostPathDirectoryOrCreate,
 		"/var/lib/vmsnap":                 corev1.HostPathDirectoryOrCreate,
 	}
@@ -375,7 +376,10 @@ func TestAgentDaemonSet(t *testing.T) {
 		t.Errorf("kubelet pods mount %+v, want read-only with HostToContainer", pods)
 	}
 	commentAbove(t, doc, "mountPropagation: HostToContainer")
-	for _, name := range []string{"containerd-socket", "agent-socket", "agent-state"} {
+	if root := mountOf(t, c, "containerd-root"); !root.ReadOnly {
+		t.Errorf("containerd root mount %+v, want read-only", root)
+	}
+	for _, name := range []string{"containerd-socket", "containerd-root", "agent-socket", "agent-state"} {
 		if m := mountOf(t, c, name); m.MountPropagation != nil {
 			t.Errorf("%s has mount propagation %v", name, *m.MountPropagation)
 		}
@@ -644,6 +648,7 @@ func TestCustomOptions(t *testing.T) {
 		Image: "reg.example/vmsnap@sha256:" + strings.Repeat("b", 64), Namespace: "vm-ops", OmitNamespace: true,
 		SocketGroup: 4242, KVMNodeLabel: "example.com/kvm", KVMNodeLabelValue: "yes", PullSecret: "snap-creds",
 		SocketDir: "/run/vmsnap-2", StateDir: "/srv/vmsnap", ContainerdSocket: "/run/k3s/containerd/containerd.sock",
+		ContainerdRoot: "/var/lib/rancher/k3s/agent/containerd",
 		KubeletPodsDir: "/var/lib/k0s/kubelet/pods", AgentExtraCapabilities: []corev1.Capability{"CHOWN"},
 		ImagePullSecrets: []string{"ghcr"}, JobUser: 1000, RestoreUser: 107, RestoreGroup: 108,
 		Tolerations: []corev1.Toleration{{Key: "kvm", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}},
@@ -656,7 +661,7 @@ func TestCustomOptions(t *testing.T) {
 	for p := range hostPaths(ds.Spec.Template.Spec) {
 		commentAbove(t, doc, "path: "+p)
 	}
-	if len(hostPaths(ds.Spec.Template.Spec)) != 4 {
+	if hp := hostPaths(ds.Spec.Template.Spec); len(hp) != 5 || hp["/var/lib/rancher/k3s/agent/containerd"] == "" {
 		t.Errorf("host paths %v", hostPaths(ds.Spec.Template.Spec))
 	}
 	if ds.Spec.Template.Spec.NodeSelector["example.com/kvm"] != "yes" || len(ds.Spec.Template.Spec.Tolerations) != 1 {

@@ -39,6 +39,7 @@ const (
 	DefaultSocketDir        = "/run/vmsnap"
 	DefaultStateDir         = "/var/lib/vmsnap"
 	DefaultContainerdSocket = "/run/containerd/containerd.sock"
+	DefaultContainerdRoot   = "/var/lib/containerd"
 	DefaultKubeletPodsDir   = "/var/lib/kubelet/pods"
 
 	// DefaultNonRootUser is the UID (and GID) of the checkpoint Job and the
@@ -109,6 +110,7 @@ type Options struct {
 	SocketDir        string // the agent's socket directory, shared with Jobs
 	StateDir         string // the agent's journal and staging
 	ContainerdSocket string // the node's containerd API socket
+	ContainerdRoot   string // containerd's root: the snapshots holding writable layers
 	KubeletPodsDir   string // where the kubelet keeps pods' volumes
 
 	// AgentExtraCapabilities are added to the agent's one capability,
@@ -175,6 +177,7 @@ func (o Options) withDefaults() Options {
 	def(&o.SocketDir, DefaultSocketDir)
 	def(&o.StateDir, DefaultStateDir)
 	def(&o.ContainerdSocket, DefaultContainerdSocket)
+	def(&o.ContainerdRoot, DefaultContainerdRoot)
 	def(&o.KubeletPodsDir, DefaultKubeletPodsDir)
 	if o.JobUser == 0 {
 		o.JobUser = DefaultNonRootUser
@@ -331,7 +334,7 @@ func (o Options) Validate() error {
 
 	hostPaths := []struct{ what, p string }{
 		{"SocketDir", o.SocketDir}, {"StateDir", o.StateDir},
-		{"ContainerdSocket", o.ContainerdSocket}, {"KubeletPodsDir", o.KubeletPodsDir},
+		{"ContainerdSocket", o.ContainerdSocket}, {"ContainerdRoot", o.ContainerdRoot}, {"KubeletPodsDir", o.KubeletPodsDir},
 	}
 	for i, a := range hostPaths {
 		if !cleanAbs(a.p) || a.p == "/" {

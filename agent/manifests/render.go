@@ -193,6 +193,9 @@ func daemonSetDoc(o Options) document {
 		"    The node's containerd: find a pod's QEMU container by pod UID and container name, read",
 		"    its mounts, hear when it is deleted. Whoever can use this socket is root on the node:",
 		"    the price of finding VMs without host PID, ptrace or access to the Kubernetes API.",
+		"  " + o.ContainerdRoot + " (Directory, read-only)",
+		"    containerd's root: a disk overlay in a QEMU container's writable layer is read in the",
+		"    snapshot directory that holds that layer. Nothing is written there.",
 		"  " + o.KubeletPodsDir + " (Directory, read-only, HostToContainer)",
 		"    The pods' volumes, where the VMs' QMP sockets and disk overlays are. The agent connects",
 		"    to the sockets and reads the overlays; it writes nothing there (the restore init",
@@ -224,6 +227,7 @@ func daemonSetDoc(o Options) document {
 	notes := []note{
 		{"nodeSelector:", fmt.Sprintf("Only KVM nodes run VMs: label them %s=%s.", o.KVMNodeLabel, o.KVMNodeLabelValue)},
 		{"path: " + o.ContainerdSocket, "containerd: resolve pod UID + container name to the container and its mounts; watch deletions."},
+		{"path: " + o.ContainerdRoot, "containerd's snapshots: disk overlays in a container's writable layer, read only."},
 		{"path: " + o.KubeletPodsDir, "Pods' volumes: QMP sockets to connect to, disk overlays to read. Mounted read-only."},
 		{"mountPropagation: HostToContainer", "Volumes mounted after the agent started (memory-backed emptyDirs, CSI) must appear in it too."},
 		{"path: " + o.SocketDir, fmt.Sprintf("The agent's API socket (0660, group %d); the checkpoint Jobs mount this directory.", o.SocketGroup)},

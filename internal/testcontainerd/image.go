@@ -260,3 +260,49 @@ func layerTar(files []File) ([]byte, error) {
 	}
 	return buf.Bytes(), nil
 }
+
+// ImportLayout imports the image manifest m of the OCI layout dir into
+// containerd under name and unpacks it, as a node pulling that image would:
+// the way to run a container from an image vmsnap captured.
+func (d *Daemon) ImportLayout(t testing.TB, dir string, m ocispec.Descriptor, name string) client.Image {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	add := func(name string, data []byte) {
+		if err := tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: int64(len(data)), Typeflag: tar.TypeReg}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tw.Write(data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	blobs, err := os.ReadDir(path.Join(dir, "blobs", "sha256"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range blobs {
+		if strings.HasPrefix(b.Name(), ".") { // a temporary file
+			continue
+		}
+		data, err := os.ReadFile(path.Join(dir, "blobs", "sha256", b.Name()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		add("blobs/sha256/"+b.Name(), data)
+	}
+	m.Annotations = map[string]string{"io.containerd.image.name": name}
+	idx, err := json.Marshal(ocispec.Index{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageIndex, Manifests: []ocispec.Descriptor{m}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	add("index.json", idx)
+	add(ocispec.ImageLayoutFile, []byte(`{"imageLayoutVersion":"1.0.0"}`))
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	img, err := d.importImage(name, buf.Bytes())
+	if err != nil {
+		t.Fatalf("importing %s from %s: %v\n%s", m.Digest, dir, err, d.logTail())
+	}
+	return img
+}
