@@ -15,11 +15,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/containerd/v2/client"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
 	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 var vmsnapBinary struct {
@@ -113,6 +118,20 @@ type podVM struct {
 	container *testcontainerd.Container
 	dir       string
 	monitor   string // a second QMP socket for the test's own eyes
+	// layerDisk is the host path of the disk overlay in the container's
+	// root filesystem (podOptions.layerDisk), or "".
+	layerDisk string
+}
+
+// podOptions are where a podVM's container and disk differ from the
+// default (a busybox container, the disk, if any, on the volume).
+type podOptions struct {
+	image client.Image // the container's image
+	// layerDisk, if set, is the path of the VM's disk overlay inside the
+	// container, in its writable layer (not on a volume), ending in
+	// /overlay.qcow2. Unless the image has it already, a new overlay and
+	// its base are created there. testguest.Options.Disk must be empty.
+	layerDisk string
 }
 
 // qmpInPod is the guest's QMP socket as the container sees it.
@@ -133,24 +152,41 @@ func (p *podVM) status(t *testing.T) string {
 	return st.Status
 }
 
-func startPodVM(t *testing.T, ctrd *testcontainerd.Daemon, opts testguest.Options) *podVM {
+// startPodVM starts a pod's container whose volume is opts.Dir, then the
+// guest, whose QMP socket is in that volume (QEMU itself runs on the host).
+func startPodVM(t *testing.T, ctrd *testcontainerd.Daemon, opts testguest.Options, pod podOptions) *podVM {
 	t.Helper()
 	if opts.Dir == "" {
 		opts.Dir = testguest.FreeShortDir(t)
 	}
-	monitor := filepath.Join(opts.Dir, "test-mon.sock")
-	opts.ExtraArgs = append(opts.ExtraArgs, "-qmp", "unix:"+monitor+",server=on,wait=off")
-	vm := testguest.Start(t, opts)
 	uid := testcontainerd.NewPodUID()
-	c := ctrd.Create(t, testcontainerd.PodContainer{PodUID: uid, Name: "qemu", HostDir: opts.Dir})
-	return &podVM{vm: vm, uid: uid, container: c, dir: opts.Dir, monitor: monitor}
+	c := ctrd.Create(t, testcontainerd.PodContainer{PodUID: uid, Name: "qemu", HostDir: opts.Dir, Image: pod.image})
+	p := &podVM{uid: uid, container: c, dir: opts.Dir, monitor: filepath.Join(opts.Dir, "test-mon.sock")}
+	if pod.layerDisk != "" {
+		if opts.Disk != "" || filepath.Base(pod.layerDisk) != "overlay.qcow2" {
+			t.Fatalf("startPodVM: a disk in the writable layer is DIR/overlay.qcow2, and the only disk (%q, %q)", pod.layerDisk, opts.Disk)
+		}
+		// Through the container's root filesystem as its task sees it:
+		// what is written there lands in its writable layer.
+		p.layerDisk = filepath.Join(ctrd.RootfsDir(c), pod.layerDisk)
+		if _, err := os.Stat(p.layerDisk); err != nil {
+			if err := os.MkdirAll(filepath.Dir(p.layerDisk), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			testguest.NewDisk(t, filepath.Dir(p.layerDisk))
+		}
+		opts.Disk = p.layerDisk
+	}
+	opts.ExtraArgs = append(opts.ExtraArgs, "-qmp", "unix:"+p.monitor+",server=on,wait=off")
+	p.vm = testguest.Start(t, opts)
+	return p
 }
 
 func TestAgentE2EJobCheckpointAndAgentRestore(t *testing.T) {
 	ctrd := testcontainerd.Start(t)
 	testguest.Assets(t)
 	dir := testguest.FreeShortDir(t)
-	src := startPodVM(t, ctrd, testguest.Options{Dir: dir, Disk: testguest.NewDisk(t, dir)})
+	src := startPodVM(t, ctrd, testguest.Options{Dir: dir, Disk: testguest.NewDisk(t, dir)}, podOptions{})
 	before, err := src.vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter >= 1 })
 	if err != nil {
 		t.Fatal(err)
@@ -178,7 +214,7 @@ func TestAgentE2EJobCheckpointAndAgentRestore(t *testing.T) {
 	// QEMU waits with -incoming defer, and the agent loads the state.
 	tdir := targetDir(t, dir)
 	cliJSON[api.RestoreResult](t, "restore", "--disk-image", cp.Disk.Image, "--disk", filepath.Join(tdir, "overlay.qcow2"))
-	dst := startPodVM(t, ctrd, testguest.Options{Dir: tdir, Disk: filepath.Join(tdir, "overlay.qcow2"), Incoming: true})
+	dst := startPodVM(t, ctrd, testguest.Options{Dir: tdir, Disk: filepath.Join(tdir, "overlay.qcow2"), Incoming: true}, podOptions{})
 	rs := cliJSON[api.RestoreResult](t, "restore", "--agent", "unix://"+sock, "--pod-uid", dst.uid, "--container", "qemu",
 		"--qmp", dst.qmpInPod(), "--image", cp.VMState.Image)
 	if rs.Endpoint == nil || rs.Endpoint.PodUID != dst.uid || rs.Endpoint.QMPPath != dst.qmpInPod() {
@@ -203,7 +239,7 @@ func bigGuest(dir string) testguest.Options {
 func TestAgentE2EBusyAndDeletedContainer(t *testing.T) {
 	ctrd := testcontainerd.Start(t)
 	testguest.Assets(t)
-	src := startPodVM(t, ctrd, bigGuest(testguest.FreeShortDir(t)))
+	src := startPodVM(t, ctrd, bigGuest(testguest.FreeShortDir(t)), podOptions{})
 	if _, err := src.vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter >= 1 }); err != nil {
 		t.Fatal(err)
 	}
@@ -269,7 +305,7 @@ func waitRunning(t *testing.T, p *podVM) {
 func TestAgentE2EKilledAgentContinuesVMOnRestart(t *testing.T) {
 	ctrd := testcontainerd.Start(t)
 	testguest.Assets(t)
-	src := startPodVM(t, ctrd, bigGuest(testguest.FreeShortDir(t)))
+	src := startPodVM(t, ctrd, bigGuest(testguest.FreeShortDir(t)), podOptions{})
 	if _, err := src.vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter >= 1 }); err != nil {
 		t.Fatal(err)
 	}
@@ -304,4 +340,213 @@ func TestAgentE2EKilledAgentContinuesVMOnRestart(t *testing.T) {
 	if err != nil || o.State != api.StateFailed || !strings.Contains(o.Error.Message, "continued") {
 		t.Fatalf("the interrupted operation after restart: %+v, %v", o, err)
 	}
+}
+
+// layoutTag returns the digest the tag names in the layout dir, or "".
+func layoutTag(t *testing.T, dir, tag string) string {
+	t.Helper()
+	repo, err := ociimage.Open(context.Background(), ociimage.Reference{Layout: dir, Tag: tag})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := repo.Resolve(context.Background())
+	if err != nil {
+		return ""
+	}
+	return d.Digest.String()
+}
+
+// pinnedManifest resolves a REF@sha256 reference in its store and returns
+// the manifest, verified.
+func pinnedManifest(t *testing.T, image, digest string) (ocispec.Descriptor, ocispec.Manifest) {
+	t.Helper()
+	ref, err := ociimage.ParseReference(image)
+	if err != nil || !ref.IsDigest() || ref.Digest.String() != digest {
+		t.Fatalf("%s is not pinned to %s (%v)", image, digest, err)
+	}
+	repo, err := ociimage.Open(context.Background(), ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, err := repo.Resolve(context.Background())
+	if err != nil {
+		t.Fatalf("%s does not resolve: %v", image, err)
+	}
+	m, err := repo.Manifest(context.Background(), desc)
+	if err != nil {
+		t.Fatalf("%s: %v", image, err)
+	}
+	return desc, m
+}
+
+// topLayer lists the entries of the last layer (the captured writable
+// layer) of a rootfs image in the layout dir.
+func topLayer(t *testing.T, dir string, m ocispec.Manifest) map[string]testcontainerd.LayerEntry {
+	t.Helper()
+	top := m.Layers[len(m.Layers)-1]
+	f, err := os.Open(filepath.Join(dir, "blobs", "sha256", top.Digest.Encoded()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	entries, err := testcontainerd.ReadLayer(f, top.MediaType)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return entries
+}
+
+func fileDigest(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return digest.FromBytes(b).String()
+}
+
+// TestAgentE2ECheckpointWithRootfsAndDisk: one checkpoint through the
+// agent of a VM whose disk is on a volume stores three images (VM state,
+// disk, rootfs) and returns their digests, each resolving in its store; the
+// rootfs image holds nothing of the volume. When the state's store then
+// refuses a manifest, the checkpoint fails after the disk and rootfs images
+// of that attempt were stored, and no tag has moved.
+func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
+	ctrd := testcontainerd.Start(t)
+	testguest.Assets(t)
+	dir := testguest.FreeShortDir(t)
+	src := startPodVM(t, ctrd, testguest.Options{Dir: dir, Disk: testguest.NewDisk(t, dir)}, podOptions{})
+	if _, err := src.vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter >= 1 }); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
+	startAgentProc(t, ctrd, t.TempDir(), sock)
+	stateStore, imageStore := filepath.Join(t.TempDir(), "state"), filepath.Join(t.TempDir(), "images")
+	args := []string{"checkpoint", "--agent", "unix://" + sock, "--pod-uid", src.uid, "--container", "qemu",
+		"--qmp", src.qmpInPod(), "--disk", testcontainerd.DefaultMountPath + "/overlay.qcow2",
+		"--image", "oci:" + stateStore + ":vm", "--disk-image", "oci:" + imageStore + ":disk",
+		"--rootfs-image", "oci:" + imageStore + ":rootfs", "--mode", "snapshot"}
+	cp := cliJSON[api.CheckpointResult](t, args...)
+	if cp.Disk == nil || cp.Rootfs == nil || cp.Disk.InRootfs != nil || !cp.VMRunning {
+		t.Fatalf("checkpoint: %+v (disk %+v, rootfs %+v)", cp, cp.Disk, cp.Rootfs)
+	}
+	_, sm := pinnedManifest(t, cp.VMState.Image, cp.VMState.Digest)
+	pinnedManifest(t, cp.Disk.Image, cp.Disk.Digest)
+	_, rm := pinnedManifest(t, cp.Rootfs.Image, cp.Rootfs.Digest)
+	if sm.Annotations[ociimage.AnnotationDiskImage] != cp.Disk.Image || sm.Annotations[ociimage.AnnotationRootfsImage] != cp.Rootfs.Image ||
+		sm.Annotations[ociimage.AnnotationDiskRootfsPath] != "" {
+		t.Errorf("the state manifest links %v", sm.Annotations)
+	}
+	if layoutTag(t, stateStore, "vm") != cp.VMState.Digest || layoutTag(t, imageStore, "disk") != cp.Disk.Digest ||
+		layoutTag(t, imageStore, "rootfs") != cp.Rootfs.Digest {
+		t.Fatal("the tags do not name the checkpoint's images")
+	}
+	for name := range topLayer(t, imageStore, rm) {
+		if strings.Contains(name, "overlay.qcow2") || strings.Contains(name, ".qmp") {
+			t.Errorf("the rootfs layer holds %s, from the volume", name)
+		}
+	}
+	ins := cliJSON[inspectDoc](t, "inspect", cp.VMState.Image)
+	if c := ins.Checkpoint; c == nil || c.VMState != cp.VMState.Image || c.Disk != cp.Disk.Image || c.Rootfs != cp.Rootfs.Image || c.DiskInRootfs != nil ||
+		ins.LinkedDisk == nil || ins.LinkedRootfs == nil || ins.LinkedRootfs.Layer != cp.Rootfs.Layer {
+		t.Fatalf("inspect does not show the checkpoint's images: %+v (linked rootfs %+v)", ins.Checkpoint, ins.LinkedRootfs)
+	}
+	if out, code := cli(t, "inspect", cp.VMState.Image); code != 0 || !strings.Contains(string(out), "disk:    "+cp.Disk.Image) ||
+		!strings.Contains(string(out), "rootfs:  "+cp.Rootfs.Image) {
+		t.Fatalf("inspect's text does not show the checkpoint's images:\n%s", out)
+	}
+
+	// The container writes (its rootfs image changes), and the state's
+	// store refuses manifests: its index cannot be locked for the update.
+	if err := os.WriteFile(filepath.Join(ctrd.RootfsDir(src.container), "changed"), []byte("after the first checkpoint\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	lock := filepath.Join(stateStore, "index.json.lock")
+	if err := os.Remove(lock); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(lock, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cliError(t, errcode.RegistryError, args...)
+	if m := layoutManifests(t, imageStore); len(m) < 3 {
+		t.Fatalf("the failed checkpoint stored no new rootfs image, so the test proves nothing: %v", m)
+	}
+	if layoutTag(t, stateStore, "vm") != cp.VMState.Digest || layoutTag(t, imageStore, "disk") != cp.Disk.Digest ||
+		layoutTag(t, imageStore, "rootfs") != cp.Rootfs.Digest {
+		t.Fatal("a failed checkpoint moved a tag")
+	}
+	waitRunning(t, src)
+}
+
+// TestAgentE2EDiskInWritableLayer: a VM whose disk overlay is in its
+// container's writable layer, not on a volume. A checkpoint with a rootfs
+// image and no disk image stores two images: the overlay rides in the
+// rootfs image, byte for byte as it was while the VM was stopped, and the
+// result says where. A container started from that image, with a QEMU on
+// the overlay in it, resumes the guest with its disk.
+func TestAgentE2EDiskInWritableLayer(t *testing.T) {
+	ctrd := testcontainerd.Start(t)
+	testguest.Assets(t)
+	const inPod = "/vm/disk/overlay.qcow2"
+	src := startPodVM(t, ctrd, testguest.Options{}, podOptions{layerDisk: inPod})
+	before, err := src.vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter >= 1 })
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
+	startAgentProc(t, ctrd, t.TempDir(), sock)
+	stateStore, imageStore := filepath.Join(t.TempDir(), "state"), filepath.Join(t.TempDir(), "images")
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--agent", "unix://"+sock, "--pod-uid", src.uid, "--container", "qemu",
+		"--qmp", src.qmpInPod(), "--disk", inPod, "--image", "oci:"+stateStore+":vm",
+		"--rootfs-image", "oci:"+imageStore+":rootfs", "--mode", "pause")
+	if cp.VMRunning || src.status(t) == "running" || cp.Disk == nil || cp.Rootfs == nil {
+		t.Fatalf("checkpoint: %+v (VM %s)", cp, src.status(t))
+	}
+	want := api.DiskInRootfs{Image: cp.Rootfs.Image, Digest: cp.Rootfs.Digest, Path: inPod}
+	if cp.Disk.Image != "" || cp.Disk.InRootfs == nil || *cp.Disk.InRootfs != want || cp.Disk.VirtualSize != testguest.DiskSizeMB<<20 {
+		t.Fatalf("disk result %+v (in rootfs %+v), want it in the rootfs image at %s", cp.Disk, cp.Disk.InRootfs, inPod)
+	}
+	// Two images, each resolving, and tagged.
+	_, sm := pinnedManifest(t, cp.VMState.Image, cp.VMState.Digest)
+	rdesc, rm := pinnedManifest(t, cp.Rootfs.Image, cp.Rootfs.Digest)
+	if n, m := layoutManifests(t, stateStore), layoutManifests(t, imageStore); len(n) != 1 || len(m) != 1 {
+		t.Fatalf("the stores hold %v and %v, want the state and the rootfs image only", n, m)
+	}
+	if layoutTag(t, stateStore, "vm") != cp.VMState.Digest || layoutTag(t, imageStore, "rootfs") != cp.Rootfs.Digest {
+		t.Fatal("the tags do not name the checkpoint's images")
+	}
+	if sm.Annotations[ociimage.AnnotationDiskImage] != "" || sm.Annotations[ociimage.AnnotationRootfsImage] != cp.Rootfs.Image ||
+		sm.Annotations[ociimage.AnnotationDiskRootfsPath] != inPod {
+		t.Errorf("the state manifest links %v", sm.Annotations)
+	}
+	// The overlay in the image is the one QEMU has (the VM is stopped).
+	entries := topLayer(t, imageStore, rm)
+	if e, ok := entries[strings.TrimPrefix(inPod, "/")]; !ok || e.Digest.String() != fileDigest(t, src.layerDisk) || e.Header.Size != cp.Disk.RawBytes {
+		t.Fatalf("the rootfs layer does not hold the overlay as it is (%+v)", e.Header)
+	}
+	if _, ok := entries["vm/disk/base.qcow2"]; !ok {
+		t.Fatal("the rootfs layer does not hold the overlay's base")
+	}
+	ins := cliJSON[inspectDoc](t, "inspect", cp.VMState.Image)
+	if c := ins.Checkpoint; c == nil || c.Disk != "" || c.DiskInRootfs == nil || *c.DiskInRootfs != want || c.Rootfs != cp.Rootfs.Image || ins.LinkedDisk != nil {
+		t.Fatalf("inspect does not show the disk in the rootfs image: %+v", ins.Checkpoint)
+	}
+	if out, code := cli(t, "inspect", cp.VMState.Image); code != 0 || !strings.Contains(string(out), "disk:    in the rootfs image, at "+inPod) ||
+		!strings.Contains(string(out), "rootfs:  "+cp.Rootfs.Image) {
+		t.Fatalf("inspect's text does not show the checkpoint's images:\n%s", out)
+	}
+	resume := src.vm.ResumeCounter()
+	src.vm.Kill()
+
+	// The restored pod runs the rootfs image: the overlay is in place
+	// before QEMU starts, with nothing to restore.
+	img := ctrd.ImportLayout(t, imageStore, rdesc, "vmsnap.test/restored@"+cp.Rootfs.Digest)
+	dst := startPodVM(t, ctrd, testguest.Options{Incoming: true}, podOptions{image: img, layerDisk: inPod})
+	rs := cliJSON[api.RestoreResult](t, "restore", "--agent", "unix://"+sock, "--pod-uid", dst.uid, "--container", "qemu",
+		"--qmp", dst.qmpInPod(), "--image", cp.VMState.Image)
+	if rs.Endpoint == nil || rs.Endpoint.PodUID != dst.uid {
+		t.Fatalf("restore: %+v", rs)
+	}
+	assertResumed(t, dst.vm, before, resume, resume)
 }

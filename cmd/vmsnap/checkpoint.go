@@ -20,7 +20,7 @@ type streamFlags struct {
 }
 
 func (f *streamFlags) add(c *cobra.Command) {
-	c.Flags().IntVar(&f.chunkSize, "chunk-size", 4<<20, "raw bytes per chunk (each chunk is one compressed, digest-addressed blob; grows for VMs over 32 GiB)")
+	c.Flags().IntVar(&f.chunkSize, "chunk-size", 4<<20, "average raw bytes per chunk, a power of two (each chunk is one compressed, digest-addressed blob, cut where the content says, between half and twice this; grows for VMs over 32 GiB)")
 	c.Flags().IntVar(&f.workers, "workers", 0, "chunks compressed, stored, fetched or decompressed at once (default: number of CPUs, at least 2)")
 }
 
@@ -56,6 +56,7 @@ func (f *agentFlags) check() error {
 type checkpointFlags struct {
 	qmp, image, disk, diskImage, mode string
 	rootfsImage                       string
+	format, stagingDir                string
 	timeout                           time.Duration
 	stream                            streamFlags
 	registry                          registryFlags
@@ -79,7 +80,16 @@ Modes:
   live      QEMU's background-snapshot: the VM keeps running and the image
             holds its state at the start; cannot be combined with --disk
 
-The manifest is stored last: a failed checkpoint never leaves a tag behind.
+State formats (--format):
+  auto        mapped-ram where QEMU has it (9.0 or later) in pause and
+              snapshot modes, else stream (the default)
+  stream      QEMU's migration stream through a pipe (every QEMU, every mode)
+  mapped-ram  QEMU writes a sparse file in --staging-dir with several threads;
+              in snapshot mode the VM runs again as soon as QEMU is done, and
+              the upload follows. Restoring it needs QEMU 9.0 or later.
+
+Every image is stored by digest first; only once all of them are stored do
+their tags move, the VM state's last: a failed checkpoint never moves a tag.
 Chunks are uploaded while QEMU still produces the stream; blobs the store
 already has are skipped, so a repeated checkpoint uploads only what changed.
 
@@ -93,7 +103,11 @@ Through the node agent (a Kubernetes Job's way):
   vmsnap checkpoint --agent unix:///run/vmsnap/agent.sock --pod-uid UID --container qemu \
       --qmp /run/vm/qmp.sock --image REG/REPO:TAG --json --termination-log /dev/termination-log
 prints progress on stderr while it waits and the same JSON result as a local
-checkpoint; the agent pushes with its own registry credentials.`,
+checkpoint; the agent pushes with its own registry credentials.
+With --rootfs-image, the agent also captures the QEMU container's writable
+layer. A --disk in that layer (not on a volume) then rides in the rootfs
+image, at its path, and needs no --disk-image (given anyway, it is stored
+there too); the result's disk.inRootfs says so.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			return coded(runCheckpoint(c.Context(), out, f))
@@ -102,9 +116,11 @@ checkpoint; the agent pushes with its own registry credentials.`,
 	c.Flags().StringVar(&f.qmp, "qmp", "", "path of the QEMU monitor's unix socket (QEMU's -qmp unix:PATH,server=on,wait=off) (required)")
 	c.Flags().StringVar(&f.image, "image", "", "where to store the VM state image: oci:DIR[:TAG] or HOST/REPO[:TAG] (required)")
 	c.Flags().StringVar(&f.disk, "disk", "", "the VM's writable qcow2 overlay to capture as well")
-	c.Flags().StringVar(&f.diskImage, "disk-image", "", "where to store the disk overlay image (required with --disk)")
+	c.Flags().StringVar(&f.diskImage, "disk-image", "", "where to store the disk overlay image (required with --disk, unless the disk is in the container's writable layer captured by --rootfs-image)")
 	c.Flags().StringVar(&f.rootfsImage, "rootfs-image", "", "with --agent: also capture the QEMU container's writable layer (its image plus one layer of changes) as an image here")
 	c.Flags().StringVar(&f.mode, "mode", string(vmstate.ModeSnapshot), "pause, snapshot or live (see above)")
+	c.Flags().StringVar(&f.format, "format", string(vmstate.FormatAuto), "auto, stream or mapped-ram (see above)")
+	c.Flags().StringVar(&f.stagingDir, "staging-dir", "", "where a mapped-ram checkpoint has QEMU write the state before it is stored (default $TMPDIR; sparse, about the guest's used memory)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
 	f.stream.add(c)
 	f.registry.add(c)
@@ -123,6 +139,13 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 	mode, err := vmstate.ParseMode(f.mode)
 	if err != nil {
 		return err
+	}
+	format, err := vmstate.ParseFormat(f.format)
+	if err != nil {
+		return err
+	}
+	if f.agent.address != "" && (format != vmstate.FormatAuto || f.stagingDir != "") {
+		return errcode.New(errcode.Usage, "--format and --staging-dir apply to a local checkpoint: the node agent picks the format itself")
 	}
 	ctx, cancel := context.WithTimeout(ctx, f.timeout)
 	defer cancel()
@@ -146,6 +169,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		res, err = agent.Checkpoint(ctx, agent.CheckpointSpec{
 			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, Mode: mode,
 			Stream: f.stream.options(), Store: f.registry.options(), Progress: p.update,
+			Format: format, StagingDir: f.stagingDir,
 		})
 		p.finish()
 		if err != nil {
@@ -161,9 +185,19 @@ func printCheckpoint(w io.Writer, r *api.CheckpointResult) {
 	fmt.Fprintf(w, "  %s of state stored as %s in %d chunks (%s new) in %.2fs; guest downtime %.0f ms\n",
 		humanBytes(r.VMState.RawBytes), humanBytes(r.VMState.StoredBytes), r.VMState.Chunks,
 		humanBytes(r.VMState.UploadedBytes), r.TotalMs/1000, r.DowntimeMs)
-	if r.Disk != nil {
-		fmt.Fprintf(w, "disk:    %s\n", r.Disk.Image)
-		fmt.Fprintf(w, "  %s overlay stored as %s (%s new)\n", humanBytes(r.Disk.RawBytes), humanBytes(r.Disk.StoredBytes), humanBytes(r.Disk.UploadedBytes))
+	if d := r.Disk; d != nil {
+		if d.Image != "" {
+			fmt.Fprintf(w, "disk:    %s\n", d.Image)
+			fmt.Fprintf(w, "  %s overlay stored as %s (%s new)\n", humanBytes(d.RawBytes), humanBytes(d.StoredBytes), humanBytes(d.UploadedBytes))
+		}
+		if in := d.InRootfs; in != nil {
+			if d.Image == "" {
+				fmt.Fprintf(w, "disk:    in the rootfs image, at %s\n", in.Path)
+				fmt.Fprintf(w, "  %s overlay in the container's writable layer\n", humanBytes(d.RawBytes))
+			} else {
+				fmt.Fprintf(w, "  also in the rootfs image, at %s\n", in.Path)
+			}
+		}
 	}
 	if r.Rootfs != nil {
 		fmt.Fprintf(w, "rootfs:  %s\n", r.Rootfs.Image)

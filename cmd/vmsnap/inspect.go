@@ -9,6 +9,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/spf13/cobra"
 
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/rootfs"
@@ -19,13 +20,19 @@ func newInspectCmd(out *globalOutput) *cobra.Command {
 	var reg registryFlags
 	c := &cobra.Command{
 		Use:   "inspect REF",
-		Short: "Show what a snapshot image holds, and the disk image linked to it",
+		Short: "Show what a snapshot image holds, and the images of its checkpoint",
 		Long: `Show a VM state or disk overlay image: its digest, the recorded VM (QEMU
-version, machine, CPUs, memory, devices, disks), sizes and chunks. For a VM
-state image taken with --disk, the linked disk image is shown too; for a disk
-image, the VM state images that refer to it (their manifest's subject) in the
-same repository. Nothing is restored; every byte read is verified against its
-digest. Registry access works as for checkpoint (--registry-config, --ca-file,
+version, machine, CPUs, memory, devices, disks), sizes and chunks.
+
+For a VM state image, the images of its checkpoint are listed together, pinned
+by digest: the VM state, the disk overlay (an image of its own, or "in the
+rootfs image" at its path when it lived in the QEMU container's writable
+layer) and the rootfs image (the container's image plus its writable layer),
+followed by the linked disk image's details. For a disk image, the VM state
+images that refer to it (their manifest's subject) in the same repository.
+
+Nothing is restored; every byte read is verified against its digest. Registry
+access works as for checkpoint (--registry-config, --ca-file,
 --insecure-registry).`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
@@ -46,7 +53,10 @@ type inspectDoc struct {
 	Annotations  map[string]string  `json:"annotations,omitempty"`
 	VMState      *vmstate.Config    `json:"vmstate,omitempty"`
 	Disk         *rootfs.DiskConfig `json:"disk,omitempty"`
-	LinkedDisk   *inspectDoc        `json:"linkedDisk,omitempty"`
+	// Checkpoint lists, for a VM state image, the images of its checkpoint
+	// together.
+	Checkpoint *checkpointImagesDoc `json:"checkpoint,omitempty"`
+	LinkedDisk *inspectDoc          `json:"linkedDisk,omitempty"`
 	// LinkedRootfs is the QEMU container's writable layer, captured with
 	// the VM (an ordinary container image).
 	LinkedRootfs *rootfsLinkDoc `json:"linkedRootfs,omitempty"`
@@ -54,11 +64,24 @@ type inspectDoc struct {
 	Referrers []referrerDoc `json:"referrers,omitempty"`
 }
 
+// checkpointImagesDoc is what one checkpoint stored, each image pinned.
+type checkpointImagesDoc struct {
+	VMState string `json:"vmstate"`
+	Disk    string `json:"disk,omitempty"` // the disk overlay's own image
+	// DiskInRootfs is where the disk overlay is in the rootfs image, when
+	// it lived in the QEMU container's writable layer.
+	DiskInRootfs *api.DiskInRootfs `json:"diskInRootfs,omitempty"`
+	Rootfs       string            `json:"rootfs,omitempty"`
+}
+
 type rootfsLinkDoc struct {
-	Image  string `json:"image"`
-	Digest string `json:"digest"`
-	Layers int    `json:"layers"`
-	Bytes  int64  `json:"bytes"`
+	Image      string `json:"image"`
+	Digest     string `json:"digest"`
+	Layers     int    `json:"layers"`
+	Bytes      int64  `json:"bytes"`
+	BaseImage  string `json:"baseImage,omitempty"` // the container's image it was captured on
+	Layer      string `json:"layer"`               // the captured writable layer (the last one)
+	LayerBytes int64  `json:"layerBytes"`          // its size, compressed
 }
 
 type referrerDoc struct {
@@ -118,7 +141,11 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 			return nil, err
 		}
 		doc.VMState = &cfg
-		if link := m.Annotations[ociimage.AnnotationDiskImage]; link != "" && follow {
+		if !follow {
+			break
+		}
+		doc.Checkpoint = &checkpointImagesDoc{VMState: doc.Image}
+		if link := m.Annotations[ociimage.AnnotationDiskImage]; link != "" {
 			dref, err := ociimage.ParseReference(link)
 			if err != nil {
 				return nil, errcode.Wrap(errcode.InvalidInput, err, "the image's linked disk reference")
@@ -126,10 +153,18 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 			if doc.LinkedDisk, err = inspectRef(ctx, dref, false, opts); err != nil {
 				return nil, errcode.Wrap(errcode.Of(err), err, "the linked disk image %s", link)
 			}
+			if doc.LinkedDisk.Disk == nil {
+				return nil, errcode.New(errcode.InvalidInput, "the linked disk image %s is a %s image, not a disk image", link, doc.LinkedDisk.ArtifactType)
+			}
+			doc.Checkpoint.Disk = doc.LinkedDisk.Image
 		}
-		if link := m.Annotations[ociimage.AnnotationRootfsImage]; link != "" && follow {
+		if link := m.Annotations[ociimage.AnnotationRootfsImage]; link != "" {
 			if doc.LinkedRootfs, err = inspectRootfs(ctx, link, opts); err != nil {
 				return nil, errcode.Wrap(errcode.Of(err), err, "the linked rootfs image %s", link)
+			}
+			doc.Checkpoint.Rootfs = doc.LinkedRootfs.Image
+			if p := m.Annotations[ociimage.AnnotationDiskRootfsPath]; p != "" {
+				doc.Checkpoint.DiskInRootfs = &api.DiskInRootfs{Image: doc.LinkedRootfs.Image, Digest: doc.LinkedRootfs.Digest, Path: p}
 			}
 		}
 	case ociimage.ArtifactTypeDisk:
@@ -161,6 +196,28 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 }
 
 func printInspect(w io.Writer, d *inspectDoc, indent string) {
+	if c := d.Checkpoint; c != nil {
+		fmt.Fprintf(w, "%scheckpoint images:\n", indent)
+		fmt.Fprintf(w, "%s  vmstate: %s\n", indent, c.VMState)
+		if c.Disk != "" {
+			fmt.Fprintf(w, "%s  disk:    %s\n", indent, c.Disk)
+		}
+		if r := c.DiskInRootfs; r != nil {
+			what := "disk:    in"
+			if c.Disk != "" {
+				what = "         also in"
+			}
+			fmt.Fprintf(w, "%s  %s the rootfs image, at %s\n", indent, what, r.Path)
+		}
+		if r := d.LinkedRootfs; r != nil {
+			base := ""
+			if r.BaseImage != "" {
+				base = " on " + r.BaseImage
+			}
+			fmt.Fprintf(w, "%s  rootfs:  %s\n%s           container image%s: %d layers, %s, its writable layer %s\n",
+				indent, r.Image, indent, base, r.Layers, humanBytes(r.Bytes), humanBytes(r.LayerBytes))
+		}
+	}
 	fmt.Fprintf(w, "%simage:   %s\n", indent, d.Image)
 	fmt.Fprintf(w, "%schunks:  %d, %s stored\n", indent, d.Chunks, humanBytes(d.StoredBytes))
 	if c := d.VMState; c != nil {
@@ -189,9 +246,6 @@ func printInspect(w io.Writer, d *inspectDoc, indent string) {
 	for _, k := range keys {
 		fmt.Fprintf(w, "%s  %s=%s\n", indent, k, d.Annotations[k])
 	}
-	if r := d.LinkedRootfs; r != nil {
-		fmt.Fprintf(w, "%slinked rootfs image: %s (%d layers, %s)\n", indent, r.Image, r.Layers, humanBytes(r.Bytes))
-	}
 	if d.LinkedDisk != nil {
 		fmt.Fprintf(w, "%slinked disk image:\n", indent)
 		printInspect(w, d.LinkedDisk, indent+"  ")
@@ -214,7 +268,14 @@ func inspectRootfs(ctx context.Context, link string, opts []ociimage.Option) (*r
 	if err != nil {
 		return nil, err
 	}
-	d := &rootfsLinkDoc{Image: ref.WithDigest(desc.Digest).String(), Digest: desc.Digest.String(), Layers: len(m.Layers)}
+	if m.ArtifactType != "" || m.Config.MediaType != ocispec.MediaTypeImageConfig || len(m.Layers) == 0 {
+		return nil, errcode.New(errcode.InvalidInput, "%s is not a container image (artifact type %q, config %q, %d layers)", ref, m.ArtifactType, m.Config.MediaType, len(m.Layers))
+	}
+	top := m.Layers[len(m.Layers)-1]
+	d := &rootfsLinkDoc{
+		Image: ref.WithDigest(desc.Digest).String(), Digest: desc.Digest.String(), Layers: len(m.Layers),
+		BaseImage: m.Annotations[ocispec.AnnotationBaseImageName], Layer: top.Digest.String(), LayerBytes: top.Size,
+	}
 	for _, l := range m.Layers {
 		d.Bytes += l.Size
 	}

@@ -7,12 +7,14 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
 	"slices"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -42,7 +44,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	root.SetArgs(args)
 	root.SetOut(stdout)
 	root.SetErr(stderr)
-	err := root.ExecuteContext(ctx)
+	start := time.Now()
+	cmd, err := root.ExecuteContextC(ctx)
 	if err == nil {
 		return 0
 	}
@@ -51,6 +54,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		// wraps what it returns.
 		err = errcode.New(errcode.Usage, "%v (see vmsnap --help)", err)
 	}
+	err = explainTimeout(cmd, err, time.Since(start))
 	// --json may not have been parsed if parsing itself failed.
 	out.json = out.json || slices.Contains(args, "--json")
 	reportError(out, err)
@@ -144,6 +148,33 @@ func addOutputFlags(c *cobra.Command, out *globalOutput, termLog bool) {
 		c.Flags().StringVar(&out.terminationLog, "termination-log", def,
 			"also write the result (or error) JSON to this file, for a controller to read from the pod's status (default "+defaultTerminationLog+" when it exists)")
 	}
+}
+
+// explainTimeout says so when a command's own --timeout ended it: it ran
+// for that long and failed on a deadline. The error keeps the code of what
+// was interrupted (REGISTRY_ERROR for a push the registry did not answer,
+// QMP_ERROR for a QEMU that did not); the message adds that the overall
+// time ran out and what to do.
+func explainTimeout(c *cobra.Command, err error, took time.Duration) error {
+	if c == nil || !errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	f := c.Flags().Lookup("timeout")
+	if f == nil {
+		return err
+	}
+	limit, perr := time.ParseDuration(f.Value.String())
+	if perr != nil || took < limit {
+		return err // a deadline of its own, inside the command
+	}
+	advice := "give it more time with --timeout if it needs longer"
+	switch errcode.Of(err) {
+	case errcode.RegistryError, errcode.AuthFailed:
+		advice = "it was waiting for the registry: if that is only slow, give it more time with --timeout, otherwise find out why the registry does not answer"
+	case errcode.QMPError, errcode.VMNotFound, errcode.Busy:
+		advice = "it was waiting for QEMU: if that is only slow, give it more time with --timeout, otherwise find out why QEMU does not answer"
+	}
+	return errcode.Wrap(errcode.Of(err), err, "%s gave up when its --timeout of %v ran out (%s)", c.CommandPath(), limit, advice)
 }
 
 // coded makes sure every error a command returns has a code, so that run

@@ -15,6 +15,7 @@ import (
 
 type restoreFlags struct {
 	qmp, image, disk, diskImage, toDir string
+	stagingDir                         string
 	paused, allowTag                   bool
 	maxBytes                           int64
 	timeout                            time.Duration
@@ -42,6 +43,9 @@ func newRestoreCmd(out *globalOutput) *cobra.Command {
      type, CPUs, memory, devices, disks): on any difference nothing is sent and
      the command fails with COMPAT_MISMATCH, listing each one. Every chunk is
      verified against its digest before QEMU sees a byte of it.
+     A snapshot in QEMU's mapped-ram format (see checkpoint --format) needs
+     a QEMU 9.0 or later: its chunks are all verified into a sparse file in
+     --staging-dir first, and QEMU then loads that file.
 
 In a Kubernetes pod, a restore init container does step 1 and stages the
 state in the pod's volume, verified, within --max-bytes:
@@ -71,6 +75,7 @@ checkpoint (--registry-config, --ca-file, --insecure-registry).`,
 	c.Flags().StringVar(&f.toDir, "to-dir", "", "stage the VM state image, verified, in this directory for `vmsnap stream --dir`")
 	c.Flags().Int64Var(&f.maxBytes, "max-bytes", 0, "with --to-dir: refuse an image larger than this many bytes (0: no limit)")
 	c.Flags().BoolVar(&f.paused, "paused", false, "leave the VM stopped once loaded (start QEMU with -S so it never runs)")
+	c.Flags().StringVar(&f.stagingDir, "staging-dir", "", "with --qmp: where a mapped-ram snapshot is staged, verified, for QEMU to load (default $TMPDIR)")
 	c.Flags().BoolVar(&f.allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up after this long")
 	f.stream.add(c)
@@ -102,6 +107,8 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		return errcode.New(errcode.Usage, "nothing to restore: give --disk-image and --disk, or --qmp and --image, or --image and --to-dir (see vmsnap restore --help)")
 	case f.agent.address != "" && (f.qmp == "" || diskForm || f.toDir != ""):
 		return errcode.New(errcode.Usage, "through --agent, restore loads VM state into a waiting QEMU: give --qmp (the path in the container) and --image only")
+	case f.stagingDir != "" && (f.qmp == "" || f.agent.address != ""):
+		return errcode.New(errcode.Usage, "--staging-dir is where a local restore into a waiting QEMU (--qmp) stages a mapped-ram snapshot")
 	}
 	ctx, cancel := context.WithTimeout(ctx, f.timeout)
 	defer cancel()
@@ -144,7 +151,7 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 	if f.qmp != "" {
 		r, err := agent.RestoreState(ctx, agent.RestoreSpec{
 			QMPPath: f.qmp, Image: f.image, AllowTag: f.allowTag, Paused: f.paused,
-			Stream: f.stream.options(), Store: store, Progress: p.update,
+			Stream: f.stream.options(), Store: store, Progress: p.update, StagingDir: f.stagingDir,
 		})
 		if err != nil {
 			return err

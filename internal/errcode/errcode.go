@@ -10,12 +10,22 @@
 //
 // It is not a logging or wrapping framework: messages are written once, where
 // the failure is understood, and say what to do about it.
+//
+// One failure has the same code wherever it happens: a full disk (ENOSPC or
+// EDQUOT) while writing anything local, whether a blob into an OCI layout,
+// a staged image or a restored disk overlay, is INTERNAL ("an unexpected
+// local failure"), and its message names the directory and says to free
+// space. Wrap and Ensure see to that, whatever code their caller gave.
 package errcode
 
 import (
 	"errors"
 	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
 	"strings"
+	"syscall"
 )
 
 // Code classifies a failure. The set is part of vmsnap's command contract.
@@ -88,11 +98,60 @@ func New(code Code, format string, args ...any) error {
 // Wrap returns an error with a code whose message is the formatted text
 // followed by err's. A nil err gives nil. If err already carries a code, the
 // new code still wins: the wrapper knows better what the failure means.
+// The exception is a full disk, which is always NoSpace.
 func Wrap(code Code, err error, format string, args ...any) error {
 	if err == nil {
 		return nil
 	}
+	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
+		code, err = NoSpace, explainDiskFull(err)
+	}
 	return &Error{Code: code, Msg: fmt.Sprintf(format, args...), Err: err}
+}
+
+// NoSpace is the code of a full disk or an exhausted quota while writing
+// anything local. None of the codes fits it well: it is neither a bug nor
+// a failure of the image store or of QEMU, but an operator's to fix on this
+// node. INTERNAL, "an unexpected local failure", is the closest, and the
+// message says what to do.
+const NoSpace = Internal
+
+// noSpaceError is a full disk, with what to do about it.
+type noSpaceError struct {
+	err error
+	dir string // the directory written to, if known
+}
+
+func (e *noSpaceError) Unwrap() error { return e.err }
+
+func (e *noSpaceError) Error() string {
+	where := "the local disk"
+	if e.dir != "" {
+		where = "the filesystem holding " + e.dir
+	}
+	fix := "free space there"
+	if errors.Is(e.err, syscall.EDQUOT) {
+		fix = "free space there or raise the quota"
+	}
+	return fmt.Sprintf("%v; %s is full: %s, then try again", e.err, where, fix)
+}
+
+// explainDiskFull adds to a full disk's error what to do, once.
+func explainDiskFull(err error) error {
+	var done *noSpaceError
+	if errors.As(err, &done) {
+		return err
+	}
+	full := &noSpaceError{err: err}
+	var pe *fs.PathError
+	var le *os.LinkError
+	switch {
+	case errors.As(err, &pe):
+		full.dir = filepath.Dir(pe.Path)
+	case errors.As(err, &le):
+		full.dir = filepath.Dir(le.New)
+	}
+	return full
 }
 
 // WithDetails returns an error with a code, a message and a list of findings.
@@ -123,8 +182,8 @@ func Of(err error) Code {
 func Is(err error, c Code) bool { return err != nil && Of(err) == c }
 
 // Ensure returns err unchanged if it carries a code, and wraps it with code c
-// otherwise. It is how a layer states the default meaning of failures from
-// below it without hiding more specific codes.
+// otherwise (a full disk with NoSpace). It is how a layer states the default
+// meaning of failures from below it without hiding more specific codes.
 func Ensure(c Code, err error, format string, args ...any) error {
 	if err == nil || Has(err) {
 		return err
