@@ -195,10 +195,19 @@ func (r *Registry) remember(d digest.Digest, size int64) { r.known.Store(d, size
 // again, because the registry hashes what it receives and refuses a body
 // that does not match the digest (DIGEST_MISMATCH).
 func (r *Registry) PutBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) error {
+	_, err := r.AddBlob(ctx, desc, data)
+	return err
+}
+
+// AddBlob is PutBlob that also says whether the data was sent (false: the
+// registry had the blob already). A chunk the registry lacks costs two
+// requests and one it has costs one, where HasBlob then PutBlob would cost
+// three and one.
+func (r *Registry) AddBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) (sent bool, err error) {
 	if int64(len(data)) != desc.Size {
-		return errcode.New(errcode.DigestMismatch, "data for blob %s is %d bytes, not the %d its descriptor says", desc.Digest, len(data), desc.Size)
+		return false, errcode.New(errcode.DigestMismatch, "data for blob %s is %d bytes, not the %d its descriptor says", desc.Digest, len(data), desc.Size)
 	}
-	return r.PutBlobStream(ctx, desc, bytes.NewReader(data))
+	return r.store(ctx, desc, bytes.NewReader(data))
 }
 
 // PutBlobStream uploads desc.Size bytes of src in two requests: a POST that
@@ -208,22 +217,33 @@ func (r *Registry) PutBlob(ctx context.Context, desc ocispec.Descriptor, data []
 // digest when the upload completes; a mismatch fails it and nothing is
 // stored. Each retry reads src again from the start.
 func (r *Registry) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) error {
+	_, err := r.store(ctx, desc, src)
+	return err
+}
+
+func (r *Registry) store(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) (sent bool, err error) {
 	if err := ctx.Err(); err != nil {
-		return err
+		return false, err
 	}
 	if _, err := parseDigest(string(desc.Digest)); err != nil {
-		return errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", desc.Digest)
+		return false, errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", desc.Digest)
 	}
 	if desc.Size < 0 {
-		return errcode.New(errcode.InvalidInput, "blob %s has a negative size %d", desc.Digest, desc.Size)
+		return false, errcode.New(errcode.InvalidInput, "blob %s has a negative size %d", desc.Digest, desc.Size)
 	}
 	if size, ok := r.known.Load(desc.Digest); ok && (size.(int64) == desc.Size || size.(int64) < 0) {
-		return nil
+		return false, nil
 	}
-	// Concurrent puts of one blob (a chunk repeated in a stream) go up once.
-	_, err, _ := r.uploads.Do(string(desc.Digest), func() (any, error) {
-		return nil, r.withRetry(ctx, "storing blob "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
-			err := r.upload(ctx, desc, src)
+	// Concurrent puts of one blob (a layer repeated in a manifest, put by
+	// Copy's workers) go up once, under the first caller's context and from
+	// its src: every caller waits for the end of that upload, so no src is
+	// read after its PutBlob returned. (EncodeStream never puts a digest
+	// twice itself.)
+	v, err, _ := r.uploads.Do(string(desc.Digest), func() (any, error) {
+		sent := false
+		err := r.withRetry(ctx, "storing blob "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
+			var err error
+			sent, err = r.upload(ctx, desc, src)
 			// The registry hashed what we sent: the source is not the blob.
 			var terr *transport.Error
 			if errors.As(err, &terr) {
@@ -235,45 +255,46 @@ func (r *Registry) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, s
 			}
 			return err
 		})
+		return sent, err
 	})
 	if err != nil {
-		return err
+		return false, err
 	}
 	r.remember(desc.Digest, desc.Size)
-	return nil
+	return v.(bool), nil
 }
 
-// upload is one try of PutBlobStream.
-func (r *Registry) upload(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) error {
+// upload is one try of PutBlobStream; it says whether it sent the data.
+func (r *Registry) upload(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) (bool, error) {
 	rt, err := r.pushTransport(ctx)
 	if err != nil {
-		return err
+		return false, err
 	}
 	client := &http.Client{Transport: rt}
 	start, err := url.Parse(r.url("blobs", "uploads/"))
 	if err != nil {
-		return errcode.Wrap(errcode.Internal, err, "building a registry request")
+		return false, errcode.Wrap(errcode.Internal, err, "building a registry request")
 	}
 	start.RawQuery = url.Values{"mount": {string(desc.Digest)}, "from": {r.ref.Repository}}.Encode()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, start.String(), http.NoBody)
 	if err != nil {
-		return errcode.Wrap(errcode.Internal, err, "building a registry request")
+		return false, errcode.Wrap(errcode.Internal, err, "building a registry request")
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if err := transport.CheckError(resp, http.StatusCreated, http.StatusAccepted); err != nil {
 		drain(resp)
-		return err
+		return false, err
 	}
 	drain(resp)
 	if resp.StatusCode == http.StatusCreated {
-		return nil // mounted: the repository has it
+		return false, nil // mounted: the repository has it
 	}
 	loc, err := resp.Request.URL.Parse(resp.Header.Get("Location"))
 	if err != nil || resp.Header.Get("Location") == "" {
-		return errcode.New(errcode.RegistryError, "registry %s opened an upload without a usable Location (%q)", r.ref.Registry, resp.Header.Get("Location"))
+		return false, errcode.New(errcode.RegistryError, "registry %s opened an upload without a usable Location (%q)", r.ref.Registry, resp.Header.Get("Location"))
 	}
 	q := loc.Query()
 	q.Set("digest", string(desc.Digest))
@@ -294,17 +315,17 @@ func (r *Registry) upload(ctx context.Context, desc ocispec.Descriptor, src io.R
 	}
 	req, err = http.NewRequestWithContext(ctx, http.MethodPut, loc.String(), nil)
 	if err != nil {
-		return errcode.Wrap(errcode.Internal, err, "building a registry request")
+		return false, errcode.Wrap(errcode.Internal, err, "building a registry request")
 	}
 	req.Body, _ = body()
 	req.GetBody = body // a redirect sends the body again
 	req.ContentLength = desc.Size
 	req.Header.Set("Content-Type", "application/octet-stream")
 	if resp, err = client.Do(req); err != nil {
-		return err
+		return false, err
 	}
 	defer drain(resp)
-	return transport.CheckError(resp, http.StatusCreated)
+	return true, transport.CheckError(resp, http.StatusCreated)
 }
 
 // fencedReader reads r until fence is called, and nothing after.
@@ -680,31 +701,25 @@ func (r *Registry) url(kind, ident string) string {
 // registry for its auth challenge on first use. A failure is not kept: the
 // next request tries again.
 func (r *Registry) transport(ctx context.Context) (http.RoundTripper, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.rt != nil {
-		return r.rt, nil
-	}
-	rt, err := transport.NewWithContext(ctx, r.repo.Registry, r.creds.auth, r.base, []string{r.repo.Scope(transport.PullScope)})
-	if err != nil {
-		return nil, err
-	}
-	r.rt = rt
-	return rt, nil
+	return r.authTransport(ctx, &r.rt, transport.PullScope)
 }
 
 // pushTransport is transport's counterpart for uploads, with push scope.
 func (r *Registry) pushTransport(ctx context.Context) (http.RoundTripper, error) {
+	return r.authTransport(ctx, &r.pushRT, transport.PushScope)
+}
+
+func (r *Registry) authTransport(ctx context.Context, cached *http.RoundTripper, scope string) (http.RoundTripper, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.pushRT != nil {
-		return r.pushRT, nil
+	if *cached != nil {
+		return *cached, nil
 	}
-	rt, err := transport.NewWithContext(ctx, r.repo.Registry, r.creds.auth, r.base, []string{r.repo.Scope(transport.PushScope)})
+	rt, err := transport.NewWithContext(ctx, r.repo.Registry, r.creds.auth, r.base, []string{r.repo.Scope(scope)})
 	if err != nil {
 		return nil, err
 	}
-	r.pushRT = rt
+	*cached = rt
 	return rt, nil
 }
 

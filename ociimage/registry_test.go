@@ -211,6 +211,23 @@ func pushDisk(t testing.TB, repo Repository, layers []ocispec.Descriptor, subjec
 	return desc
 }
 
+// AddBlob says whether it sent the data: yes for a blob the registry lacks;
+// no for one this client has seen stored.
+func TestRegistryAddBlobSaysWhetherItSent(t *testing.T) {
+	f := newFakeRegistry(t)
+	descs, datas := testChunks(t, 1, 64<<10)
+	repo := f.open(t, "vm:one").(*Registry)
+	for i, want := range []bool{true, false} {
+		sent, err := repo.AddBlob(context.Background(), descs[0], datas[0])
+		if err != nil || sent != want {
+			t.Fatalf("AddBlob #%d: sent %v, %v; want %v", i+1, sent, err, want)
+		}
+	}
+	if n := f.count(http.MethodPut, "/blobs/uploads/"); n != 1 {
+		t.Fatalf("%d upload PUTs, want 1", n)
+	}
+}
+
 // A body that does not match its digest is refused by the registry, and
 // that is DIGEST_MISMATCH, not a registry failure to retry.
 func TestRegistryPutOfWrongDataIsDigestMismatch(t *testing.T) {

@@ -164,54 +164,16 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		return checkpointMappedRAM(ctx, mon, repo, opts, st, res, start)
 	}
 
-	cleanupCtx := func(d time.Duration) (context.Context, context.CancelFunc) {
-		return context.WithTimeout(context.WithoutCancel(ctx), d)
-	}
 	stoppedMemory := int64(0) // the VM will not run during the migration
 	if opts.Mode != ModeLive || !wasRunning {
 		stoppedMemory = record.MemoryBytes
 	}
-	restoreSettings, err := prepareMigration(ctx, mon, migrationSettings{source: true, background: background, stoppedMemory: stoppedMemory})
-	defer func() {
-		cctx, cancel := cleanupCtx(cleanupTimeout)
-		defer cancel()
-		restoreSettings(cctx)
-	}()
+	g, err := guardSource(ctx, mon, wasRunning, migrationSettings{source: true, background: background, stoppedMemory: stoppedMemory})
+	defer g.finish(&res, &err)
 	if err != nil {
 		return nil, err
 	}
-
 	var stoppedAt time.Time
-	migrating := false
-	phase := "preparing"
-	defer func() {
-		if err == nil {
-			return
-		}
-		// Each step gets its own budget: a migration stuck cancelling must
-		// not use up the time to continue the VM.
-		if migrating {
-			cctx, cancel := cleanupCtx(5 * time.Second)
-			cancelMigration(cctx, mon)
-			cancel()
-		}
-		state := ""
-		if wasRunning {
-			cctx, cancel := cleanupCtx(cleanupTimeout)
-			if cerr := ensureRunning(cctx, mon); cerr != nil {
-				state = fmt.Sprintf("; the VM could not be continued: %v", cerr)
-			} else {
-				state = "; the VM was continued"
-			}
-			cancel()
-		}
-		if ctx.Err() != nil && errcode.Of(err) == errcode.Internal {
-			err = errcode.Wrap(errcode.Internal, err, "the checkpoint was interrupted while %s (%v)%s", phase, context.Cause(ctx), state)
-		} else if state != "" {
-			err = fmt.Errorf("%w%s", err, state)
-		}
-		res = nil
-	}()
 
 	sub := mon.Subscribe()
 	defer sub.Close()
@@ -230,7 +192,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	fdTaken := false
 	defer func() {
 		if !fdTaken { // migrate never took it: QEMU would keep it open forever
-			cctx, cancel := cleanupCtx(5 * time.Second)
+			cctx, cancel := g.cleanupCtx(5 * time.Second)
 			_ = mon.Execute(cctx, "closefd", map[string]string{"fdname": fdName}, nil)
 			cancel()
 		}
@@ -238,7 +200,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	res.Durations.Prepare = time.Since(start)
 
 	if opts.Mode != ModeLive && st.Running {
-		phase = "stopping the VM"
+		g.phase = "stopping the VM"
 		if err = mon.Execute(ctx, "stop", nil, nil); err != nil {
 			return res, errcode.Ensure(errcode.QMPError, err, "stopping the VM")
 		}
@@ -265,9 +227,9 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 			failed <- streamErr
 		}
 	}()
-	phase = "streaming the VM state"
+	g.phase = "streaming the VM state"
 	// Set before asking: if the reply is lost, the migration may still run.
-	migrating = true
+	g.migrating = true
 	if err = mon.Execute(ctx, "migrate", map[string]any{"uri": "fd:" + fdName}, nil); err != nil {
 		err = errcode.Ensure(errcode.QMPError, err, "starting the migration")
 	} else {
@@ -298,7 +260,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		return res, err
 	}
 	res.Stream = stream
-	migrating = false
+	g.migrating = false
 	res.Durations.Stream = time.Since(streamStart)
 	if res.Stream.RawBytes == 0 {
 		return res, errcode.New(errcode.QMPError, "QEMU reported the migration complete but wrote no state")
@@ -306,7 +268,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	res.Config.RawBytes = res.Stream.RawBytes
 
 	var link Link
-	phase = "capturing the disk"
+	g.phase = "capturing the disk"
 	if opts.WhileStopped != nil {
 		hookStart := time.Now()
 		if link, err = opts.WhileStopped(ctx); err != nil {
@@ -322,7 +284,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		res.Downtime = time.Since(stoppedAt)
 	}
 
-	phase = "storing the manifest and moving the tags"
+	g.phase = "storing the manifest and moving the tags"
 	if err = pushStateManifest(ctx, repo, opts, res, link); err != nil {
 		return res, err
 	}
@@ -334,6 +296,92 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		res.VMRunning = st.Running
 	}
 	return res, nil
+}
+
+// sourceGuard keeps a checkpoint's promise to the source VM, on either path
+// (the stream here, mapped-ram in mappedram.go): a VM is never left stopped
+// by a failed checkpoint. Whatever happens, the migration settings are put
+// back; on failure, a migration that may still run is cancelled, a VM that
+// was running runs again, and the error says so. Its one deferred call,
+// finish, does all of it.
+type sourceGuard struct {
+	ctx        context.Context
+	mon        Monitor
+	wasRunning bool
+	settings   func(context.Context) // puts the migration settings back
+	prepared   bool                  // the settings were made: the checkpoint began
+	// migrating is set before a migration is asked for (if the reply is
+	// lost, it may still run), and cleared once it is over.
+	migrating bool
+	phase     string   // what the checkpoint is doing, for an interruption
+	cleanups  []func() // onFinish
+}
+
+// guardSource makes the source's migration settings (prepareMigration)
+// under a guard, returned even with an error: defer its finish at once.
+func guardSource(ctx context.Context, mon Monitor, wasRunning bool, set migrationSettings) (*sourceGuard, error) {
+	g := &sourceGuard{ctx: ctx, mon: mon, wasRunning: wasRunning, phase: "preparing"}
+	var err error
+	g.settings, err = prepareMigration(ctx, mon, set)
+	g.prepared = err == nil
+	return g, err
+}
+
+// cleanupCtx gives a cleanup step its own budget, even once the caller's
+// context has been cancelled.
+func (g *sourceGuard) cleanupCtx(d time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(g.ctx), d)
+}
+
+// onFinish adds f to what finish runs, success or failure, last added first:
+// freeing what the migration used (the mapped-ram staging file). On failure
+// it runs once the migration is cancelled and the VM continued.
+func (g *sourceGuard) onFinish(f func()) { g.cleanups = append(g.cleanups, f) }
+
+// finish is the checkpoint's deferred call, given its results: on failure
+// it cancels the migration, continues the VM if it was running, runs the
+// onFinish functions, adds to *err what became of the VM and clears *res;
+// in any case it puts the migration settings back, last.
+func (g *sourceGuard) finish(res **CheckpointResult, err *error) {
+	defer func() {
+		cctx, cancel := g.cleanupCtx(cleanupTimeout)
+		defer cancel()
+		g.settings(cctx)
+	}()
+	if !g.prepared {
+		return // nothing was changed, the VM not stopped
+	}
+	failed := *err != nil
+	// Each step gets its own budget: a migration stuck cancelling must not
+	// use up the time to continue the VM.
+	if failed && g.migrating {
+		cctx, cancel := g.cleanupCtx(5 * time.Second)
+		cancelMigration(cctx, g.mon)
+		cancel()
+		g.migrating = false
+	}
+	state := ""
+	if failed && g.wasRunning {
+		cctx, cancel := g.cleanupCtx(cleanupTimeout)
+		if cerr := ensureRunning(cctx, g.mon); cerr != nil {
+			state = fmt.Sprintf("; the VM could not be continued: %v", cerr)
+		} else {
+			state = "; the VM was continued"
+		}
+		cancel()
+	}
+	for i := len(g.cleanups) - 1; i >= 0; i-- {
+		g.cleanups[i]()
+	}
+	if !failed {
+		return
+	}
+	if g.ctx.Err() != nil && errcode.Of(*err) == errcode.Internal {
+		*err = errcode.Wrap(errcode.Internal, *err, "the checkpoint was interrupted while %s (%v)%s", g.phase, context.Cause(g.ctx), state)
+	} else if state != "" {
+		*err = fmt.Errorf("%w%s", *err, state)
+	}
+	*res = nil
 }
 
 // migrationSettings says what kind of migration prepareMigration sets up.
@@ -457,10 +505,11 @@ const maxStreamChunks = 8192
 // chunkSizeFor picks a chunk size so that a stream about the size of the
 // VM's memory fits in maxStreamChunks chunks.
 func chunkSizeFor(memory int64, chunk int) int {
-	for memory/int64(chunk) >= maxStreamChunks && chunk < ociimage.MaxChunkSize {
+	chunk = effectiveChunkSize(chunk)
+	for memory/int64(chunk) >= maxStreamChunks && chunk < maxAverageChunk {
 		chunk *= 2
 	}
-	return min(chunk, ociimage.MaxChunkSize)
+	return chunk
 }
 
 // cancelMigration cancels a migration and waits until QEMU has left it.

@@ -340,9 +340,22 @@ func TestChunkSizeGrowsWithMemory(t *testing.T) {
 	for _, c := range []struct {
 		mem  int64
 		want int
-	}{{256 << 20, 4 << 20}, {16 << 30, 4 << 20}, {32 << 30, 8 << 20}, {64 << 30, 16 << 20}, {1 << 40, 64 << 20}} {
+	}{{256 << 20, 4 << 20}, {16 << 30, 4 << 20}, {32 << 30, 8 << 20}, {64 << 30, 16 << 20}, {1 << 40, 16 << 20}} {
 		if got := chunkSizeFor(c.mem, 4<<20); got != c.want {
 			t.Errorf("chunkSizeFor(%d GiB) = %d MiB, want %d MiB", c.mem>>30, got>>20, c.want>>20)
 		}
+	}
+	// What is recorded is what the chunker uses: a power of two.
+	if got := chunkSizeFor(256<<20, 3<<20); got != 2<<20 {
+		t.Errorf("chunkSizeFor(256 MiB, 3 MiB) = %d, want 2 MiB", got)
+	}
+}
+
+// The largest chunk the pipeline can make, incompressible, is still a
+// chunk a store takes.
+func TestLargestChunkIsStorable(t *testing.T) {
+	ck := newChunker(effectiveChunkSize(ociimage.MaxChunkSize))
+	if n := maxEncodedSize(ck.max); n > ociimage.MaxChunkSize {
+		t.Fatalf("chunks of up to %d bytes may compress to %d, over ociimage.MaxChunkSize (%d)", ck.max, n, ociimage.MaxChunkSize)
 	}
 }

@@ -61,13 +61,24 @@ type StreamOptions struct {
 const (
 	defaultChunkSize = 4 << 20
 	defaultUploads   = 3
+	// maxAverageChunk keeps every chunk storable: chunks reach twice the
+	// average, and incompressible data grows a little in zstd, so twice
+	// this must stay under ociimage.MaxChunkSize with room to spare.
+	maxAverageChunk = ociimage.MaxChunkSize / 4
 )
 
-func (o StreamOptions) withDefaults() StreamOptions {
-	if o.ChunkSize <= 0 {
-		o.ChunkSize = defaultChunkSize
+// effectiveChunkSize is the average chunk size the pipeline uses for a
+// requested one: the default for 0, clamped to 4 KiB..maxAverageChunk, and
+// rounded down to a power of two.
+func effectiveChunkSize(n int) int {
+	if n <= 0 {
+		n = defaultChunkSize
 	}
-	o.ChunkSize = min(o.ChunkSize, ociimage.MaxChunkSize/2) // chunks reach twice the average
+	return newChunker(min(n, maxAverageChunk)).avg
+}
+
+func (o StreamOptions) withDefaults() StreamOptions {
+	o.ChunkSize = effectiveChunkSize(o.ChunkSize)
 	if o.Workers <= 0 {
 		o.Workers = max(runtime.GOMAXPROCS(0), 2)
 	}
@@ -197,6 +208,11 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 					},
 				}
 				rawBufs.put(job.raw)
+				if desc.Size > ociimage.MaxChunkSize { // cannot happen with maxAverageChunk; never store it
+					cancel(errcode.New(errcode.Internal, "chunk %d compressed to %d bytes, over the %d a chunk may have", job.index, desc.Size, ociimage.MaxChunkSize))
+					compBufs.put(out)
+					continue
+				}
 				stored.Add(desc.Size)
 				if !record(job.index, desc) {
 					compBufs.put(out) // a repeat of a chunk already on its way
@@ -240,14 +256,17 @@ func readChunks(ctx context.Context, r io.Reader, ck chunker, bufs *bufferPool, 
 	if err != nil {
 		return 0, err
 	}
-	have := 0 // bytes in cur
+	have := 0    // bytes in cur
+	eof := false // r is drained: what is left are the bytes in cur
 	for index := 0; ; index++ {
-		n, err := io.ReadFull(r, cur[have:])
-		have += n
-		eof := err == io.EOF || err == io.ErrUnexpectedEOF
-		if err != nil && !eof {
-			bufs.put(cur)
-			return offset, errcode.Ensure(errcode.Internal, err, "reading the state stream")
+		if !eof {
+			n, err := io.ReadFull(r, cur[have:])
+			have += n
+			eof = err == io.EOF || err == io.ErrUnexpectedEOF
+			if err != nil && !eof {
+				bufs.put(cur)
+				return offset, errcode.Ensure(errcode.Internal, err, "reading the state stream")
+			}
 		}
 		if have == 0 {
 			bufs.put(cur)
@@ -314,7 +333,24 @@ func (p *bufferPool) put(b []byte) { p.free <- b[:cap(b)] }
 // behind a frame header of at most 18 bytes and a 4-byte checksum.
 func maxEncodedSize(n int) int { return n + n>>10 + 4096 }
 
+// blobAdder is a sink that stores a blob unless it has it, and says which,
+// in one step (ociimage.Registry: one request for a chunk it has, two for
+// one it lacks, where HasBlob and PutBlob would take one and three).
+type blobAdder interface {
+	AddBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) (sent bool, err error)
+}
+
 func putOnce(ctx context.Context, sink BlobSink, desc ocispec.Descriptor, data []byte, uploaded *atomic.Int64) error {
+	if a, ok := sink.(blobAdder); ok {
+		sent, err := a.AddBlob(ctx, desc, data)
+		if err != nil {
+			return errcode.Ensure(errcode.RegistryError, err, "storing chunk %s", desc.Digest)
+		}
+		if sent {
+			uploaded.Add(desc.Size)
+		}
+		return nil
+	}
 	have, err := sink.HasBlob(ctx, desc.Digest)
 	if err != nil {
 		return errcode.Ensure(errcode.RegistryError, err, "checking for chunk %s", desc.Digest)
