@@ -2,8 +2,10 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -119,50 +121,131 @@ func (s CheckpointSpec) diskName() string {
 
 // openStore parses a reference to write to, opens it and checks that we may
 // write there, so that credentials or a CA problem surface before a VM is
-// stopped. The repository is opened without the reference's tag, which is
-// returned: every manifest of a checkpoint is stored by digest, and the tags
-// move only once all of them are stored (commit).
-func openStore(ctx context.Context, s string, opts []ociimage.Option) (ociimage.Repository, string, error) {
+// stopped. The repository is opened without the reference's tag, which the
+// store keeps: every manifest of a checkpoint is stored by digest, and the
+// tags move only once all of them are stored (moveTags).
+func openStore(ctx context.Context, s string, opts []ociimage.Option) (*store, error) {
 	ref, err := ociimage.ParseReference(s)
 	if err != nil {
-		return nil, "", err
+		return nil, err
 	}
 	if ref.IsDigest() {
-		return nil, "", errcode.New(errcode.InvalidInput,
+		return nil, errcode.New(errcode.InvalidInput,
 			"cannot store a checkpoint at %s: a digest reference names an existing manifest; give REF or REF:TAG", s)
 	}
 	tag := ref.Tag
 	ref.Tag = ""
 	repo, err := ociimage.Open(ctx, ref, opts...)
 	if err != nil {
-		return nil, "", err
+		return nil, err
 	}
-	return repo, tag, ociimage.CheckAccess(ctx, repo)
+	if err := ociimage.CheckAccess(ctx, repo); err != nil {
+		return nil, err
+	}
+	return &store{repo, tag, opts}, nil
 }
 
 // store is where one image of a checkpoint goes: a repository opened
-// without its tag, and the tag to move once everything is stored.
+// without its tag, the tag to move once everything is stored, and the
+// options the repository was opened with.
 type store struct {
 	repo ociimage.Repository
 	tag  string
+	opts []ociimage.Option
 }
 
-// commit points the store's tag, if any, at desc.
-func (st store) commit(ctx context.Context, desc ocispec.Descriptor) error {
-	if st.tag == "" {
-		return nil
-	}
+// tagged is the store's reference with its tag.
+func (st *store) tagged() ociimage.Reference {
+	ref := st.repo.Reference()
+	ref.Tag = st.tag
+	return ref
+}
+
+// commit points the store's tag at desc.
+func (st *store) commit(ctx context.Context, desc ocispec.Descriptor) error {
 	if err := ociimage.TagManifest(ctx, st.repo, desc, st.tag); err != nil {
 		return errcode.Ensure(errcode.RegistryError, err, "tagging %s as %s", st.repo.Reference().WithDigest(desc.Digest), st.tag)
 	}
 	return nil
 }
 
+// current resolves the manifest the store's tag names now.
+func (st *store) current(ctx context.Context) (ocispec.Descriptor, error) {
+	repo, err := ociimage.Open(ctx, st.tagged(), st.opts...)
+	if err != nil {
+		return ocispec.Descriptor{}, err
+	}
+	return repo.Resolve(ctx)
+}
+
+// tagMove is one tag of a checkpoint to move: its store's tag to the
+// manifest to. what names the image in errors.
+type tagMove struct {
+	what string // "disk", "rootfs" or "VM state"
+	st   *store
+	to   ocispec.Descriptor
+
+	prev    ocispec.Descriptor // where the tag pointed before, if prevErr is nil
+	prevErr error
+}
+
+// rollbackTimeout bounds moving tags back after a failure, which may be the
+// caller's deadline.
+const rollbackTimeout = 30 * time.Second
+
+// moveTags moves the tags of one checkpoint's images in order, the VM
+// state's last: it is the checkpoint's commit point. Moves without a store
+// or a tag are skipped. Before any tag moves it resolves where the others
+// point now, so that when a later move fails it can move those already
+// moved back. That is best effort: a tag that named nothing before (or
+// whose target could not be resolved, or that cannot be moved back) stays on
+// its new manifest, as ociimage cannot delete a tag. The error keeps the
+// failed move's code and lists, as details, what was moved back and what
+// was not.
+func moveTags(ctx context.Context, moves ...tagMove) error {
+	moves = slices.DeleteFunc(moves, func(m tagMove) bool { return m.st == nil || m.st.tag == "" })
+	for i := range moves[:max(len(moves)-1, 0)] {
+		moves[i].prev, moves[i].prevErr = moves[i].st.current(ctx)
+	}
+	for i, m := range moves {
+		if err := m.st.commit(ctx, m.to); err != nil {
+			return rollbackTags(ctx, moves[:i], m, err)
+		}
+	}
+	return nil
+}
+
+// rollbackTags, once the move failed has failed with err, moves back the
+// tags moved before it, the last first, and returns err with what it did.
+func rollbackTags(ctx context.Context, moved []tagMove, failed tagMove, err error) error {
+	if len(moved) == 0 {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	var details []string
+	for _, m := range slices.Backward(moved) {
+		name := fmt.Sprintf("the %s tag %s", m.what, m.st.tagged())
+		if m.prevErr != nil {
+			details = append(details, fmt.Sprintf("%s is left on the new manifest %s: it named no manifest before, or none that could be resolved (%v), and vmsnap cannot delete a tag", name, m.to.Digest, m.prevErr))
+			continue
+		}
+		if rerr := m.st.commit(ctx, m.prev); rerr != nil {
+			details = append(details, fmt.Sprintf("%s is left on the new manifest %s: moving it back to %s failed (%v)", name, m.to.Digest, m.prev.Digest, rerr))
+			continue
+		}
+		details = append(details, fmt.Sprintf("%s was moved back to %s", name, m.prev.Digest))
+	}
+	return &errcode.Error{Code: errcode.Of(err), Err: err, Details: details,
+		Msg: fmt.Sprintf("the checkpoint is not committed: its images are stored by digest, but the %s tag did not move", failed.what)}
+}
+
 // Checkpoint captures a VM (its disk overlay, and its container's writable
 // layer) into images. Every image is stored by digest first; only once all
 // of them are stored do their tags move, the VM state's last: it is the
 // checkpoint's commit point, and a failure before it leaves every tag where
-// it was.
+// it was: a disk or rootfs tag that had already moved is moved back, as far
+// as the store allows (moveTags says when it cannot be).
 func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, error) {
 	if s.Mode == "" {
 		s.Mode = vmstate.ModeSnapshot
@@ -173,29 +256,24 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	if err := s.checkDiskPlace(); err != nil {
 		return nil, err
 	}
-	stateRepo, stateTag, err := openStore(ctx, s.Image, s.Store)
+	state, err := openStore(ctx, s.Image, s.Store)
 	if err != nil {
 		return nil, err
 	}
-	state := store{stateRepo, stateTag}
 	var rootfsStore *store
 	if s.RootfsImage != "" {
 		if s.CaptureRootfs == nil {
 			return nil, errcode.New(errcode.Usage, "capturing the container's writable layer needs the node agent, which finds the container through containerd: checkpoint through --agent")
 		}
-		repo, tag, err := openStore(ctx, s.RootfsImage, s.Store)
-		if err != nil {
+		if rootfsStore, err = openStore(ctx, s.RootfsImage, s.Store); err != nil {
 			return nil, err
 		}
-		rootfsStore = &store{repo, tag}
 	}
 	var diskStore *store
 	if s.DiskImage != "" {
-		repo, tag, err := openStore(ctx, s.DiskImage, s.Store)
-		if err != nil {
+		if diskStore, err = openStore(ctx, s.DiskImage, s.Store); err != nil {
 			return nil, err
 		}
-		diskStore = &store{repo, tag}
 	}
 	// The overlay rides in the rootfs image when it is in the writable layer
 	// that image captures.
@@ -262,17 +340,14 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		}
 	}
 	opts.Commit = func(ctx context.Context, desc ocispec.Descriptor) error {
+		var moves []tagMove
 		if disk != nil {
-			if err := diskStore.commit(ctx, disk.Manifest); err != nil {
-				return err
-			}
+			moves = append(moves, tagMove{what: "disk", st: diskStore, to: disk.Manifest})
 		}
 		if layer != nil {
-			if err := rootfsStore.commit(ctx, layer.Manifest); err != nil {
-				return err
-			}
+			moves = append(moves, tagMove{what: "rootfs", st: rootfsStore, to: layer.Manifest})
 		}
-		return state.commit(ctx, desc)
+		return moveTags(ctx, append(moves, tagMove{what: "VM state", st: state, to: desc})...)
 	}
 	res, err := vmstate.Checkpoint(ctx, mon, state.repo, opts)
 	if err != nil {
