@@ -37,7 +37,9 @@ import (
 // QEMU gets both files as descriptors (add-fd over SCM_RIGHTS, then the URI
 // file:/dev/fdset/N), never as paths: it may run in another container. The
 // staging files are unlinked as soon as they are open, so that nothing is
-// left behind, even if vmsnap is killed.
+// left behind, even if vmsnap is killed, and truncated through vmsnap's own
+// descriptor once QEMU is done with them, since QEMU may keep its copy open
+// (stagingFile.free).
 
 // Format is how a VM state image holds the VM's state.
 type Format string
@@ -172,161 +174,171 @@ var freeSpace = func(dir string) (int64, error) {
 // multifdChannels is how many threads QEMU writes the mapped-ram file with.
 func multifdChannels() int64 { return int64(min(max(runtime.NumCPU(), 2), 8)) }
 
-// newStagingFile creates an empty file in dir and returns it open for
-// reading and writing, and a second descriptor of it open with flag
-// (os.O_WRONLY for QEMU's outgoing side, os.O_RDONLY for its incoming
-// side: QEMU's fdset matches the access mode). The file is unlinked before
-// this returns: it goes away with the last descriptor, whatever happens.
-func newStagingFile(dir string, flag int) (rw, qemu *os.File, err error) {
-	rw, err = os.CreateTemp(dir, ".vmsnap-state-*.tmp")
+// stagingFile is an unlinked file in a staging directory: our descriptor,
+// open for reading and writing, and QEMU's, which QEMU gets in an fdset.
+type stagingFile struct {
+	dir   string
+	f     *os.File // ours, read-write: truncating through it frees the space
+	qemu  *os.File // QEMU's, until it is passed
+	mon   Monitor
+	fdset int64
+	held  bool // QEMU holds fdset
+}
+
+// newStagingFile creates an empty file in dir. QEMU's descriptor of it is
+// open with flag (os.O_WRONLY for QEMU's outgoing side, os.O_RDONLY for its
+// incoming side: QEMU's fdset matches the access mode). The file is
+// unlinked before this returns: it goes away with the last descriptor,
+// whatever happens. Defer release.
+func newStagingFile(dir string, flag int, mon Monitor) (*stagingFile, error) {
+	rw, err := os.CreateTemp(dir, ".vmsnap-state-*.tmp") // O_RDWR
 	if err != nil {
-		return nil, nil, stagingError(dir, err, "creating the staging file")
+		return nil, stagingError(dir, err, "creating the staging file")
 	}
 	name := rw.Name()
 	defer os.Remove(name)
-	qemu, err = os.OpenFile(name, flag, 0)
+	qemu, err := os.OpenFile(name, flag, 0)
 	if err != nil {
 		rw.Close()
-		return nil, nil, stagingError(dir, err, "opening the staging file")
+		return nil, stagingError(dir, err, "opening the staging file")
 	}
 	if err := os.Remove(name); err != nil {
 		rw.Close()
 		qemu.Close()
-		return nil, nil, stagingError(dir, err, "unlinking the staging file")
+		return nil, stagingError(dir, err, "unlinking the staging file")
 	}
-	return rw, qemu, nil
+	return &stagingFile{dir: dir, f: rw, qemu: qemu, mon: mon}, nil
 }
 
-// stagingError is INTERNAL and names the directory to free or change.
-func stagingError(dir string, err error, what string) error {
-	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
-		return errcode.Wrap(errcode.Internal, err, "%s: the staging directory %s is full: free space there or pick another with --staging-dir", what, dir)
-	}
-	return errcode.Wrap(errcode.Internal, err, "%s in the staging directory %s (pick another with --staging-dir)", what, dir)
-}
-
-// addFD hands f to QEMU in a new fdset (add-fd over SCM_RIGHTS) and returns
-// the set's id: "file:/dev/fdset/ID" then opens a duplicate of it.
-func addFD(ctx context.Context, mon Monitor, f *os.File) (int64, error) {
+// pass hands QEMU its descriptor in a new fdset (add-fd over SCM_RIGHTS):
+// "file:/dev/fdset/ID" (uri) then opens a duplicate of it.
+func (s *stagingFile) pass(ctx context.Context) error {
 	var r struct {
 		FDSetID int64 `json:"fdset-id"`
 	}
-	if err := mon.ExecuteWithFile(ctx, "add-fd", map[string]any{"opaque": "vmsnap staging file"}, &r, f); err != nil {
-		return 0, errcode.Ensure(errcode.QMPError, err, "passing the staging file to QEMU")
+	err := s.mon.ExecuteWithFile(ctx, "add-fd", map[string]any{"opaque": "vmsnap staging file"}, &r, s.qemu)
+	s.qemu.Close() // QEMU holds its own copy now
+	s.qemu = nil
+	if err != nil {
+		return errcode.Ensure(errcode.QMPError, err, "passing the staging file to QEMU")
 	}
-	return r.FDSetID, nil
+	s.fdset, s.held = r.FDSetID, true
+	return nil
 }
 
-// removeFD drops an fdset from QEMU (best effort: it only holds a file
-// that is already unlinked).
-func removeFD(ctx context.Context, mon Executor, id int64) {
-	_ = mon.Execute(ctx, "remove-fd", map[string]any{"fdset-id": id}, nil)
+func (s *stagingFile) uri() string { return "file:/dev/fdset/" + strconv.FormatInt(s.fdset, 10) }
+
+// free frees the file's space at once, once QEMU is done with it (or has
+// been stopped): truncating through our own descriptor frees the blocks
+// whatever descriptors QEMU still holds. QEMU 9.0 closes a removed fdset's
+// descriptors only while the VM runs, and remove-fd is best effort, so
+// without it a VM left stopped (pause mode, a failure, a paused restore)
+// would keep a file the size of its memory held.
+func (s *stagingFile) free() {
+	if s.f != nil {
+		_ = s.f.Truncate(0)
+	}
 }
 
-func fdsetURI(id int64) string { return "file:/dev/fdset/" + strconv.FormatInt(id, 10) }
+// dropFDSet drops QEMU's fdset (best effort, with its own budget: QEMU
+// only holds a file that is unlinked and, once freed, empty).
+func (s *stagingFile) dropFDSet(ctx context.Context) {
+	if !s.held {
+		return
+	}
+	s.held = false
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_ = s.mon.Execute(cctx, "remove-fd", map[string]any{"fdset-id": s.fdset}, nil)
+}
+
+// release frees the file and closes our descriptors, then drops QEMU's
+// fdset. Call it once QEMU no longer uses the file; calling it again does
+// nothing.
+func (s *stagingFile) release(ctx context.Context) {
+	s.free()
+	if s.f != nil {
+		s.f.Close()
+		s.f = nil
+	}
+	if s.qemu != nil {
+		s.qemu.Close()
+		s.qemu = nil
+	}
+	s.dropFDSet(ctx)
+}
+
+// qemuFull is QEMU's failure to write the file for want of space (errno
+// ENOSPC or EDQUOT), as an error of ours that names it.
+func (s *stagingFile) qemuFull(errno syscall.Errno) error {
+	return stagingError(s.dir, &os.PathError{Op: "write", Path: s.f.Name(), Err: errno}, "QEMU writing the VM state")
+}
+
+// stagingError is INTERNAL and names the directory to change; a full disk
+// gets errcode.Wrap's advice (free space there).
+func stagingError(dir string, err error, what string) error {
+	return errcode.Wrap(errcode.Internal, err, "%s in the staging directory %s (pick another with --staging-dir)", what, dir)
+}
 
 // checkpointMappedRAM is Checkpoint's mapped-ram path: from Checkpoint,
 // which has checked the VM's run state (st), read its record into
 // res.Config, and sized the chunks.
-func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository, opts CheckpointOptions, st runState, res *CheckpointResult, start time.Time) (_ *CheckpointResult, err error) {
+func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository, opts CheckpointOptions, st runState, res *CheckpointResult, start time.Time) (out *CheckpointResult, err error) {
 	wasRunning := st.Running
 	res.Config.Format = FormatMappedRAM
 	dir := stagingDir(opts.StagingDir)
-	cleanupCtx := func(d time.Duration) (context.Context, context.CancelFunc) {
-		return context.WithTimeout(context.WithoutCancel(ctx), d)
-	}
 
-	restoreSettings, err := prepareMigration(ctx, mon, migrationSettings{source: true, mappedRAM: true})
-	defer func() {
-		cctx, cancel := cleanupCtx(cleanupTimeout)
-		defer cancel()
-		restoreSettings(cctx)
-	}()
+	g, err := guardSource(ctx, mon, wasRunning, migrationSettings{source: true, mappedRAM: true})
+	defer g.finish(&out, &err)
 	if err != nil {
 		return nil, err
 	}
-
 	var stoppedAt time.Time
-	migrating := false
-	phase := "preparing"
-	defer func() {
-		if err == nil {
-			return
-		}
-		if migrating {
-			cctx, cancel := cleanupCtx(5 * time.Second)
-			cancelMigration(cctx, mon)
-			cancel()
-		}
-		state := ""
-		if wasRunning {
-			cctx, cancel := cleanupCtx(cleanupTimeout)
-			if cerr := ensureRunning(cctx, mon); cerr != nil {
-				state = fmt.Sprintf("; the VM could not be continued: %v", cerr)
-			} else {
-				state = "; the VM was continued"
-			}
-			cancel()
-		}
-		if ctx.Err() != nil && errcode.Of(err) == errcode.Internal {
-			err = errcode.Wrap(errcode.Internal, err, "the checkpoint was interrupted while %s (%v)%s", phase, context.Cause(ctx), state)
-		} else if state != "" {
-			err = fmt.Errorf("%w%s", err, state)
-		}
-	}()
 
 	sub := mon.Subscribe()
 	defer sub.Close()
 
-	file, qemuFile, err := newStagingFile(dir, os.O_WRONLY)
+	staging, err := newStagingFile(dir, os.O_WRONLY, mon)
 	if err != nil {
 		return nil, err
 	}
-	defer file.Close()
-	fdset, err := addFD(ctx, mon, qemuFile)
-	qemuFile.Close() // QEMU holds its own copy now
-	if err != nil {
+	// On failure, once the guard has cancelled the migration: QEMU writes
+	// into the file no more.
+	g.onFinish(func() { staging.release(ctx) })
+	if err = staging.pass(ctx); err != nil {
 		return nil, err
 	}
-	fdsetHeld := true
-	dropFDSet := func() {
-		if fdsetHeld {
-			cctx, cancel := cleanupCtx(5 * time.Second)
-			removeFD(cctx, mon, fdset)
-			cancel()
-			fdsetHeld = false
-		}
-	}
-	defer dropFDSet()
 	res.Durations.Prepare = time.Since(start)
 
 	if st.Running {
-		phase = "stopping the VM"
+		g.phase = "stopping the VM"
 		if err = mon.Execute(ctx, "stop", nil, nil); err != nil {
 			return nil, errcode.Ensure(errcode.QMPError, err, "stopping the VM")
 		}
 		stoppedAt = time.Now()
 	}
 
-	phase = "saving the VM state into the staging file"
+	g.phase = "saving the VM state into the staging file"
 	saveStart := time.Now()
-	migrating = true // set before asking: if the reply is lost, the migration may still run
-	if err = mon.Execute(ctx, "migrate", map[string]any{"uri": fdsetURI(fdset)}, nil); err != nil {
+	g.migrating = true // set before asking: if the reply is lost, the migration may still run
+	if err = mon.Execute(ctx, "migrate", map[string]any{"uri": staging.uri()}, nil); err != nil {
 		return nil, errcode.Ensure(errcode.QMPError, err, "starting the migration into the staging file")
 	}
 	if _, err = waitMigration(ctx, mon, sub, nil); err != nil {
-		if strings.Contains(err.Error(), "No space left") || strings.Contains(err.Error(), "quota exceeded") {
-			err = stagingError(dir, syscall.ENOSPC, "QEMU writing the VM state: "+err.Error())
+		switch desc := err.Error(); {
+		case strings.Contains(desc, "No space left"):
+			err = staging.qemuFull(syscall.ENOSPC)
+		case strings.Contains(desc, "quota exceeded"):
+			err = staging.qemuFull(syscall.EDQUOT)
 		}
 		return nil, err
 	}
-	migrating = false
-	dropFDSet()
+	g.migrating = false
 	if err = waitFinalized(ctx, mon); err != nil {
 		return nil, err
 	}
 	res.Durations.Save = time.Since(saveStart)
-	size, allocated, err := fileExtent(file)
+	size, allocated, err := fileExtent(staging.f)
 	if err != nil {
 		return nil, stagingError(dir, err, "reading the staging file")
 	}
@@ -336,7 +348,7 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 
 	var link Link
 	if opts.WhileStopped != nil {
-		phase = "capturing the disk"
+		g.phase = "capturing the disk"
 		hookStart := time.Now()
 		if link, err = opts.WhileStopped(ctx); err != nil {
 			return nil, err
@@ -350,12 +362,15 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 		}
 		res.Downtime = time.Since(stoppedAt)
 	}
+	// QEMU is done with the file. Dropped once the VM runs again, QEMU 9.0
+	// closes its descriptor too.
+	staging.dropFDSet(ctx)
 
-	phase = "storing the VM state"
+	g.phase = "storing the VM state"
 	streamStart := time.Now()
 	so := opts.Stream
 	so.Fixed = true
-	res.Stream, err = EncodeStream(ctx, &sparseReader{f: file, size: size}, repo, so)
+	res.Stream, err = EncodeStream(ctx, &sparseReader{f: staging.f, size: size}, repo, so)
 	if err != nil {
 		return nil, err
 	}
@@ -365,9 +380,9 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	res.Durations.Stream = res.Durations.Save + time.Since(streamStart)
 	res.Config.RawBytes = size
 	res.Config.DataBytes = allocated
-	file.Close() // the staging space is free from here on
+	staging.release(ctx) // the staging space is free from here on
 
-	phase = "storing the manifest"
+	g.phase = "storing the manifest"
 	if err = pushStateManifest(ctx, repo, opts, res, link); err != nil {
 		return nil, err
 	}
@@ -609,13 +624,14 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	} else if need := cfg.DataBytes + stagingSlack; free < need {
 		return nil, errcode.New(errcode.Internal, "staging directory %s has %d MiB free, and this mapped-ram snapshot needs about %d MiB there: free space there or pick another directory with --staging-dir", dir, free>>20, need>>20)
 	}
-	file, qemuFile, err := newStagingFile(dir, os.O_RDONLY)
+	staging, err := newStagingFile(dir, os.O_RDONLY, mon)
 	if err != nil {
 		return nil, err
 	}
-	defer file.Close()
-	defer qemuFile.Close()
-	if err := file.Truncate(cfg.RawBytes); err != nil {
+	// Last, so that QEMU 9.0 closes its descriptor: it does only while the
+	// VM runs, that is once finishRestore has continued it.
+	defer staging.release(ctx)
+	if err := staging.f.Truncate(cfg.RawBytes); err != nil {
 		return nil, stagingError(dir, err, "sizing the staging file")
 	}
 	res.Durations.Prepare = time.Since(start)
@@ -623,12 +639,12 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	// Every chunk is verified before it is written, and QEMU sees the file
 	// only once all of them are: a bad chunk leaves the target untouched.
 	streamStart := time.Now()
-	n, err := DecodeStream(ctx, layers, repo, &sparseWriter{f: file}, opts.Stream)
+	n, err := DecodeStream(ctx, layers, repo, &sparseWriter{f: staging.f}, opts.Stream)
 	if err != nil {
 		// A failed write names the staging file; a failed read from the
 		// store is reported as it is.
 		var perr *os.PathError
-		if errors.As(err, &perr) && perr.Path == file.Name() {
+		if errors.As(err, &perr) && perr.Path == staging.f.Name() {
 			return nil, stagingError(dir, err, "writing the staging file")
 		}
 		return nil, err
@@ -643,17 +659,10 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	}
 	sub := mon.Subscribe()
 	defer sub.Close()
-	fdset, err := addFD(ctx, mon, qemuFile)
-	qemuFile.Close()
-	if err != nil {
+	if err := staging.pass(ctx); err != nil {
 		return nil, err
 	}
-	defer func() {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		removeFD(cctx, mon, fdset)
-		cancel()
-	}()
-	if err := mon.Execute(ctx, "migrate-incoming", map[string]string{"uri": fdsetURI(fdset)}, nil); err != nil {
+	if err := mon.Execute(ctx, "migrate-incoming", map[string]string{"uri": staging.uri()}, nil); err != nil {
 		return nil, errcode.Ensure(errcode.QMPError, err, "starting the incoming migration from the staging file")
 	}
 	if _, err := waitMigration(ctx, mon, sub, nil); err != nil {
@@ -663,26 +672,7 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 		cancel()
 		return nil, errcode.Wrap(errcode.Of(err), err, "QEMU failed to load the verified state, so it was told to quit: start a new one to try again")
 	}
+	staging.free() // QEMU has loaded it
 	res.Durations.Stream = time.Since(streamStart)
 	return finishRestore(ctx, mon, opts, res, start)
-}
-
-// finishRestore sets a loaded VM's run state, as Restore does.
-func finishRestore(ctx context.Context, mon Monitor, opts RestoreOptions, res *RestoreResult, start time.Time) (*RestoreResult, error) {
-	st, err := queryStatus(ctx, mon)
-	if err != nil {
-		return nil, err
-	}
-	switch {
-	case opts.Paused && st.Running:
-		err = mon.Execute(ctx, "stop", nil, nil)
-	case !opts.Paused && !st.Running:
-		err = mon.Execute(ctx, "cont", nil, nil)
-	}
-	if err != nil {
-		return nil, errcode.Ensure(errcode.QMPError, err, "setting the restored VM's run state")
-	}
-	res.VMRunning = !opts.Paused
-	res.Durations.Total = time.Since(start)
-	return res, nil
 }

@@ -350,6 +350,9 @@ func TestMappedRAMStagingFullContinuesVM(t *testing.T) {
 			if errcode.Of(err) != errcode.Internal || !strings.Contains(err.Error(), staging) || !strings.Contains(err.Error(), "full") {
 				t.Fatalf("err = %v, want INTERNAL naming the full staging directory %s", err, staging)
 			}
+			if msg := err.Error(); strings.Count(msg, "is full") != 1 || strings.Count(msg, "--staging-dir") != 1 {
+				t.Fatalf("err = %v: want the advice once", err)
+			}
 			if q.Status() != "running" {
 				t.Fatalf("VM is %s, want running", q.Status())
 			}
@@ -484,4 +487,89 @@ func TestSparseReaderAndWriter(t *testing.T) {
 	if st, ok := fi.Sys().(*syscall.Stat_t); ok && st.Blocks*512 > int64(len(want))/2 {
 		t.Fatalf("the written file takes %d bytes for %d, mostly zeros: not sparse", st.Blocks*512, len(want))
 	}
+}
+
+// QEMU 9.0 keeps a removed fdset's descriptor open while the VM is stopped,
+// and a remove-fd may be lost: the staging file's space is freed all the
+// same, through our own descriptor, on success and on failure, on either
+// side.
+func TestMappedRAMStagingFreedWhileQEMUHoldsIt(t *testing.T) {
+	freed := func(t *testing.T, q *qmptest.FakeQEMU) {
+		t.Helper()
+		q.WaitMigrations()
+		files, err := q.HeldFiles()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(files) != 1 {
+			t.Fatalf("QEMU holds %d file(s), want the staging file, removed but held", len(files))
+		}
+		if h := files[0]; h.Size != 0 || h.Allocated != 0 {
+			t.Fatalf("QEMU holds a staging file of %d bytes (%d allocated): its space was not freed", h.Size, h.Allocated)
+		}
+	}
+	state := mappedState(t, 6<<20)
+	checkpoint := func(t *testing.T, q *qmptest.FakeQEMU) (string, error) {
+		dir := t.TempDir()
+		res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{
+			Mode: ModePause, Format: FormatMappedRAM, StagingDir: t.TempDir(), Stream: StreamOptions{ChunkSize: 1 << 20},
+		})
+		if err != nil {
+			return "", err
+		}
+		return "oci:" + dir + "@" + res.Manifest.Digest.String(), nil
+	}
+
+	t.Run("checkpoint, pause mode", func(t *testing.T) {
+		q := mappedSource(t, state)
+		q.HoldRemovedFDs(t)
+		if _, err := checkpoint(t, q); err != nil {
+			t.Fatal(err)
+		}
+		if q.Status() == "running" {
+			t.Fatal("the VM runs after a pause-mode checkpoint")
+		}
+		freed(t, q)
+	})
+	t.Run("checkpoint fails", func(t *testing.T) {
+		q := mappedSource(t, state)
+		q.HoldRemovedFDs(t)
+		q.Lock()
+		q.FileErrorDesc = "Unable to write to file: Input/output error" // after writing half the state
+		q.Unlock()
+		if _, err := checkpoint(t, q); err == nil {
+			t.Fatal("the checkpoint succeeded")
+		}
+		freed(t, q)
+	})
+
+	ref, err := checkpoint(t, mappedSource(t, state))
+	if err != nil {
+		t.Fatal(err)
+	}
+	restore := func(t *testing.T, dst *qmptest.FakeQEMU) error {
+		_, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref), RestoreOptions{Paused: true, StagingDir: t.TempDir()})
+		return err
+	}
+	t.Run("restore, paused", func(t *testing.T) {
+		dst := qmptest.NewFakeQEMU(t, "inmigrate", state)
+		dst.EnableMappedRAM()
+		dst.HoldRemovedFDs(t)
+		if err := restore(t, dst); err != nil {
+			t.Fatal(err)
+		}
+		if dst.Status() != "paused" {
+			t.Fatalf("target is %s, want paused", dst.Status())
+		}
+		freed(t, dst)
+	})
+	t.Run("restore, QEMU fails to load", func(t *testing.T) {
+		dst := qmptest.NewFakeQEMU(t, "inmigrate", mappedState(t, len(state))) // another VM's state
+		dst.EnableMappedRAM()
+		dst.HoldRemovedFDs(t)
+		if err := restore(t, dst); err == nil {
+			t.Fatal("the restore succeeded")
+		}
+		freed(t, dst)
+	})
 }

@@ -151,8 +151,13 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 		return nil, err
 	}
 	res.Durations.Stream = time.Since(streamStart)
+	return finishRestore(ctx, mon, opts, res, start)
+}
 
-	st, err = queryStatus(ctx, mon)
+// finishRestore sets a loaded VM's run state (continued, or stopped if
+// opts.Paused) and completes res: the end of either restore path.
+func finishRestore(ctx context.Context, mon Monitor, opts RestoreOptions, res *RestoreResult, start time.Time) (*RestoreResult, error) {
+	st, err := queryStatus(ctx, mon)
 	if err != nil {
 		return nil, err
 	}

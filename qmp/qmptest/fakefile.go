@@ -3,10 +3,13 @@ package qmptest
 import (
 	"bytes"
 	"io"
+	"maps"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
+	"testing"
 	"time"
 
 	"github.com/vmsnap/vmsnap/qmp"
@@ -31,7 +34,9 @@ type fileMigration struct {
 	// FileSize and FileAllocated are the size and allocated bytes of the
 	// file of the last outgoing file migration, once it completed.
 	FileSize, FileAllocated int64
-	errorDesc               string // of the last failed file migration
+	errorDesc               string     // of the last failed file migration
+	holdFDs                 bool       // HoldRemovedFDs
+	held                    []*os.File // removed from their fdsets, still open
 }
 
 // EnableMappedRAM makes the fake offer the mapped-ram and multifd
@@ -50,6 +55,50 @@ func (f *FakeQEMU) FDSets() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return len(f.fdsets)
+}
+
+// HoldRemovedFDs makes remove-fd keep the fdset's descriptor open until the
+// end of the test, as QEMU 9.0 does while the VM is not running (it closes
+// a removed fdset's descriptors only while the VM runs), and as any QEMU
+// does when a remove-fd is lost. HeldFiles reports on those files.
+func (f *FakeQEMU) HoldRemovedFDs(t testing.TB) {
+	f.mu.Lock()
+	f.holdFDs = true
+	f.mu.Unlock()
+	t.Cleanup(func() {
+		f.done.Wait()
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		for _, h := range f.held {
+			h.Close()
+		}
+		f.held = nil
+	})
+}
+
+// HeldFile is a file QEMU still holds open.
+type HeldFile struct {
+	Size, Allocated int64
+}
+
+// HeldFiles reports on every file QEMU holds: those of the fdsets it has,
+// then those removed from theirs that HoldRemovedFDs kept open.
+func (f *FakeQEMU) HeldFiles() ([]HeldFile, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	files := slices.Clone(f.held)
+	for _, id := range slices.Sorted(maps.Keys(f.fdsets)) {
+		files = append(files, f.fdsets[id])
+	}
+	var out []HeldFile
+	for _, h := range files {
+		fi, err := h.Stat()
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, HeldFile{Size: fi.Size(), Allocated: allocated(fi)})
+	}
+	return out, nil
 }
 
 const fdsetPrefix = "file:/dev/fdset/"
@@ -80,7 +129,11 @@ func (f *FakeQEMU) handleFile(cmd Command, files []*os.File) (any, *qmp.Error, b
 		if !ok {
 			return nil, gerr("File descriptor named 'fdset-id:" + strconv.FormatInt(a.ID, 10) + "' not found"), true
 		}
-		file.Close()
+		if f.holdFDs {
+			f.held = append(f.held, file)
+		} else {
+			file.Close()
+		}
 		delete(f.fdsets, a.ID)
 		return nil, nil, true
 	case "query-fdsets":
