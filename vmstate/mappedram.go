@@ -45,9 +45,9 @@ import (
 type Format string
 
 const (
-	// FormatAuto picks mapped-ram where the source QEMU has it and the mode
-	// stops the VM (pause, snapshot), else the stream. It is an option,
-	// never recorded.
+	// FormatAuto picks mapped-ram in snapshot mode where the source QEMU
+	// has it and the staging directory has room, else the stream. It is an
+	// option, never recorded.
 	FormatAuto Format = "auto"
 	// FormatStream is QEMU's sequential migration stream, as QEMU writes it
 	// into a pipe. Configs leave it out (an empty format is a stream), so

@@ -81,8 +81,8 @@ Modes:
             holds its state at the start; cannot be combined with --disk
 
 State formats (--format):
-  auto        mapped-ram where QEMU has it (9.0 or later) in pause and
-              snapshot modes, else stream (the default)
+  auto        mapped-ram in snapshot mode where QEMU has it (9.0 or later)
+              and --staging-dir has room, else stream (the default)
   stream      QEMU's migration stream through a pipe (every QEMU, every mode)
   mapped-ram  QEMU writes a sparse file in --staging-dir with several threads;
               in snapshot mode the VM runs again as soon as QEMU is done, and
