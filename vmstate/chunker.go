@@ -24,7 +24,9 @@ type chunker struct {
 }
 
 // newChunker makes a chunker for chunks of about avg bytes, between avg/2
-// and 2*avg. avg is rounded down to a power of two of at least 4 KiB.
+// and 3*avg/2. avg is rounded down to a power of two of at least 4 KiB.
+// (A tighter max keeps the pipeline's buffers small; about a third of the
+// chunks end at max, and the next content-defined cut resynchronizes.)
 func newChunker(avg int) chunker {
 	avg = max(avg, 4<<10)
 	b := bits.Len(uint(avg)) - 1 // log2, rounded down
@@ -32,7 +34,7 @@ func newChunker(avg int) chunker {
 	return chunker{
 		min:   avg / 2,
 		avg:   avg,
-		max:   2 * avg,
+		max:   avg + avg/2,
 		maskS: topBits(b + 1),
 		maskL: topBits(b - 1),
 	}

@@ -27,7 +27,7 @@ func randomBytes(seed uint64, n int) []byte {
 
 func TestChunkerSizes(t *testing.T) {
 	ck := newChunker(64 << 10)
-	if ck.min != 32<<10 || ck.avg != 64<<10 || ck.max != 128<<10 {
+	if ck.min != 32<<10 || ck.avg != 64<<10 || ck.max != 96<<10 {
 		t.Fatalf("newChunker(64 KiB) = %+v", ck)
 	}
 	if c := newChunker(100 << 10); c.avg != 64<<10 {
@@ -50,7 +50,7 @@ func TestChunkerSizes(t *testing.T) {
 	}
 	// Data without boundaries (all zero) is cut at max.
 	z := cuts(ck, make([]byte, 1<<20))
-	if len(z) != 8 || z[0] != ck.max {
+	if len(z) != (1<<20+ck.max-1)/ck.max || z[0] != ck.max {
 		t.Fatalf("zero data cut at %v, want every %d bytes", z, ck.max)
 	}
 }

@@ -34,15 +34,15 @@ type BlobSource interface {
 // StreamOptions tunes both directions of the chunk pipeline. The zero value
 // picks the defaults.
 type StreamOptions struct {
-	// ChunkSize is the average raw size of a chunk (default 4 MiB), rounded
+	// ChunkSize is the average raw size of a chunk (default 8 MiB), rounded
 	// down to a power of two. Chunks are cut where the content says (see
-	// chunker), between half and twice that size.
+	// chunker), between half and 1.5 times that size.
 	ChunkSize int
 	// Workers is how many chunks are compressed, fetched or decompressed at
 	// once (default GOMAXPROCS, at least 2).
 	Workers int
 	// Uploads is how many compressed chunks are being stored at once
-	// (default 3). Uploads wait on the network, not the CPU, so they run
+	// (default 2). Uploads wait on the network, not the CPU, so they run
 	// beside the compression workers rather than in their place.
 	Uploads int
 	// Level is the zstd level (default zstd.SpeedDefault, about zstd -3).
@@ -59,8 +59,8 @@ type StreamOptions struct {
 }
 
 const (
-	defaultChunkSize = 4 << 20
-	defaultUploads   = 3
+	defaultChunkSize = 8 << 20
+	defaultUploads   = 2
 	// maxAverageChunk keeps every chunk storable: chunks reach twice the
 	// average, and incompressible data grows a little in zstd, so twice
 	// this must stay under ociimage.MaxChunkSize with room to spare.
@@ -118,7 +118,7 @@ type uploadJob struct {
 // Three stages run at once: the reader (cutting), Workers compressors and
 // Uploads uploaders. Every buffer comes from one of two fixed pools, so
 // memory is bounded by (Workers+2) raw and (Workers+Uploads) compressed
-// chunks of at most twice ChunkSize, whatever the stream's size. When the
+// chunks of at most 1.5 times ChunkSize, whatever the stream's size. When the
 // sink is slow the uploaders back up, then the compressors, then the
 // reader, and so QEMU.
 func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOptions) (StreamResult, error) {
