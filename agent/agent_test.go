@@ -5,12 +5,15 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/json"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -18,6 +21,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
@@ -394,5 +398,43 @@ func TestAgentSocketPermissions(t *testing.T) {
 	}
 	if _, err := net.Dial("unix", a.socket); err != nil {
 		t.Fatalf("the first agent stopped answering: %v", err)
+	}
+}
+
+// A caller that stops waiting (its --timeout) gets the operation's own end,
+// with its code: here the registry never answered, so REGISTRY_ERROR, with
+// the caller's deadline still in the chain; and the VM was never stopped.
+func TestWaitPastTheCallersDeadlineReportsTheOperationsEnd(t *testing.T) {
+	stall := make(chan struct{})
+	reg := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-stall:
+		case <-r.Context().Done():
+		}
+	}))
+	defer reg.Close()
+	defer close(stall)
+	host := strings.TrimPrefix(reg.URL, "http://")
+
+	q := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20))
+	res := newStaticResolver()
+	res.add(uid1, q.Path())
+	a := startAgentConfig(t, Config{StateDir: t.TempDir(), Resolver: res, MaxConcurrent: 1,
+		Store: []ociimage.Option{ociimage.WithInsecureRegistry(host)}})
+	defer a.stop()
+	op, err := a.client.Checkpoint(context.Background(), api.CheckpointRequest{
+		VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock"}, Image: host + "/vm:snap", Mode: "snapshot",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	o, err := a.client.Wait(ctx, op.ID, nil)
+	if errcode.Of(err) != errcode.RegistryError || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Wait past the deadline: %v (code %s), want REGISTRY_ERROR wrapping the deadline", err, errcode.Of(err))
+	}
+	if !o.Done() || q.Status() != "running" || slices.Contains(q.Commands(), "stop") {
+		t.Fatalf("operation %s, VM %s, commands %v: want it ended and the VM never stopped", o.State, q.Status(), q.Commands())
 	}
 }

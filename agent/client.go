@@ -138,10 +138,7 @@ func (c *Client) Wait(ctx context.Context, id string, update func(api.Operation)
 			return o, nil
 		}
 		if ctx.Err() != nil {
-			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-			_, _ = c.Cancel(cctx, id)
-			cancel()
-			return o, context.Cause(ctx)
+			return c.stopped(ctx, id, o)
 		}
 		if err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal {
 			// A verdict (the VM is gone, the caller is refused, the
@@ -158,6 +155,30 @@ func (c *Client) Wait(ctx context.Context, id string, update func(api.Operation)
 			return o, nil
 		} else if err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal {
 			return o, err
+		}
+	}
+}
+
+// stopped cancels an operation the caller stopped waiting for, and waits a
+// little for its end: the agent's own error says what the operation was
+// doing when it was stopped (a registry that did not answer is
+// REGISTRY_ERROR, not a bare deadline) and that the VM runs again. The
+// caller's reason stays in the chain.
+func (c *Client) stopped(ctx context.Context, id string, last api.Operation) (api.Operation, error) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	_, _ = c.Cancel(cctx, id)
+	for {
+		if o, err := c.Get(cctx, id); err == nil && o.Done() {
+			if o.Error == nil {
+				return o, nil // it finished after all
+			}
+			return o, &errcode.Error{Code: o.Error.Code, Msg: o.Error.Message, Details: o.Error.Details, Err: context.Cause(ctx)}
+		}
+		select {
+		case <-cctx.Done():
+			return last, context.Cause(ctx)
+		case <-time.After(200 * time.Millisecond):
 		}
 	}
 }

@@ -174,7 +174,14 @@ func (s *Server) end(o *op, err error, seconds float64, log interface {
 	case err == nil:
 	case o.ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.Cause(o.ctx)) || errcode.Of(err) == errcode.Internal):
 		// Cancelled by a caller or because the VM went away: report why.
-		state, err = api.StateCancelled, context.Cause(o.ctx)
+		// A caller's cancellation says less than what the operation was
+		// waiting for (a registry that did not answer): that keeps its code.
+		state = api.StateCancelled
+		if cause := context.Cause(o.ctx); errcode.Of(cause) == errcode.Internal && errcode.Of(err) != errcode.Internal {
+			err = errcode.Wrap(errcode.Of(err), err, "%v", cause)
+		} else {
+			err = cause
+		}
 	default:
 		state = api.StateFailed
 	}
