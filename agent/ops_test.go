@@ -111,14 +111,21 @@ func TestStreamStagedRefusesTamperedChunk(t *testing.T) {
 	}
 }
 
-// resolveTag returns the digest a tag of a layout names, or "" if none.
-func resolveTag(t *testing.T, dir, tag string) string {
+// resolveIn resolves ref (a tag or a digest) in the layout dir.
+func resolveIn(t *testing.T, dir string, ref ociimage.Reference) (ocispec.Descriptor, error) {
 	t.Helper()
-	repo, err := ociimage.Open(context.Background(), ociimage.Reference{Layout: dir, Tag: tag})
+	ref.Layout = dir
+	repo, err := ociimage.Open(context.Background(), ref)
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := repo.Resolve(context.Background())
+	return repo.Resolve(context.Background())
+}
+
+// resolveTag returns the digest a tag of a layout names, or "" if none.
+func resolveTag(t *testing.T, dir, tag string) string {
+	t.Helper()
+	d, err := resolveIn(t, dir, ociimage.Reference{Tag: tag})
 	if err != nil {
 		return ""
 	}
@@ -341,11 +348,7 @@ func (r *refuseTagging) TagManifest(ctx context.Context, desc ocispec.Descriptor
 // pinned resolves a digest in a layout.
 func pinned(t *testing.T, dir, d string) ocispec.Descriptor {
 	t.Helper()
-	repo, err := ociimage.Open(context.Background(), ociimage.Reference{Layout: dir, Digest: digest.Digest(d)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	desc, err := repo.Resolve(context.Background())
+	desc, err := resolveIn(t, dir, ociimage.Reference{Digest: digest.Digest(d)})
 	if err != nil {
 		t.Fatal(err)
 	}

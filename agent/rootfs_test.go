@@ -199,16 +199,7 @@ func TestAgentCheckpointDiskInWritableLayer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	top := rm.Layers[len(rm.Layers)-1]
-	f, err := os.Open(filepath.Join(store, "blobs", "sha256", top.Digest.Encoded()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	entries, err := testcontainerd.ReadLayer(f, top.MediaType)
-	if err != nil {
-		t.Fatal(err)
-	}
+	entries := testcontainerd.TopLayer(t, store, rm)
 	if e, ok := entries["vm/disk/overlay.qcow2"]; !ok || e.Digest != digest.FromBytes(overlay) {
 		t.Fatalf("the rootfs image's layer does not hold the overlay as it was (%+v)", e)
 	}
@@ -238,11 +229,7 @@ func TestAgentCheckpointDiskInWritableLayer(t *testing.T) {
 
 func mustResolve(t *testing.T, dir, tag string) ocispec.Descriptor {
 	t.Helper()
-	repo, err := ociimage.Open(context.Background(), ociimage.Reference{Layout: dir, Tag: tag})
-	if err != nil {
-		t.Fatal(err)
-	}
-	d, err := repo.Resolve(context.Background())
+	d, err := resolveIn(t, dir, ociimage.Reference{Tag: tag})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,7 +19,6 @@ import (
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/klauspost/compress/zstd"
 	"github.com/opencontainers/go-digest"
-	"github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	rspecs "github.com/opencontainers/runtime-spec/specs-go"
 
@@ -193,7 +192,10 @@ func TestCaptureLayer(t *testing.T) {
 	}
 
 	// Start a container from the captured image, by digest.
-	img := importLayout(t, d, dir, res.Manifest)
+	img := d.ImportLayout(t, dir, res.Manifest, "vmsnap.test/captured@"+res.Manifest.Digest.String())
+	if img.Target().Digest != res.Manifest.Digest {
+		t.Fatalf("imported image names %s, captured %s", img.Target().Digest, res.Manifest.Digest)
+	}
 	var out bytes.Buffer
 	check := strings.Join([]string{
 		"cat /var/lib/app/state /launch.conf /etc/kept",
@@ -320,59 +322,6 @@ func checkNoScratch(t *testing.T, d *testcontainerd.Daemon, res *rootfs.LayerRes
 	for _, s := range st {
 		t.Errorf("ingest %s left in containerd's content store (%d bytes)", s.Ref, s.Offset)
 	}
-}
-
-// importLayout imports the manifest m of the layout dir into containerd, as
-// an image whose name is pinned by its digest, and unpacks it.
-func importLayout(t *testing.T, d *testcontainerd.Daemon, dir string, m ocispec.Descriptor) containerd.Image {
-	t.Helper()
-	name := "vmsnap.test/captured@" + m.Digest.String()
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	add := func(name string, data []byte) {
-		if err := tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: int64(len(data)), Typeflag: tar.TypeReg}); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := tw.Write(data); err != nil {
-			t.Fatal(err)
-		}
-	}
-	blobs, err := filepath.Glob(filepath.Join(dir, "blobs", "sha256", "*"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, b := range blobs {
-		if strings.HasPrefix(filepath.Base(b), ".") {
-			continue
-		}
-		data, err := os.ReadFile(b)
-		if err != nil {
-			t.Fatal(err)
-		}
-		add("blobs/sha256/"+filepath.Base(b), data)
-	}
-	m.Annotations = map[string]string{"io.containerd.image.name": name}
-	idx, _ := json.Marshal(ocispec.Index{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageIndex, Manifests: []ocispec.Descriptor{m}})
-	add("index.json", idx)
-	add(ocispec.ImageLayoutFile, []byte(`{"imageLayoutVersion":"1.0.0"}`))
-	if err := tw.Close(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(d.Context(context.Background()), 2*time.Minute)
-	defer cancel()
-	imgs, err := d.Client.Import(ctx, &buf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(imgs) != 1 || imgs[0].Name != name || imgs[0].Target.Digest != m.Digest {
-		t.Fatalf("import: %+v", imgs)
-	}
-	img := containerd.NewImageWithPlatform(d.Client, imgs[0], nil)
-	if err := img.Unpack(ctx, testcontainerd.Snapshotter); err != nil {
-		d.Log(t)
-		t.Fatal(err)
-	}
-	return img
 }
 
 // BenchmarkCaptureLayer captures a container's writable layer of 50 MiB

@@ -379,23 +379,6 @@ func pinnedManifest(t *testing.T, image, digest string) (ocispec.Descriptor, oci
 	return desc, m
 }
 
-// topLayer lists the entries of the last layer (the captured writable
-// layer) of a rootfs image in the layout dir.
-func topLayer(t *testing.T, dir string, m ocispec.Manifest) map[string]testcontainerd.LayerEntry {
-	t.Helper()
-	top := m.Layers[len(m.Layers)-1]
-	f, err := os.Open(filepath.Join(dir, "blobs", "sha256", top.Digest.Encoded()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	entries, err := testcontainerd.ReadLayer(f, top.MediaType)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return entries
-}
-
 func fileDigest(t *testing.T, path string) string {
 	t.Helper()
 	b, err := os.ReadFile(path)
@@ -441,7 +424,7 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 		layoutTag(t, imageStore, "rootfs") != cp.Rootfs.Digest {
 		t.Fatal("the tags do not name the checkpoint's images")
 	}
-	for name := range topLayer(t, imageStore, rm) {
+	for name := range testcontainerd.TopLayer(t, imageStore, rm) {
 		if strings.Contains(name, "overlay.qcow2") || strings.Contains(name, ".qmp") {
 			t.Errorf("the rootfs layer holds %s, from the volume", name)
 		}
@@ -521,7 +504,7 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 		t.Errorf("the state manifest links %v", sm.Annotations)
 	}
 	// The overlay in the image is the one QEMU has (the VM is stopped).
-	entries := topLayer(t, imageStore, rm)
+	entries := testcontainerd.TopLayer(t, imageStore, rm)
 	if e, ok := entries[strings.TrimPrefix(inPod, "/")]; !ok || e.Digest.String() != fileDigest(t, src.layerDisk) || e.Header.Size != cp.Disk.RawBytes {
 		t.Fatalf("the rootfs layer does not hold the overlay as it is (%+v)", e.Header)
 	}

@@ -5,11 +5,14 @@ import (
 	"compress/gzip"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"strings"
+	"testing"
 
 	"github.com/klauspost/compress/zstd"
 	digest "github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
 // RootfsDir is the host path of c's root filesystem as its task sees it:
@@ -67,4 +70,21 @@ func ReadLayer(r io.Reader, mediaType string) (map[string]LayerEntry, error) {
 		}
 		out[strings.TrimSuffix(strings.TrimPrefix(hdr.Name, "./"), "/")] = e
 	}
+}
+
+// TopLayer lists the entries of the last layer of m (a captured writable
+// layer) in the OCI layout dir.
+func TopLayer(t testing.TB, dir string, m ocispec.Manifest) map[string]LayerEntry {
+	t.Helper()
+	top := m.Layers[len(m.Layers)-1]
+	f, err := os.Open(filepath.Join(dir, "blobs", "sha256", top.Digest.Encoded()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	entries, err := ReadLayer(f, top.MediaType)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return entries
 }

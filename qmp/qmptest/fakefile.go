@@ -259,20 +259,7 @@ const finalizeDelay = 100 * time.Millisecond
 func (f *FakeQEMU) migrateFileIn(file *os.File) {
 	defer f.done.Done()
 	got, _ := io.ReadAll(io.NewSectionReader(file, 0, 1<<40))
-	f.mu.Lock()
-	f.Received = got
-	ok := bytes.Equal(got, f.State)
-	f.migration = "failed"
-	if ok {
-		f.status = "paused"
-		f.migration = "completed"
-	}
-	f.mu.Unlock()
-	if ok {
-		f.event("completed")
-	} else {
-		f.event("failed")
-	}
+	f.load(got)
 }
 
 // allocated is the bytes a file takes on disk.

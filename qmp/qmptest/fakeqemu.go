@@ -290,11 +290,16 @@ func (f *FakeQEMU) migrateOut(fd *os.File) {
 func (f *FakeQEMU) migrateIn(fd *os.File) {
 	defer f.done.Done()
 	defer fd.Close()
-	var buf bytes.Buffer
-	_, _ = io.Copy(&buf, fd)
+	got, _ := io.ReadAll(fd)
+	f.load(got)
+}
+
+// load ends an incoming migration that read got: it completes (the VM
+// paused, as QEMU leaves it) if got is State, and fails otherwise.
+func (f *FakeQEMU) load(got []byte) {
 	f.mu.Lock()
-	f.Received = buf.Bytes()
-	ok := bytes.Equal(f.Received, f.State)
+	f.Received = got
+	ok := bytes.Equal(got, f.State)
 	f.migration = "failed"
 	if ok {
 		f.status = "paused"
