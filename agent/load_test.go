@@ -26,6 +26,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
+	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 func podUID(i int) string { return fmt.Sprintf("6f1c2a4e-%04d-4c0e-9a51-0123456789ab", i) }
@@ -248,13 +249,9 @@ func runEightCheckpoints(t *testing.T, stateSize int) int64 {
 	}
 	live := int64(mem.peakLive.Load()) - int64(base)
 	objs := int64(mem.peakObjs.Load()) - int64(base)
-	// Per checkpoint: the pipeline's two buffer pools, workers+2 raw and
-	// workers+uploads compressed chunks of at most 1.5 times the average,
-	// and per worker a zstd encoder, which keeps about 18 MiB whatever the
-	// chunk size (measured), plus slack for the agent, the fakes' pipes and
-	// the runtime.
-	const encoder, uploads = 20 * mib, 2
-	bound := int64(vms*(2*workers+2+uploads)*3*chunk/2+vms*workers*encoder) + 64*mib
+	// Per checkpoint: what its chunk pipeline may hold, plus slack for the
+	// agent, the fakes' pipes and the runtime.
+	bound := int64(vms)*vmstate.StreamOptions{ChunkSize: chunk, Workers: workers}.EncodeMemory() + 64*mib
 	t.Logf("%d checkpoints of %d MiB at once (at most %d running): %d MiB streamed in %v; peak live heap +%d MiB, peak heap objects +%d MiB (GC garbage included), peak RSS %d MiB -> %d MiB (reset: %v); bound on live heap %d MiB",
 		vms, stateSize/mib, ev.maxRunning, raw/mib, elapsed.Round(time.Millisecond), live/mib, objs/mib, rssBase/mib, rssPeak/mib, rssReset, bound/mib)
 	if live > bound {

@@ -24,9 +24,12 @@ type chunker struct {
 }
 
 // newChunker makes a chunker for chunks of about avg bytes, between avg/2
-// and 3*avg/2. avg is rounded down to a power of two of at least 4 KiB.
-// (A tighter max keeps the pipeline's buffers small; about a third of the
-// chunks end at max, and the next content-defined cut resynchronizes.)
+// and 3*avg/2. avg is rounded down to a power of two of at least 4 KiB. On
+// random data the chunks average 1.13*avg and about one in five ends at
+// max, where the cut is placed by length and not by content (the next
+// content-defined cut resynchronizes). A max of 2*avg would force only one
+// cut in ten and make 7% fewer chunks, but the pipeline's buffers are
+// max-sized: a third more memory, for a checkpoint about 1% faster.
 func newChunker(avg int) chunker {
 	avg = max(avg, 4<<10)
 	b := bits.Len(uint(avg)) - 1 // log2, rounded down
@@ -55,23 +58,46 @@ func (c chunker) cut(b []byte) int {
 	// Warm the hash up on the 64 bytes before min, so that a cut right at
 	// min depends on a full window like any other.
 	var h uint64
-	i := c.min - 64
-	for ; i < c.min; i++ {
-		h = h<<1 + gear[b[i]]
+	for _, x := range b[c.min-64 : c.min] {
+		h = h<<1 + gear[x]
 	}
-	for end := min(c.avg, n); i < end; i++ {
-		h = h<<1 + gear[b[i]]
-		if h&c.maskS == 0 {
-			return i + 1
-		}
+	i, h, found := scan(b[:min(c.avg, n)], c.min, h, c.maskS)
+	if found {
+		return i
 	}
-	for ; i < n; i++ {
-		h = h<<1 + gear[b[i]]
-		if h&c.maskL == 0 {
-			return i + 1
-		}
+	if i, _, found = scan(b[:n], i, h, c.maskL); found {
+		return i
 	}
 	return n
+}
+
+// scan rolls the hash h over b from i on and returns the end of the first
+// window whose hash has no bit of mask set, or len(b) and the hash so far.
+// It takes two bytes a step, both checked: the hash two bytes on is
+// h<<2 + (gear[x]<<1 + gear[y]), whose sum does not wait for h, so the
+// chain the CPU waits on is half as long as one byte at a time.
+func scan(b []byte, i int, h, mask uint64) (int, uint64, bool) {
+	p := b[i:]
+	j := 0
+	for ; j+1 < len(p); j += 2 {
+		g := gear[p[j]]
+		h1 := h<<1 + g
+		h = h<<2 + (g<<1 + gear[p[j+1]])
+		if h1&mask == 0 {
+			return i + j + 1, h1, true
+		}
+		if h&mask == 0 {
+			return i + j + 2, h, true
+		}
+	}
+	if j < len(p) {
+		h = h<<1 + gear[p[j]]
+		j++
+		if h&mask == 0 {
+			return i + j, h, true
+		}
+	}
+	return i + j, h, false
 }
 
 // gear holds 256 fixed pseudo-random words. They are part of what makes two

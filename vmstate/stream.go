@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"io"
-	"runtime"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -39,13 +38,19 @@ type StreamOptions struct {
 	// chunker), between half and 1.5 times that size.
 	ChunkSize int
 	// Workers is how many chunks are compressed, fetched or decompressed at
-	// once (default GOMAXPROCS, at least 2).
+	// once (default 2, whatever the machine: each worker holds up to two
+	// chunk buffers, and two compressors at SpeedFastest outrun a registry;
+	// see the README's Performance section).
 	Workers int
 	// Uploads is how many compressed chunks are being stored at once
-	// (default 2). Uploads wait on the network, not the CPU, so they run
-	// beside the compression workers rather than in their place.
+	// (default 3). Uploads wait on the network and the registry, not on our
+	// CPU, so they run beside the compression workers rather than in their
+	// place.
 	Uploads int
-	// Level is the zstd level (default zstd.SpeedDefault, about zstd -3).
+	// Level is the zstd level (default zstd.SpeedFastest, about zstd -1:
+	// QEMU's stream is mostly either zero pages, which any level reduces to
+	// nothing, or data that barely compresses; the bench measured 0.3%
+	// more bytes than with SpeedDefault for half the compression CPU).
 	Level zstd.EncoderLevel
 	// Progress, if set, is called with the raw bytes done so far, from one
 	// goroutine at a time.
@@ -60,7 +65,8 @@ type StreamOptions struct {
 
 const (
 	defaultChunkSize = 8 << 20
-	defaultUploads   = 2
+	defaultWorkers   = 2
+	defaultUploads   = 3
 	// maxAverageChunk keeps every chunk storable: chunks reach twice the
 	// average, and incompressible data grows a little in zstd, so twice
 	// this must stay under ociimage.MaxChunkSize with room to spare.
@@ -80,15 +86,25 @@ func effectiveChunkSize(n int) int {
 func (o StreamOptions) withDefaults() StreamOptions {
 	o.ChunkSize = effectiveChunkSize(o.ChunkSize)
 	if o.Workers <= 0 {
-		o.Workers = max(runtime.GOMAXPROCS(0), 2)
+		o.Workers = defaultWorkers
 	}
 	if o.Uploads <= 0 {
 		o.Uploads = defaultUploads
 	}
 	if o.Level == 0 {
-		o.Level = zstd.SpeedDefault
+		o.Level = zstd.SpeedFastest
 	}
 	return o
+}
+
+// EncodeMemory is what EncodeStream with these options holds at most, in
+// bytes: its two buffer pools and its compressors' state. It does not grow
+// with the stream.
+func (o StreamOptions) EncodeMemory() int64 {
+	o = o.withDefaults()
+	ck := newChunker(o.ChunkSize)
+	return int64(o.Workers+1)*int64(ck.max) + int64(o.Workers+o.Uploads)*int64(maxEncodedSize(ck.max)) +
+		int64(o.Workers)*encoderMemory
 }
 
 // StreamResult describes an encoded stream.
@@ -117,7 +133,7 @@ type uploadJob struct {
 //
 // Three stages run at once: the reader (cutting), Workers compressors and
 // Uploads uploaders. Every buffer comes from one of two fixed pools, so
-// memory is bounded by (Workers+2) raw and (Workers+Uploads) compressed
+// memory is bounded by (Workers+1) raw and (Workers+Uploads) compressed
 // chunks of at most 1.5 times ChunkSize, whatever the stream's size. When the
 // sink is slow the uploaders back up, then the compressors, then the
 // reader, and so QEMU.
@@ -148,7 +164,7 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 		seen[desc.Digest] = true
 		return first
 	}
-	rawBufs := newBufferPool(opts.Workers+2, ck.max)
+	rawBufs := newBufferPool(opts.Workers+1, ck.max)
 	// Sized for the worst case, so that incompressible data never grows a
 	// buffer.
 	compBufs := newBufferPool(opts.Workers+opts.Uploads, maxEncodedSize(ck.max))
@@ -181,11 +197,7 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			// Chunks are compressed on their own, so a window larger than a
-			// chunk buys nothing and costs memory (zstd's default keeps
-			// about 18 MiB per encoder).
-			enc, err := zstd.NewWriter(nil, zstd.WithEncoderLevel(opts.Level), zstd.WithEncoderConcurrency(1),
-				zstd.WithWindowSize(windowFor(ck.max)))
+			enc, err := newChunkEncoder(opts.Level)
 			if err != nil {
 				cancel(errcode.Wrap(errcode.Internal, err, "zstd encoder"))
 				return
@@ -273,19 +285,22 @@ func readChunks(ctx context.Context, r io.Reader, ck chunker, bufs *bufferPool, 
 			return offset, nil
 		}
 		c := ck.cut(cur[:have])
-		next, err := bufs.get(ctx)
-		if err != nil {
-			bufs.put(cur)
-			return offset, err
-		}
-		rest := copy(next, cur[c:have])
 		select {
 		case jobs <- chunkJob{index: index, offset: offset, raw: cur[:c]}:
 		case <-ctx.Done():
 			bufs.put(cur)
-			bufs.put(next)
 			return offset, context.Cause(ctx)
 		}
+		// The worker reads cur[:c] only, and only this reader takes buffers
+		// from the pool, so the bytes after the cut stay put until they are
+		// copied to the start of the next buffer. That may be cur itself,
+		// when the worker is done with it already (copy allows the overlap):
+		// one buffer fewer than getting the next one before the handover.
+		next, err := bufs.get(ctx)
+		if err != nil {
+			return offset, err
+		}
+		rest := copy(next, cur[c:have])
 		offset += int64(c)
 		if progress != nil {
 			progress(offset)
@@ -548,11 +563,23 @@ func fetchChunk(ctx context.Context, src BlobSource, dec *zstd.Decoder, desc oci
 	return out, nil
 }
 
-// windowFor is the smallest zstd window (a power of two) that covers a chunk.
-func windowFor(chunk int) int {
-	w := zstd.MinWindowSize
-	for w < chunk && w < zstd.MaxWindowSize {
-		w *= 2
-	}
-	return w
+// encoderWindow is how far back zstd looks for matches. An encoder keeps
+// about twice its window in memory: a window covering a whole chunk (16 MiB
+// for 8 MiB chunks) cost 32 MiB per compressor, 1 MiB costs under 3. QEMU's
+// stream has little to gain from matches further back (the bench's stored
+// size moved by 0.3%, together with the faster level). Frames carry no
+// xxhash checksum either: every chunk is checked against its sha256 digest
+// before a byte of it is decompressed.
+const encoderWindow = 1 << 20
+
+// encoderMemory bounds what one compressor keeps besides its input and
+// output: its history and tables (measured with encoderWindow: 2.6 MiB at
+// SpeedFastest, 3.8 MiB at SpeedDefault; TestEncoderMemory checks it).
+const encoderMemory = 4 << 20
+
+// newChunkEncoder makes the encoder one compression worker uses for all its
+// chunks (EncodeAll, in the worker's goroutine).
+func newChunkEncoder(level zstd.EncoderLevel) (*zstd.Encoder, error) {
+	return zstd.NewWriter(nil, zstd.WithEncoderLevel(level), zstd.WithEncoderConcurrency(1),
+		zstd.WithWindowSize(encoderWindow), zstd.WithEncoderCRC(false))
 }

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"io"
+	"runtime"
 	"slices"
 	"strconv"
 	"sync"
@@ -130,43 +131,55 @@ func TestStreamRoundTrip(t *testing.T) {
 // would upload everything after an insertion again.
 func TestStreamDedup(t *testing.T) {
 	const chunk = 256 << 10
-	base := make([]byte, 8<<20)
-	if _, err := rand.Read(base); err != nil {
-		t.Fatal(err)
-	}
+	base := randomBytes(5, 8<<20) // seeded: the cut points are the same every run
 	mid := len(base) / 2
-	insert := make([]byte, 4096)
-	rand.Read(insert)
+	insert := randomBytes(6, 4096)
 	for _, tc := range []struct {
 		name   string
 		change func([]byte) []byte
+		// most is the most the second stream may upload. A rewrite touches
+		// one chunk, two if it moved a boundary. An insertion or removal
+		// touches the chunk around it and the chunks cut by length after
+		// it, until a cut placed by content resynchronizes: one in five
+		// chunks ends at max, so a few at most.
+		most int64
+		// fixedMore: fixed-size chunks would upload everything after the
+		// change again.
+		fixedMore bool
 	}{
-		{"one byte rewritten", func(b []byte) []byte { b = bytes.Clone(b); b[mid] ^= 0xff; return b }},
-		{"4 KiB inserted", func(b []byte) []byte { return slices.Concat(b[:mid], insert, b[mid:]) }},
-		{"4 KiB removed", func(b []byte) []byte { return slices.Concat(b[:mid], b[mid+4096:]) }},
+		{"one byte rewritten", func(b []byte) []byte { b = bytes.Clone(b); b[mid] ^= 0xff; return b }, 2 * (chunk*3/2 + 1024), false},
+		{"4 KiB inserted", func(b []byte) []byte { return slices.Concat(b[:mid], insert, b[mid:]) }, int64(len(base) / 5), true},
+		{"4 KiB removed", func(b []byte) []byte { return slices.Concat(b[:mid], b[mid+4096:]) }, int64(len(base) / 5), true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			store := newMemStore()
-			opts := StreamOptions{ChunkSize: chunk}
-			first, err := EncodeStream(context.Background(), bytes.NewReader(base), store, opts)
-			if err != nil {
-				t.Fatal(err)
+			second := func(opts StreamOptions) StreamResult {
+				store := newMemStore()
+				if _, err := EncodeStream(context.Background(), bytes.NewReader(base), store, opts); err != nil {
+					t.Fatal(err)
+				}
+				changed := tc.change(base)
+				res, err := EncodeStream(context.Background(), bytes.NewReader(changed), store, opts)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var out bytes.Buffer
+				if _, err := DecodeStream(context.Background(), res.Layers, store, &out, opts); err != nil || !bytes.Equal(out.Bytes(), changed) {
+					t.Fatalf("round trip of the changed stream: %v", err)
+				}
+				return res
 			}
-			changed := tc.change(base)
-			second, err := EncodeStream(context.Background(), bytes.NewReader(changed), store, opts)
-			if err != nil {
-				t.Fatal(err)
+			cdc := second(StreamOptions{ChunkSize: chunk})
+			if cdc.UploadedBytes <= 0 || cdc.UploadedBytes > tc.most {
+				t.Fatalf("second stream uploaded %d bytes of %d; want at most %d", cdc.UploadedBytes, cdc.StoredBytes, tc.most)
 			}
-			// The change touches one chunk, or two if it moved a boundary;
-			// each is at most twice the average (random data does not
-			// compress).
-			if second.UploadedBytes <= 0 || second.UploadedBytes > 2*(2*chunk+1024) {
-				t.Fatalf("second stream uploaded %d bytes of %d; want one or two chunks' worth", second.UploadedBytes, first.UploadedBytes)
+			if !tc.fixedMore {
+				return
 			}
-			var out bytes.Buffer
-			if _, err := DecodeStream(context.Background(), second.Layers, store, &out, opts); err != nil || !bytes.Equal(out.Bytes(), changed) {
-				t.Fatalf("round trip of the changed stream: %v", err)
+			fixed := second(StreamOptions{ChunkSize: chunk, Fixed: true})
+			if fixed.UploadedBytes < int64(len(base)*2/5) {
+				t.Fatalf("with fixed-size chunks the second stream uploaded only %d bytes of %d: the change no longer shifts the chunks after it, and this test shows nothing", fixed.UploadedBytes, fixed.StoredBytes)
 			}
+			t.Logf("uploaded after the change: %d KiB with content-defined chunks, %d KiB with fixed-size ones", cdc.UploadedBytes>>10, fixed.UploadedBytes>>10)
 		})
 	}
 }
@@ -366,7 +379,7 @@ func TestMaxEncodedSizeHoldsIncompressibleData(t *testing.T) {
 	for _, n := range []int{1, 4095, 128 << 10, 1<<20 + 7, 4 << 20} {
 		data := make([]byte, n)
 		rand.Read(data)
-		enc, err := zstd.NewWriter(nil, zstd.WithEncoderConcurrency(1), zstd.WithWindowSize(windowFor(n)))
+		enc, err := newChunkEncoder(StreamOptions{}.withDefaults().Level)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -376,5 +389,34 @@ func TestMaxEncodedSizeHoldsIncompressibleData(t *testing.T) {
 		if len(out) > cap(buf) || &out[:1][0] != &buf[:1][0] {
 			t.Fatalf("%d random bytes encode to %d, more than the %d reserved", n, len(out), cap(buf))
 		}
+	}
+}
+
+// A compressor's own state stays within encoderMemory at every level
+// EncodeStream may use, whatever the chunk size: EncodeMemory, and so the
+// agent's memory, rests on it.
+func TestEncoderMemory(t *testing.T) {
+	data := make([]byte, 12<<20) // a 1.5 x 8 MiB chunk: half random, half zero
+	rand.Read(data[:len(data)/2])
+	out := make([]byte, 0, maxEncodedSize(len(data)))
+	for _, level := range []zstd.EncoderLevel{zstd.SpeedFastest, zstd.SpeedDefault} {
+		runtime.GC()
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		enc, err := newChunkEncoder(level)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range 3 {
+			out = enc.EncodeAll(data, out[:0])
+		}
+		runtime.ReadMemStats(&after)
+		grew := int64(after.HeapAlloc) - int64(before.HeapAlloc)
+		t.Logf("%v: encoder state %d KiB", level, grew>>10)
+		if grew > encoderMemory {
+			t.Errorf("%v: the encoder holds %d KiB, more than the %d KiB encoderMemory allows", level, grew>>10, encoderMemory>>10)
+		}
+		runtime.KeepAlive(enc)
+		enc.Close()
 	}
 }
