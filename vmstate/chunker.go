@@ -13,33 +13,46 @@ import "math/bits"
 //
 // The hash is a gear hash (as in FastCDC): h = h<<1 + gear[byte]. After 64
 // steps a byte's contribution has been shifted out, so the window is 64
-// bytes. Normalized chunking keeps sizes near the average: below it a cut
-// needs one more zero bit, above it one fewer. Cuts are never closer than
-// min or further apart than max.
+// bytes. A cut needs log2(avg) zero bits, one more in the first half of
+// the average (fewer small chunks). Cuts are never closer than min or
+// further apart than max.
+//
+// How quickly the cuts after a change fall back on the old ones decides
+// what a second checkpoint uploads. A simulation (random data, 13 MiB of
+// 280 MiB rewritten in place, 80 trials) measured, for 8 MiB chunks:
+//
+//	min   mask (bits vs log2 avg)        chunks  uploaded: median  p90  over 15%
+//	avg/2 +1 below avg, -1 from avg on   30      10.8%             24%  27%
+//	avg/4 +1 below avg/2, 0 from avg/2   34       8.4%             16%  12%
+//
+// The first (FastCDC's normalization) keeps sizes tight, but it ties most
+// cuts to where the chunk began, so after a change they take longer to meet
+// the old ones again; the second costs 13% more chunks.
 
 // chunker finds content-defined cut points.
 type chunker struct {
 	min, avg, max int
-	maskS, maskL  uint64 // below avg, from avg on
+	norm          int    // where maskL takes over from maskS
+	maskS, maskL  uint64 // before norm, from norm on
 }
 
-// newChunker makes a chunker for chunks of about avg bytes, between avg/2
+// newChunker makes a chunker for chunks of about avg bytes, between avg/4
 // and 3*avg/2. avg is rounded down to a power of two of at least 4 KiB. On
-// random data the chunks average 1.13*avg and about one in five ends at
-// max, where the cut is placed by length and not by content (the next
-// content-defined cut resynchronizes). A max of 2*avg would force only one
-// cut in ten and make 7% fewer chunks, but the pipeline's buffers are
-// max-sized: a third more memory, for a checkpoint about 1% faster.
+// random data about three chunks in ten end at max, where the cut is placed
+// by length, not content; the pipeline's buffers are max-sized, and a
+// larger max did not help the uploads after a change (the chunks around a
+// change get bigger).
 func newChunker(avg int) chunker {
 	avg = max(avg, 4<<10)
 	b := bits.Len(uint(avg)) - 1 // log2, rounded down
 	avg = 1 << b
 	return chunker{
-		min:   avg / 2,
+		min:   avg / 4,
 		avg:   avg,
 		max:   avg + avg/2,
+		norm:  avg / 2,
 		maskS: topBits(b + 1),
-		maskL: topBits(b - 1),
+		maskL: topBits(b),
 	}
 }
 
@@ -61,7 +74,7 @@ func (c chunker) cut(b []byte) int {
 	for _, x := range b[c.min-64 : c.min] {
 		h = h<<1 + gear[x]
 	}
-	i, h, found := scan(b[:min(c.avg, n)], c.min, h, c.maskS)
+	i, h, found := scan(b[:min(c.norm, n)], c.min, h, c.maskS)
 	if found {
 		return i
 	}

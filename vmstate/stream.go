@@ -35,7 +35,7 @@ type BlobSource interface {
 type StreamOptions struct {
 	// ChunkSize is the average raw size of a chunk (default 8 MiB), rounded
 	// down to a power of two. Chunks are cut where the content says (see
-	// chunker), between half and 1.5 times that size.
+	// chunker), between a quarter and 1.5 times that size.
 	ChunkSize int
 	// Workers is how many chunks are compressed, fetched or decompressed at
 	// once (default 2, whatever the machine: each worker holds up to two
@@ -49,8 +49,8 @@ type StreamOptions struct {
 	Uploads int
 	// Level is the zstd level (default zstd.SpeedFastest, about zstd -1:
 	// QEMU's stream is mostly either zero pages, which any level reduces to
-	// nothing, or data that barely compresses; the bench measured 0.3%
-	// more bytes than with SpeedDefault for half the compression CPU).
+	// nothing, or data that barely compresses: on the bench guest's stream
+	// 0.4% more bytes than SpeedDefault, for 30% less compression CPU).
 	Level zstd.EncoderLevel
 	// Progress, if set, is called with the raw bytes done so far, from one
 	// goroutine at a time.
@@ -566,8 +566,8 @@ func fetchChunk(ctx context.Context, src BlobSource, dec *zstd.Decoder, desc oci
 // encoderWindow is how far back zstd looks for matches. An encoder keeps
 // about twice its window in memory: a window covering a whole chunk (16 MiB
 // for 8 MiB chunks) cost 32 MiB per compressor, 1 MiB costs under 3. QEMU's
-// stream has little to gain from matches further back (the bench's stored
-// size moved by 0.3%, together with the faster level). Frames carry no
+// stream has nothing to gain from matches further back (an 8 MiB window
+// gave the bench guest's stream the same size to the byte). Frames carry no
 // xxhash checksum either: every chunk is checked against its sha256 digest
 // before a byte of it is decompressed.
 const encoderWindow = 1 << 20

@@ -93,8 +93,8 @@ func TestStreamRoundTrip(t *testing.T) {
 			if res.RawBytes != int64(len(data)) {
 				t.Fatalf("read %d bytes of %d", res.RawBytes, len(data))
 			}
-			// Every chunk but the last is between half and 1.5 times the
-			// average.
+			// Every chunk but the last is between min and max (a quarter and 1.5 times the
+			// average).
 			ck := newChunker(tc.chunk)
 			for i, l := range res.Layers {
 				n, _ := strconv.Atoi(l.Annotations[ociimage.AnnotationRawSize])

@@ -20,7 +20,7 @@ type streamFlags struct {
 }
 
 func (f *streamFlags) add(c *cobra.Command) {
-	c.Flags().IntVar(&f.chunkSize, "chunk-size", 8<<20, "average raw bytes per chunk, a power of two (each chunk is one compressed, digest-addressed blob, cut where the content says, between half and 1.5 times this; grows for VMs over 64 GiB)")
+	c.Flags().IntVar(&f.chunkSize, "chunk-size", 8<<20, "average raw bytes per chunk, a power of two (each chunk is one compressed, digest-addressed blob, cut where the content says, between a quarter and 1.5 times this; grows for VMs over 64 GiB)")
 	c.Flags().IntVar(&f.workers, "workers", 0, "chunks compressed, fetched or decompressed at once (default 2; each one more holds up to two chunks in memory, 24 MiB at the default chunk size: raise it for a fast registry link with spare cores)")
 }
 
