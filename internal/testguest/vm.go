@@ -3,6 +3,7 @@ package testguest
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -184,10 +185,13 @@ func Start(t testing.TB, opts Options) *VM {
 	}()
 	t.Cleanup(vm.cleanup)
 
-	// QEMU creates the socket before it starts the guest.
+	// QEMU listens on the socket before it starts the guest. The file
+	// appears at bind(), a moment before listen(): a connection in between
+	// is refused, so wait for one that is accepted.
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		if _, err := os.Stat(vm.qmpPath); err == nil {
+		if conn, err := net.DialTimeout("unix", vm.qmpPath, time.Second); err == nil {
+			conn.Close()
 			break
 		}
 		select {
