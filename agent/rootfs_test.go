@@ -54,18 +54,10 @@ func TestAgentCheckpointWithRootfsLayer(t *testing.T) {
 	store := t.TempDir()
 
 	ctx := context.Background()
-	op, err := a.client.Checkpoint(ctx, api.CheckpointRequest{
+	cp := checkpointWithRootfs(t, a, api.CheckpointRequest{
 		VM:    api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock", DiskPath: "/run/vm/overlay.qcow2"},
 		Image: "oci:" + store + ":vm", DiskImage: "oci:" + store + ":disk", RootfsImage: "oci:" + store + ":rootfs", Mode: "pause",
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	final := waitOp(t, a.client, op.ID)
-	cp := final.Checkpoint
-	if final.State != api.StateSucceeded || cp == nil || cp.Disk == nil || cp.Rootfs == nil {
-		t.Fatalf("checkpoint ended %+v (error %+v)", final, final.Error)
-	}
 	for what, img := range map[string]string{"vmstate": cp.VMState.Image, "disk": cp.Disk.Image, "rootfs": cp.Rootfs.Image} {
 		if !strings.Contains(img, "@sha256:") {
 			t.Errorf("%s image %q is not pinned by digest", what, img)
@@ -120,6 +112,22 @@ func TestAgentRootfsNeedsContainerd(t *testing.T) {
 	}
 }
 
+// checkpointWithRootfs runs req through a and returns its result, failing
+// t unless it succeeded with a disk and a rootfs part.
+func checkpointWithRootfs(t *testing.T, a *testAgent, req api.CheckpointRequest) *api.CheckpointResult {
+	t.Helper()
+	op, err := a.client.Checkpoint(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	final := waitOp(t, a.client, op.ID)
+	cp := final.Checkpoint
+	if final.State != api.StateSucceeded || cp == nil || cp.Disk == nil || cp.Rootfs == nil {
+		t.Fatalf("checkpoint ended %+v (error %+v)", final, final.Error)
+	}
+	return cp
+}
+
 // startAgentWith is startAgent for any Resolver.
 func startAgentWith(t *testing.T, resolver Resolver) *testAgent {
 	t.Helper()
@@ -169,15 +177,7 @@ func TestAgentCheckpointDiskInWritableLayer(t *testing.T) {
 		VM:    api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock", DiskPath: "/vm/disk/overlay.qcow2"},
 		Image: "oci:" + store + ":vm", RootfsImage: "oci:" + store + ":rootfs", Mode: "snapshot",
 	}
-	op, err := a.client.Checkpoint(ctx, req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	final := waitOp(t, a.client, op.ID)
-	cp := final.Checkpoint
-	if final.State != api.StateSucceeded || cp == nil || cp.Disk == nil || cp.Rootfs == nil {
-		t.Fatalf("checkpoint ended %+v (error %+v)", final, final.Error)
-	}
+	cp := checkpointWithRootfs(t, a, req)
 	want := api.DiskInRootfs{Image: cp.Rootfs.Image, Digest: cp.Rootfs.Digest, Path: "/vm/disk/overlay.qcow2"}
 	if cp.Disk.Image != "" || cp.Disk.Digest != "" || cp.Disk.InRootfs == nil || *cp.Disk.InRootfs != want ||
 		cp.Disk.RawBytes != int64(len(overlay)) || cp.Disk.VirtualSize != testguest.DiskSizeMB<<20 || cp.Disk.BackingFile != "base.qcow2" {
@@ -206,13 +206,8 @@ func TestAgentCheckpointDiskInWritableLayer(t *testing.T) {
 
 	// Asked for a disk image as well, it gets one too.
 	req.DiskImage = "oci:" + store + ":disk"
-	op, err = a.client.Checkpoint(ctx, req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	final = waitOp(t, a.client, op.ID)
-	if cp := final.Checkpoint; cp == nil || cp.Disk.Image == "" || cp.Disk.InRootfs == nil || cp.Disk.InRootfs.Digest != cp.Rootfs.Digest {
-		t.Fatalf("checkpoint with a disk image too: %+v (error %+v)", final.Checkpoint, final.Error)
+	if cp := checkpointWithRootfs(t, a, req); cp.Disk.Image == "" || cp.Disk.InRootfs == nil || cp.Disk.InRootfs.Digest != cp.Rootfs.Digest {
+		t.Fatalf("checkpoint with a disk image too: %+v", cp)
 	}
 
 	// A disk on a volume rides in no rootfs image: it needs a disk image.
