@@ -30,6 +30,9 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
 	}
+	if err := s.checkImages(req.Image, req.DiskImage, req.RootfsImage); err != nil {
+		return api.Operation{}, err
+	}
 	target, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
@@ -76,6 +79,9 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if req.VM.DiskPath != "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "the agent restores VM state only: put the disk overlay in place before QEMU starts (the restore init container does)")
 	}
+	if err := s.checkImages(req.Image); err != nil {
+		return api.Operation{}, err
+	}
 	target, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
@@ -102,7 +108,26 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	})
 }
 
+// checkImages refuses, before the VM is touched, a request that names an
+// image the agent's policy does not allow (policy.go): the image, then the
+// disk image, then the rootfs image.
+func (s *Server) checkImages(image string, more ...string) error {
+	names := []string{"image", "disk image", "rootfs image"}
+	for i, ref := range append([]string{image}, more...) {
+		if err := s.policy.check(names[i], ref); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// resolve finds the VM for the request's caller: FORBIDDEN unless the VM is
+// in the caller's namespace or the caller is an admin (caller.go).
 func (s *Server) resolve(ctx context.Context, vm api.VMRef) (api.Target, error) {
+	caller, err := requestCaller(ctx)
+	if err != nil {
+		return api.Target{}, err
+	}
 	if vm.PodUID == "" {
 		return api.Target{}, errcode.New(errcode.VMNotFound, "no pod UID given: name the VM's pod by its UID (the Job's SOURCE_POD_UID)")
 	}
@@ -111,7 +136,14 @@ func (s *Server) resolve(ctx context.Context, vm api.VMRef) (api.Target, error) 
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	return s.cfg.Resolver.Resolve(ctx, vm)
+	t, err := s.cfg.Resolver.Resolve(ctx, vm)
+	if err != nil {
+		return api.Target{}, err
+	}
+	if err := caller.mayActOn(t.Namespace); err != nil {
+		return api.Target{}, err
+	}
+	return t, nil
 }
 
 // start registers o and runs work in the background once a slot is free.
