@@ -33,7 +33,8 @@ var vmsnapBinary struct {
 	err  error
 }
 
-// binary builds vmsnap once per test run.
+// binary builds vmsnap once per test run, static (no cgo), so that it
+// also runs inside the tests' busybox containers, which have no libc.
 func binary(t *testing.T) string {
 	t.Helper()
 	vmsnapBinary.once.Do(func() {
@@ -43,7 +44,9 @@ func binary(t *testing.T) string {
 			return
 		}
 		vmsnapBinary.path = filepath.Join(dir, "vmsnap")
-		out, err := exec.Command("go", "build", "-o", vmsnapBinary.path, ".").CombinedOutput()
+		build := exec.Command("go", "build", "-o", vmsnapBinary.path, ".")
+		build.Env = append(os.Environ(), "CGO_ENABLED=0")
+		out, err := build.CombinedOutput()
 		if err != nil {
 			vmsnapBinary.err = &exec.ExitError{}
 			t.Logf("go build: %s", out)
@@ -64,14 +67,16 @@ type agentProc struct {
 	done     chan struct{}
 }
 
-func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket string) *agentProc {
+// startAgentProc runs `vmsnap agent` with the flags given and extra ones
+// (its policy: --layout-root, --allow-repository, --admin-namespace).
+func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket string, extra ...string) *agentProc {
 	t.Helper()
 	log, err := os.CreateTemp(t.TempDir(), "agent-*.log")
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(binary(t), "agent", "--socket", socket, "--state-dir", stateDir,
-		"--containerd-address", ctrd.Address, "--containerd-namespace", testcontainerd.Namespace, "--log-level", "debug")
+	cmd := exec.Command(binary(t), append([]string{"agent", "--socket", socket, "--state-dir", stateDir,
+		"--containerd-address", ctrd.Address, "--containerd-namespace", testcontainerd.Namespace, "--log-level", "debug"}, extra...)...)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
