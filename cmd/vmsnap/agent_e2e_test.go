@@ -110,6 +110,11 @@ func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket 
 	return p
 }
 
+// tempRoot is the directory of the test's t.TempDir()s: the layout root
+// of an agent whose tests keep their layouts in them (the state directory,
+// a sibling, stays out of every layout).
+func tempRoot(t *testing.T) string { return filepath.Dir(t.TempDir()) }
+
 func (p *agentProc) kill() {
 	_ = p.cmd.Process.Kill()
 	<-p.done
@@ -197,7 +202,7 @@ func TestAgentE2EJobCheckpointAndAgentRestore(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
-	startAgentProc(t, ctrd, t.TempDir(), sock)
+	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
 	store := filepath.Join(t.TempDir(), "store")
 	termLog := filepath.Join(t.TempDir(), "termination-log")
 
@@ -249,7 +254,7 @@ func TestAgentE2EBusyAndDeletedContainer(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
-	startAgentProc(t, ctrd, t.TempDir(), sock)
+	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
 	c, _ := agent.NewClient("unix://" + sock)
 	ctx := context.Background()
 	req := api.CheckpointRequest{VM: api.VMRef{PodUID: src.uid, Container: "qemu", QMPPath: src.qmpInPod()},
@@ -316,7 +321,7 @@ func TestAgentE2EKilledAgentContinuesVMOnRestart(t *testing.T) {
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
 	stateDir := t.TempDir()
-	p := startAgentProc(t, ctrd, stateDir, sock)
+	p := startAgentProc(t, ctrd, stateDir, sock, "--layout-root", tempRoot(t))
 	c, _ := agent.NewClient("unix://" + sock)
 	op, err := c.Checkpoint(context.Background(), api.CheckpointRequest{
 		VM:    api.VMRef{PodUID: src.uid, Container: "qemu", QMPPath: src.qmpInPod()},
@@ -339,7 +344,7 @@ func TestAgentE2EKilledAgentContinuesVMOnRestart(t *testing.T) {
 		t.Fatalf("the VM runs after the agent died mid-checkpoint (%s): the kill came too late to test anything", st)
 	}
 	// The restarted agent finds the journal and continues the VM.
-	startAgentProc(t, ctrd, stateDir, sock)
+	startAgentProc(t, ctrd, stateDir, sock, "--layout-root", tempRoot(t))
 	waitRunning(t, src)
 	o, err := c.Get(context.Background(), op.ID)
 	if err != nil || o.State != api.StateFailed || !strings.Contains(o.Error.Message, "continued") {
@@ -408,7 +413,7 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
-	startAgentProc(t, ctrd, t.TempDir(), sock)
+	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
 	stateStore, imageStore := filepath.Join(t.TempDir(), "state"), filepath.Join(t.TempDir(), "images")
 	args := []string{"checkpoint", "--agent", "unix://" + sock, "--pod-uid", src.uid, "--container", "qemu",
 		"--qmp", src.qmpInPod(), "--disk", testcontainerd.DefaultMountPath + "/overlay.qcow2",
@@ -483,7 +488,7 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
-	startAgentProc(t, ctrd, t.TempDir(), sock)
+	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
 	stateStore, imageStore := filepath.Join(t.TempDir(), "state"), filepath.Join(t.TempDir(), "images")
 	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--agent", "unix://"+sock, "--pod-uid", src.uid, "--container", "qemu",
 		"--qmp", src.qmpInPod(), "--disk", inPod, "--image", "oci:"+stateStore+":vm",
