@@ -24,17 +24,29 @@ package agent
 //     ptrace access to the process, unlike /proc/PID/ns/pid.
 //
 // The pid may have been reused between the caller's connect() and these
-// reads. The process at the pid must have started no later than the
-// connection was accepted, and still be the same process (same start time)
-// after the resolver answered; otherwise the caller is refused. What
-// remains is a pid reused between connect() and accept(), the window the
-// peer credential check (peercred.go) leaves too. A caller whose pid the
-// agent cannot see at all (pid 0: a pid namespace the agent does not see)
-// is refused.
+// reads. So:
+//
+//   - where the kernel has SO_PEERPIDFD (Linux 6.5), the agent takes, at
+//     accept(), a pidfd of the very process that connected, and after all
+//     the reads it checks that this process has not exited: the pid was
+//     then still its, and everything read about the pid was about it. A
+//     kernel that has SO_PEERPIDFD but cannot give one (the caller already
+//     exited) refuses the caller;
+//   - everywhere, the process at the pid must have started no later than
+//     the connection was accepted, and still be the same process (same
+//     start time) after the resolver answered. Without SO_PEERPIDFD this is
+//     all there is, and what remains is a pid reused between connect() and
+//     accept(), the window the peer credential check (peercred.go) leaves
+//     too.
+//
+// A caller whose pid the agent cannot see at all (pid 0: a pid namespace
+// the agent does not see) is refused.
 
 import (
 	"bytes"
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -43,6 +55,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
@@ -57,15 +71,88 @@ type callerConn struct {
 	once   sync.Once
 	caller Caller
 	err    error
+
+	mu       sync.Mutex // guards pidfd against Close
+	pidfd    int        // of the process that connected; -1: none
+	pidfdErr error      // why the kernel gave none, where it could have
+}
+
+// newCallerConn wraps c, an accepted unix connection from p.
+func newCallerConn(c net.Conn, p peer, accepted time.Time) *callerConn {
+	cc := &callerConn{Conn: c, peer: p, accepted: accepted, pidfd: -1}
+	cc.pidfd, cc.pidfdErr = peerPidfd(c)
+	return cc
+}
+
+func (c *callerConn) Close() error {
+	c.mu.Lock()
+	if c.pidfd >= 0 {
+		unix.Close(c.pidfd)
+		c.pidfd = -1
+	}
+	c.mu.Unlock()
+	return c.Conn.Close()
 }
 
 func (c *callerConn) identify(ctx context.Context, s *Server) (Caller, error) {
 	c.once.Do(func() {
 		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
+		if c.pidfdErr != nil {
+			c.err = errcode.Wrap(errcode.Forbidden, c.pidfdErr, "%s: the process that connected is gone", cannotTell)
+			return
+		}
 		c.caller, c.err = s.identifyPeer(ctx, c.peer, c.accepted)
+		if c.err == nil && !c.stillThere() {
+			c.caller, c.err = Caller{}, errcode.New(errcode.Forbidden, "%s: the process that connected (pid %d) exited while the agent looked it up", cannotTell, c.peer.pid)
+		}
 	})
 	return c.caller, c.err
+}
+
+// stillThere reports whether the process that connected has not exited
+// (always true without a pidfd: identifyPeer's start times are all there
+// is then). A pidfd polls readable once its process has exited.
+func (c *callerConn) stillThere() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.pidfd < 0 {
+		return c.pidfdErr == nil
+	}
+	fds := []unix.PollFd{{Fd: int32(c.pidfd), Events: unix.POLLIN}}
+	for {
+		n, err := unix.Poll(fds, 0)
+		if err == unix.EINTR {
+			continue
+		}
+		return err == nil && n == 0
+	}
+}
+
+// peerPidfd is a pidfd of the process that connected c (SO_PEERPIDFD),
+// or -1 and no error where the kernel has no SO_PEERPIDFD.
+func peerPidfd(c net.Conn) (int, error) {
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		return -1, nil
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	fd, sysErr := -1, error(nil)
+	if err := raw.Control(func(s uintptr) {
+		fd, sysErr = unix.GetsockoptInt(int(s), unix.SOL_SOCKET, unix.SO_PEERPIDFD)
+	}); err != nil {
+		return -1, err
+	}
+	if errors.Is(sysErr, unix.ENOPROTOOPT) {
+		return -1, nil
+	}
+	if sysErr != nil {
+		return -1, fmt.Errorf("SO_PEERPIDFD: %w", sysErr)
+	}
+	return fd, nil
 }
 
 const cannotTell = "the agent cannot tell which pod you are, so it refuses the call"

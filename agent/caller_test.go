@@ -8,13 +8,18 @@ import (
 	"encoding/json"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -206,5 +211,61 @@ func TestRequestWithoutCallerIsForbidden(t *testing.T) {
 	}
 	if rec := httptest.NewRecorder(); func() int { tn.h.ServeHTTP(rec, httptest.NewRequest("GET", "/healthz", nil)); return rec.Code }() != 200 {
 		t.Error("/healthz needs no caller")
+	}
+}
+
+// The pid the kernel recorded now belongs to a live process that started
+// before the connection was accepted, but the process that connected has
+// exited: its pidfd says so, and the caller is refused.
+func TestIdentifyRefusesAnExitedConnector(t *testing.T) {
+	s := fuzzServer(t)
+	child := exec.Command("true")
+	if err := child.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited, err := unix.PidfdOpen(child.Process.Pid, 0)
+	if err != nil {
+		t.Skipf("SKIPPING: no pidfd_open on this kernel: %v", err)
+	}
+	_ = child.Wait()
+	gone := &callerConn{peer: peer{pid: int32(os.Getpid())}, accepted: time.Now(), pidfd: exited}
+	defer unix.Close(exited)
+	if c, err := gone.identify(context.Background(), s); errcode.Of(err) != errcode.Forbidden || !strings.Contains(err.Error(), "exited") {
+		t.Fatalf("a connector that exited, its pid taken by a live process: %+v, %v; want FORBIDDEN", c, err)
+	}
+
+	// A real connection from this process: a pidfd where the kernel has
+	// SO_PEERPIDFD, and a caller on the node.
+	dir, err := os.MkdirTemp("", "vmsnap-caller-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	ln, err := net.Listen("unix", filepath.Join(dir, "s"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	checked, err := withPeerCheck(ln, "", s.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := net.Dial("unix", filepath.Join(dir, "s"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	conn, err := checked.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc := conn.(*callerConn)
+	t.Logf("pidfd %d (%v)", cc.pidfd, cc.pidfdErr)
+	if c, err := cc.identify(context.Background(), s); err != nil || !c.Admin || c.PID != int32(os.Getpid()) {
+		t.Fatalf("this process over a real socket: %+v, %v; want an admin", c, err)
+	}
+	conn.Close()
+	if cc.pidfd != -1 {
+		t.Fatal("closing the connection left its pidfd open")
 	}
 }

@@ -139,7 +139,7 @@ func (l *credListener) Accept() (net.Conn, error) {
 		accepted := time.Now()
 		p, err := peerOf(c, accepted)
 		if err == nil && l.policy.allows(p) {
-			return &callerConn{Conn: c, peer: p, accepted: accepted}, nil
+			return newCallerConn(c, p, accepted), nil
 		}
 		l.refuse(c, p, err)
 	}
