@@ -146,6 +146,24 @@ func TestCallerActsOnlyInItsNamespace(t *testing.T) {
 	if entries, _ := os.ReadDir(tn.layout); len(entries) != 0 {
 		t.Fatalf("a refused request wrote %v", entries)
 	}
+	// Likewise a restore into tenant-a's VM, and one from a registry this
+	// agent does not allow (refused before the VM is looked up).
+	for _, tc := range []struct {
+		c     Caller
+		image string
+		msg   string
+	}{
+		{callerB, "oci:" + tn.layout + "/x@sha256:" + strings.Repeat("ab", 32), "own namespace tenant-b"},
+		{callerA, "reg.example/vms/x@sha256:" + strings.Repeat("ab", 32), "no --allow-repository"},
+	} {
+		code, b := tn.do(tc.c, "POST", "/v1/restores", `{"vm":{"podUID":"`+uidA+`","container":"qemu","qmp":"/run/vm/qmp.sock"},"image":"`+tc.image+`"}`)
+		if code != http.StatusForbidden || !bytes.Contains(b, []byte(`"FORBIDDEN"`)) || !bytes.Contains(b, []byte(tc.msg)) {
+			t.Fatalf("%s restoring %s into tenant-a's VM: %d %s", tc.c.Namespace, tc.image, code, b)
+		}
+	}
+	if cmds := tn.vmA.Commands(); len(cmds) != 0 {
+		t.Fatalf("tenant-a's VM received %v from refused restores", cmds)
+	}
 	// Each tenant on its own VM, and the platform's controller on either.
 	opA, e := tn.checkpoint(t, callerA, uidA)
 	if e.Code != "" || opA.Target.Namespace != "tenant-a" {
