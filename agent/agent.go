@@ -59,8 +59,8 @@ type Config struct {
 	// fires, the operation fails and its VM is put back as on any failure.
 	OperationTimeout time.Duration
 	Resolver         Resolver
-	Store         []ociimage.Option // registry credentials, CA, ...
-	Logger        *slog.Logger
+	Store            []ociimage.Option // registry credentials, CA, ...
+	Logger           *slog.Logger
 }
 
 // HardMaxWorkers is the most workers one request may ever ask for: with the
