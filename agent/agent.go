@@ -47,6 +47,12 @@ type Config struct {
 	// MaxConcurrent bounds the operations running at once on this node
 	// (default 2); more wait as pending.
 	MaxConcurrent int
+	Resolver      Resolver
+	Store         []ociimage.Option // registry credentials, CA, ...
+	Logger        *slog.Logger
+
+	// Bounds on one operation.
+
 	// MaxWorkers bounds a request's workers (default DefaultMaxWorkers(),
 	// at most HardMaxWorkers): each one holds chunk buffers (see
 	// vmstate.StreamOptions.EncodeMemory), so a caller must not pick how
@@ -58,9 +64,6 @@ type Config struct {
 	// or a caller killed mid-wait, never holds a slot for good. When it
 	// fires, the operation fails and its VM is put back as on any failure.
 	OperationTimeout time.Duration
-	Resolver         Resolver
-	Store            []ociimage.Option // registry credentials, CA, ...
-	Logger           *slog.Logger
 }
 
 // HardMaxWorkers is the most workers one request may ever ask for: with the
