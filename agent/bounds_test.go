@@ -3,7 +3,9 @@ package agent
 import (
 	"bytes"
 	"context"
+	"io/fs"
 	"log/slog"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -251,4 +253,60 @@ func gauge(t *testing.T, s *Server, name string, values ...string) float64 {
 		}
 	}
 	return 0
+}
+
+// TestAgentMappedRAMStagingBounded: through the agent (its state directory
+// is the staging directory), a QEMU that claims 16 MiB of memory and writes
+// its mapped-ram file without end is stopped near the bound: the operation
+// fails with QMP_ERROR, the VM runs again, the state directory holds no
+// staging file and the file QEMU still holds takes no space.
+func TestAgentMappedRAMStagingBounded(t *testing.T) {
+	vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 4<<20))
+	vm.EnableMappedRAM()
+	vm.HoldRemovedFDs(t)
+	vm.Lock()
+	vm.Memory, vm.LieGrow = 16<<20, true
+	vm.Unlock()
+	res := newStaticResolver()
+	res.add(uid1, vm.Path())
+	stateDir := t.TempDir()
+	a := startAgentConfig(t, Config{StateDir: stateDir, Resolver: res})
+	op, err := a.client.Checkpoint(context.Background(), api.CheckpointRequest{
+		VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/q"}, Image: "oci:" + t.TempDir() + ":vm", Mode: "snapshot"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	final := waitOp(t, a.client, op.ID)
+	if final.State != api.StateFailed || final.Error.Code != errcode.QMPError || !strings.Contains(final.Error.Message, "whose state takes at most 273 MiB") {
+		t.Fatalf("checkpoint of a QEMU whose staging file grows without end: %s %+v", final.State, final.Error)
+	}
+	if vm.Status() != "running" {
+		t.Fatalf("the VM is %s, want running", vm.Status())
+	}
+	vm.WaitMigrations()
+	vm.Lock()
+	size := vm.FileMaxSize
+	vm.Unlock()
+	t.Logf("the staging file reached %d MiB before it was freed", size>>20)
+	if size < 273<<20 || size > (273+512)<<20 {
+		t.Fatalf("the staging file reached %d MiB: want just past the 273 MiB bound", size>>20)
+	}
+	files, err := vm.HeldFiles()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, h := range files {
+		if h.Size != 0 || h.Allocated != 0 {
+			t.Fatalf("QEMU holds a staging file of %d bytes (%d allocated)", h.Size, h.Allocated)
+		}
+	}
+	err = filepath.WalkDir(stateDir, func(path string, d fs.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			t.Errorf("the state directory holds %s", path)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }
