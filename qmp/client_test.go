@@ -295,7 +295,7 @@ func TestEventFloodDoesNotBlockReplies(t *testing.T) {
 // are dropped, oldest first, once the queue holds EventQueueBytes, long
 // before it holds EventQueueLimit events; the newest are delivered.
 func TestEventQueueBoundedInBytes(t *testing.T) {
-	const events, size = 100, 1 << 20 // 100 MiB in all, 100 events
+	const events, size = 64, 512 << 10 // 32 MiB in all, 64 events
 	pad := strings.Repeat("e", size)
 	srv := qmptest.NewServer(t, func(srv *qmptest.Server, cmd qmptest.Command, _ []*os.File) (any, *qmp.Error) {
 		if cmd.Execute == "flood" {
@@ -311,7 +311,7 @@ func TestEventQueueBoundedInBytes(t *testing.T) {
 	if err := c.Execute(testContext(t), "flood", nil, nil); err != nil {
 		t.Fatal(err)
 	}
-	// Each event costs a little over 1 MiB: at most 7 fit in 8 MiB, and
+	// Each event costs a little over 512 KiB: at most 15 fit in 8 MiB, and
 	// the pump may hold one more.
 	kept := uint64(qmp.EventQueueBytes / size)
 	if d := sub.Dropped(); d < events-kept-1 || d > events-kept+1 {
