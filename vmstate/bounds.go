@@ -142,3 +142,15 @@ func checkExtent(f *os.File, memory int64) (size, allocated int64, err error) {
 	}
 	return size, allocated, err
 }
+
+// checkSize refuses a config that declares more state than its VM's memory
+// explains: a restore stages (mapped-ram) or streams that much, and the
+// image may come from anyone.
+func (c Config) checkSize() error {
+	if c.RawBytes > maxStateBytes(c.Record.MemoryBytes) {
+		return errcode.New(errcode.InvalidInput,
+			"the image's config declares %d MiB of state for a VM with %d MiB of memory, whose state takes at most %d MiB: no checkpoint of a real VM looks like that",
+			c.RawBytes>>20, c.Record.MemoryBytes>>20, maxStateBytes(c.Record.MemoryBytes)>>20)
+	}
+	return nil
+}

@@ -118,3 +118,18 @@ func (zeroReader) Read(p []byte) (int, error) {
 	clear(p)
 	return len(p), nil
 }
+
+// TestConfigSizeIsChecked: an image may not declare more state than its
+// record's memory explains (a restore would stage or stream it all).
+func TestConfigSizeIsChecked(t *testing.T) {
+	const memory = 64 << 20
+	for _, c := range []struct {
+		raw int64
+		ok  bool
+	}{{1 << 20, true}, {maxStateBytes(memory), true}, {maxStateBytes(memory) + 1, false}, {1 << 40, false}} {
+		cfg := Config{Record: Record{MemoryBytes: memory}, Format: FormatMappedRAM, RawBytes: c.raw, DataBytes: 4096}
+		if err := cfg.checkSize(); (err == nil) != c.ok || (err != nil && errcode.Of(err) != errcode.InvalidInput) {
+			t.Errorf("%d bytes of state for %d of memory: %v", c.raw, memory, err)
+		}
+	}
+}
