@@ -28,6 +28,7 @@ import (
 	"os"
 	"os/user"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"sync"
 	"time"
@@ -60,7 +61,34 @@ type Config struct {
 	// LayoutRoot is the directory a request's oci: layouts must be under;
 	// "": every layout is refused.
 	LayoutRoot string
+
+	// Bounds on one operation.
+
+	// MaxWorkers bounds a request's workers (default DefaultMaxWorkers(),
+	// at most HardMaxWorkers): each one holds chunk buffers (see
+	// vmstate.StreamOptions.EncodeMemory), so a caller must not pick how
+	// much of the agent's memory one operation takes. A request above it
+	// is refused (INVALID_INPUT), not clamped, so the caller knows.
+	MaxWorkers int
+	// OperationTimeout bounds every operation from its acceptance, its
+	// wait for a slot included (default 30m): a QEMU that stops answering,
+	// or a caller killed mid-wait, never holds a slot for good. When it
+	// fires, the operation fails and its VM is put back as on any failure.
+	OperationTimeout time.Duration
 }
+
+// HardMaxWorkers is the most workers one request may ever ask for: with the
+// largest chunks, a worker holds up to about 50 MiB (EncodeMemory), and an
+// agent's memory is bounded by its DaemonSet.
+const HardMaxWorkers = 16
+
+// DefaultMaxWorkers is MaxWorkers' default: twice the CPUs the agent may
+// use, at most HardMaxWorkers. More workers than CPUs only help while a
+// registry is slower than compression.
+func DefaultMaxWorkers() int { return min(2*runtime.GOMAXPROCS(0), HardMaxWorkers) }
+
+// DefaultOperationTimeout is OperationTimeout's default.
+const DefaultOperationTimeout = 30 * time.Minute
 
 // Server is the node daemon.
 type Server struct {
@@ -89,6 +117,15 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	if cfg.MaxConcurrent <= 0 {
 		cfg.MaxConcurrent = 2
+	}
+	if cfg.MaxWorkers <= 0 {
+		cfg.MaxWorkers = DefaultMaxWorkers()
+	}
+	if cfg.MaxWorkers > HardMaxWorkers {
+		return nil, errcode.New(errcode.Usage, "--max-workers %d: at most %d (each worker holds up to about 50 MiB)", cfg.MaxWorkers, HardMaxWorkers)
+	}
+	if cfg.OperationTimeout <= 0 {
+		cfg.OperationTimeout = DefaultOperationTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
@@ -151,6 +188,7 @@ func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	s.log.Info("agent listening", "socket", ln.Addr().String(), "stateDir", s.cfg.StateDir, "maxConcurrent", s.cfg.MaxConcurrent,
+		"maxWorkers", s.cfg.MaxWorkers, "operationTimeout", s.cfg.OperationTimeout.String(),
 		"adminNamespaces", s.cfg.AdminNamespaces, "allowRepositories", s.cfg.AllowRepositories, "layoutRoot", s.cfg.LayoutRoot)
 	select {
 	case err := <-errc:
@@ -190,8 +228,13 @@ func (s *Server) watch(ctx context.Context) {
 func (s *Server) forget(g Gone) {
 	why := errcode.New(errcode.VMNotFound, "the container %s of pod %s was deleted or replaced", g.Container, g.PodUID)
 	for _, op := range s.ops.forVM(g) {
-		s.log.Info("VM gone: cancelling its operation", "op", op.id, "pod", g.PodUID, "container", g.Container, "containerID", g.ContainerID)
-		op.cancel(why)
+		log := s.log.With("op", op.id, "pod", g.PodUID, "container", g.Container, "containerID", g.ContainerID)
+		if op.ended() {
+			log.Debug("VM gone: forgetting its finished operation")
+		} else {
+			log.Info("VM gone: cancelling its operation")
+			op.cancel(why)
+		}
 		s.ops.remove(op, why)
 	}
 }

@@ -67,8 +67,9 @@ type agentProc struct {
 	done     chan struct{}
 }
 
-// startAgentProc runs `vmsnap agent` with the flags given and extra ones
-// (its policy: --layout-root, --allow-repository, --admin-namespace).
+// startAgentProc starts `vmsnap agent` on socket, with extra flags after
+// the test's own (its policy: --layout-root, --allow-repository,
+// --admin-namespace; its bounds).
 func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket string, extra ...string) *agentProc {
 	t.Helper()
 	log, err := os.CreateTemp(t.TempDir(), "agent-*.log")
