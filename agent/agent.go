@@ -34,6 +34,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
@@ -230,6 +231,27 @@ func lookupGroup(group string) (int, error) {
 	return gid, nil
 }
 
+// continueJournaled continues the VM of an unfinished checkpoint, found
+// again through the resolver as the request named it (pod UID, container,
+// QMP path inside the container), never through a host path from the
+// journal: the journal is a file, and the pod may have changed since. The
+// VM is continued only if it still runs in the container the checkpoint
+// stopped; a container replaced since runs another QEMU, which is left
+// alone.
+func (s *Server) continueJournaled(ctx context.Context, op api.Operation) error {
+	ref := api.VMRef{PodUID: op.VM.PodUID, Container: op.VM.Container, QMPPath: op.VM.QMPPath}
+	vm, err := s.resolve(ctx, ref)
+	if err != nil {
+		return err
+	}
+	defer vm.Close()
+	if vm.ContainerID != op.Target.ContainerID {
+		return errcode.New(errcode.VMNotFound, "the container %s of pod %s is not the one the checkpoint stopped (%s, now %s): left alone",
+			op.VM.Container, op.VM.PodUID, op.Target.ContainerID, vm.ContainerID)
+	}
+	return continueVM(ctx, vm.QMP, op.VM.QMPPath)
+}
+
 // recover finishes what a previous run of the agent left in its journal.
 func (s *Server) recover(ctx context.Context) {
 	entries, err := s.journal.list()
@@ -241,7 +263,7 @@ func (s *Server) recover(ctx context.Context) {
 		log := s.log.With("op", e.Op.ID, "kind", e.Op.Kind, "pod", e.Op.VM.PodUID)
 		outcome := "the agent stopped during this operation"
 		if e.Op.Kind == "checkpoint" && e.VMWasRunning && e.Op.Checkpoint == nil && e.Op.Target != nil {
-			if err := continueVM(ctx, e.Op.Target.QMPPath); err != nil {
+			if err := s.continueJournaled(ctx, e.Op); err != nil {
 				log.Error("could not continue the VM an unfinished checkpoint had stopped", "err", err)
 				outcome += fmt.Sprintf("; continuing the VM failed: %v", err)
 			} else {

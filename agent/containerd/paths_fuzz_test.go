@@ -77,7 +77,7 @@ func TestHostPathRefusesEscapes(t *testing.T) {
 		{"/esc/secret", 0, "", errcode.InvalidInput},                         // source with ".."
 		{"/etc/passwd", 0, "", errcode.InvalidInput},                         // the container's root filesystem
 	} {
-		got, err := hostPath(mounts, "disk", tc.p, tc.mode)
+		got, err := openedPath(t, mounts, tc.p, tc.mode)
 		if tc.code != "" {
 			if errcode.Of(err) != tc.code {
 				t.Errorf("%s: %q, %v (code %s); want %s", tc.p, got, err, errcode.Of(err), tc.code)
@@ -93,6 +93,27 @@ func TestHostPathRefusesEscapes(t *testing.T) {
 			t.Errorf("containerPath(%q) = %v, want INVALID_INPUT", p, err)
 		}
 	}
+}
+
+// openedPath is hostPath for tests: the host path, once it has checked that
+// the file hostPath opened is the one at that path (and of the type asked
+// for), and closed it.
+func openedPath(t *testing.T, mounts []specs.Mount, p string, mode fs.FileMode) (string, error) {
+	t.Helper()
+	host, f, err := hostPath(mounts, "disk", p, mode)
+	if err != nil {
+		if f != nil {
+			t.Fatalf("%s: an error (%v) and a file", p, err)
+		}
+		return host, err
+	}
+	defer f.Close()
+	opened, err1 := f.Stat()
+	named, err2 := os.Lstat(host)
+	if err1 != nil || err2 != nil || !os.SameFile(opened, named) || opened.Mode().Type() != mode {
+		t.Fatalf("%s: opened %v (%v), but %s is %v (%v)", p, opened, err1, host, named, err2)
+	}
+	return host, nil
 }
 
 // TestResolveRefusesMalformedNames: refused before containerd is asked (the
@@ -151,7 +172,7 @@ func FuzzHostPath(f *testing.F) {
 			}
 			return
 		}
-		host, err := hostPath(mounts, "disk", clean, mode)
+		host, err := openedPath(t, mounts, clean, mode)
 		if err != nil {
 			if c := errcode.Of(err); c != errcode.InvalidInput && c != errcode.VMNotFound {
 				t.Fatalf("hostPath(%q): %v (code %s)", clean, err, c)
