@@ -330,6 +330,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			link := vmstate.Link{Annotations: map[string]string{}}
 			var err error
 			if diskStore != nil {
+				beforeDiskCapture()
 				disk, err = rootfs.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream))
 				if err != nil {
 					return vmstate.Link{}, err
@@ -419,6 +420,11 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 	return out, nil
 }
+
+// beforeDiskCapture runs while the VM is stopped, just before its disk
+// overlay is read: when a hostile QEMU knows its migration stream has ended.
+// Tests swap the overlay's path there.
+var beforeDiskCapture = func() {}
 
 // handles returns the spec's Handles, or opens its paths (OpenLocal); the
 // caller closes what it opened.
