@@ -1,8 +1,9 @@
 // Package agent runs checkpoints and restores of QEMU VMs on a node.
 //
 // The operations themselves (Checkpoint, RestoreState, RestoreDisk, Stage)
-// are plain functions on host paths, used by the CLI in its own process and
-// by the node daemon alike. The daemon (Server) adds what a node needs:
+// are plain functions, used by the CLI in its own process and by the node
+// daemon alike; a VM's files come to them opened (Handles), by the daemon's
+// resolver beneath the pod's volumes or from the CLI's own paths. The daemon (Server) adds what a node needs:
 //
 //   - a JSON HTTP API on a unix socket (mode 0660, a configurable group);
 //   - finding a VM by pod UID and container name through a Resolver

@@ -9,9 +9,11 @@
 // under the same name is another VM), takes the one whose task is running,
 // and maps the paths to host paths through the bind mounts (the pod's
 // volumes) of its OCI spec, or, for a disk on none of them, through the
-// snapshot that holds the container's writable layer. Watch reports containers that are deleted or
-// whose main process exited, so that the agent can drop every record about
-// them at once.
+// snapshot that holds the container's writable layer. There it opens each
+// file once, below the mount's source, without following any link (see
+// openBelow), and hands the agent the descriptors to use. Watch reports
+// containers that are deleted or whose main process exited, so that the
+// agent can drop every record about them at once.
 //
 // It talks to containerd only through its gRPC API with the
 // github.com/containerd/containerd/v2 client, which also works against
@@ -152,11 +154,12 @@ func (r *Resolver) Namespace() string { return r.namespace }
 //     running; the QMP socket or disk not there.
 //   - INVALID_INPUT: a malformed pod UID or container name; a path that is
 //     relative, has a ".." component, is on a mount that is not a bind
-//     mount (a volume), or goes through a symbolic link inside the volume or
-//     the writable layer; a QMP path on no mount, or that is not a socket; a
+//     mount (a volume), or goes through a symbolic link or a mount point
+//     inside the volume or the writable layer; a QMP path on no mount, or
+//     that is not a socket; a
 //     disk that is not a regular file, or in a writable layer vmsnap cannot
 //     read from the host (a snapshotter other than overlayfs or native).
-//   - INTERNAL: containerd failed.
+//   - INTERNAL: containerd failed; the kernel lacks openat2 (Linux 5.6+).
 func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (*agent.Resolved, error) {
 	if ref.PodUID == "" {
 		return nil, errcode.New(errcode.VMNotFound, "no VM: the request names no pod UID (a VM is named by its pod's UID, never by pod name)")
