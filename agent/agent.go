@@ -3,7 +3,8 @@
 // The operations themselves (Checkpoint, RestoreState, RestoreDisk, Stage)
 // are plain functions, used by the CLI in its own process and by the node
 // daemon alike; a VM's files come to them opened (Handles), by the daemon's
-// resolver beneath the pod's volumes or from the CLI's own paths. The daemon (Server) adds what a node needs:
+// resolver beneath the pod's volumes or from the CLI's own paths. The daemon
+// (Server) adds what a node needs:
 //
 //   - a JSON HTTP API on a unix socket (mode 0660, a configurable group);
 //   - finding a VM by pod UID and container name through a Resolver

@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -36,6 +37,7 @@ func volumeTree(tb testing.TB) (dir string, mounts []specs.Mount) {
 	if l, err := net.Listen("unix", filepath.Join(vol, "qmp.sock")); err == nil {
 		tb.Cleanup(func() { l.Close() })
 	}
+	syscall.Mkfifo(filepath.Join(vol, "fifo"), 0o600) // opening it for reading would block
 	os.Symlink("/etc", filepath.Join(vol, "etc"))
 	os.Symlink("../outside", filepath.Join(vol, "up"))
 	os.Symlink("../outside/secret", filepath.Join(vol, "secret"))
@@ -70,6 +72,7 @@ func TestHostPathRefusesEscapes(t *testing.T) {
 		{"/run/vm/disk.qcow2", fs.ModeSocket, "", errcode.InvalidInput}, // not a socket
 		{"/run/vm/qmp.sock", 0, "", errcode.InvalidInput},               // not a regular file
 		{"/run/vm/sub", 0, "", errcode.InvalidInput},                    // a directory
+		{"/run/vm/fifo", 0, "", errcode.InvalidInput},                   // a named pipe: refused, not opened
 		{"/run/vm/nothing", 0, "", errcode.VMNotFound},
 		{"/run/vm/disk.qcow2/x", 0, "", errcode.VMNotFound},                  // ENOTDIR: was INTERNAL
 		{"/run/vm/" + strings.Repeat("0", 300), 0, "", errcode.InvalidInput}, // ENAMETOOLONG: was INTERNAL

@@ -6,8 +6,9 @@
 //
 // The node agent runs as root and opens files in a pod's volumes, whose
 // contents the pod's processes may change at any moment: this is how it
-// does so. It is not for paths the caller owns (those are opened as they
-// are) and it does not make a file's contents trustworthy.
+// does so. Path opens a path the caller owns (the CLI's own) as given, so
+// that both are used alike afterwards. It does not make a file's contents
+// trustworthy: only which file is read.
 package beneath
 
 import (
