@@ -354,3 +354,85 @@ func TestAgentQMPSocketBeyondAddressLimit(t *testing.T) {
 		t.Fatalf("VM %s, state of %d bytes", a.vm.Status(), op.Checkpoint.VMState.RawBytes)
 	}
 }
+
+// TestAgentSwapsAgainstRealQEMU: the same two swaps with real guests. Once
+// its VM is resolved, pod A swaps its QMP socket for a link to pod B's and,
+// while its VM is stopped, its overlay for a link to B's. The agent stops
+// and checkpoints A's guest and stores A's overlay; B's guest never stops.
+func TestAgentSwapsAgainstRealQEMU(t *testing.T) {
+	d := testcontainerd.Start(t)
+	testguest.Assets(t)
+	type pod struct {
+		dir, overlay, monitor string
+		vm                    *testguest.VM
+		uid                   string
+	}
+	start := func() *pod {
+		p := &pod{dir: testguest.FreeShortDir(t), uid: testcontainerd.NewPodUID()}
+		p.overlay = testguest.NewDisk(t, p.dir)
+		p.monitor = filepath.Join(p.dir, "test-mon.sock")
+		p.vm = testguest.Start(t, testguest.Options{Dir: p.dir, Disk: p.overlay,
+			ExtraArgs: []string{"-qmp", "unix:" + p.monitor + ",server=on,wait=off"}})
+		d.Create(t, testcontainerd.PodContainer{PodUID: p.uid, HostDir: p.dir})
+		return p
+	}
+	a, b := start(), start()
+	f, err := os.OpenFile(b.overlay, os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Write(bytes.Repeat([]byte("tenant-b secret "), 4096)) // QEMU ignores bytes past its tables
+	f.Close()
+	for _, p := range []*pod{a, b} {
+		if _, err := p.vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter >= 1 }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := startAgent(t, d)
+	agent.SetAfterResolve(t, func() { swapForLink(t, a.vm.QMPPath(), b.vm.QMPPath()) })
+	agent.SetBeforeDiskCapture(t, func() { swapForLink(t, a.overlay, b.overlay) })
+	store := t.TempDir()
+	op, err := checkpoint(t, c, api.CheckpointRequest{
+		VM:    api.VMRef{PodUID: a.uid, Container: "qemu", QMPPath: "/run/vm/" + filepath.Base(a.vm.QMPPath()), DiskPath: "/run/vm/overlay.qcow2"},
+		Image: "oci:" + store + ":vm", DiskImage: "oci:" + store + ":disk", Mode: "pause"})
+	if err != nil || op.State != api.StateSucceeded {
+		t.Fatalf("checkpoint: %v, %+v", err, op.Error)
+	}
+	if st := qmpStatus(t, b.monitor); st != "running" {
+		t.Fatalf("pod B's guest is %s: the agent reached it through A's swapped socket", st)
+	}
+	last, _ := b.vm.LastStatus()
+	if _, err := b.vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter > last.Counter }); err != nil {
+		t.Fatalf("pod B's guest does not count on: %v", err)
+	}
+	if st := qmpStatus(t, a.monitor); st == "running" {
+		t.Fatalf("pod A's guest is %s after a pause-mode checkpoint: it was not the one checkpointed", st)
+	}
+	own, err := os.ReadFile(a.overlay + ".orig") // A's overlay, its guest stopped since the capture
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := storedDisk(t, op.Checkpoint.Disk.Image); !bytes.Equal(got, own) || bytes.Contains(got, []byte("tenant-b")) {
+		t.Fatalf("the disk image holds %d bytes, not pod A's overlay (%d bytes)", len(got), len(own))
+	}
+}
+
+func waitCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// qmpStatus is a guest's run state, asked on the test's own monitor.
+func qmpStatus(t *testing.T, monitor string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	raw, err := testguest.QMP(ctx, monitor, "query-status", nil)
+	if err != nil {
+		t.Fatalf("query-status on %s: %v", monitor, err)
+	}
+	var st struct{ Status string }
+	json.Unmarshal(raw, &st)
+	return st.Status
+}
