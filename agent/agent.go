@@ -239,10 +239,13 @@ func lookupGroup(group string) (int, error) {
 // journal: the journal is a file, and the pod may have changed since. The
 // VM is continued only if it still runs in the container the checkpoint
 // stopped; a container replaced since runs another QEMU, which is left
-// alone.
+// alone. The agent acts for itself here, for no caller: it asks its
+// resolver directly.
 func (s *Server) continueJournaled(ctx context.Context, op api.Operation) error {
 	ref := api.VMRef{PodUID: op.VM.PodUID, Container: op.VM.Container, QMPPath: op.VM.QMPPath}
-	vm, err := s.resolve(ctx, ref)
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	vm, err := s.cfg.Resolver.Resolve(rctx, ref)
 	if err != nil {
 		return err
 	}
