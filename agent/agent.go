@@ -49,6 +49,9 @@ type Config struct {
 	Resolver      Resolver
 	Store         []ociimage.Option // registry credentials, CA, ...
 	Logger        *slog.Logger
+	// Keep is the retention a checkpoint request without "keep" gets: the
+	// newest checkpoints its state repository keeps (0: no prune).
+	Keep int
 }
 
 // Server is the node daemon.

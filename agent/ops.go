@@ -74,6 +74,9 @@ type CheckpointSpec struct {
 	// before the VM is touched, with whether the VM runs now (the agent
 	// journals there).
 	BeforeStop func(ctx context.Context, running bool) error
+	// Keep, if above 0, prunes the state image's repository once the
+	// checkpoint is committed, keeping the Keep newest (prune.go).
+	Keep int
 }
 
 // Validate checks a spec without touching anything.
@@ -95,6 +98,9 @@ func (s CheckpointSpec) Validate() error {
 	}
 	if s.Mode == vmstate.ModeLive && s.DiskPath != "" {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so its disk would not match the captured memory: use mode snapshot or pause to capture the disk")
+	}
+	if s.Keep < 0 {
+		return errcode.New(errcode.Usage, "keep %d: give the number of checkpoints to keep, or 0 to prune nothing", s.Keep)
 	}
 	_, err := vmstate.ParseMode(string(s.Mode))
 	return err
@@ -260,6 +266,11 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	if err != nil {
 		return nil, err
 	}
+	// Retention's link to the checkpoint this one follows (prune.go).
+	previous, err := state.previousLink(ctx)
+	if err != nil {
+		return nil, err
+	}
 	var rootfsStore *store
 	if s.RootfsImage != "" {
 		if s.CaptureRootfs == nil {
@@ -300,6 +311,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 
 	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir}
+	opts.Annotations = previous
 	var (
 		disk       *rootfs.CaptureResult
 		layer      *rootfs.LayerResult
@@ -398,6 +410,9 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		if diskInRootfs {
 			out.Disk.InRootfs = &api.DiskInRootfs{Image: out.Rootfs.Image, Digest: out.Rootfs.Digest, Path: s.DiskRootfsPath}
 		}
+	}
+	if s.Keep > 0 {
+		out.Pruned = pruneAfterCheckpoint(ctx, s.Image, s.Keep, s.Store)
 	}
 	return out, nil
 }

@@ -57,6 +57,7 @@ dockerconfigjson secret), never from flags.`,
 	c.Flags().StringVar(&ctrdAddress, "containerd-address", "/run/containerd/containerd.sock", "the node's containerd socket")
 	c.Flags().StringVar(&ctrdNS, "containerd-namespace", "k8s.io", "containerd namespace of the kubelet's containers")
 	c.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error (JSON logs on stderr)")
+	c.Flags().IntVar(&cfg.Keep, "keep", 0, "after each successful checkpoint whose request has no \"keep\", keep the `N` newest checkpoints of its state repository and delete the older ones (as vmsnap prune; 0: never prune)")
 	reg.add(c)
 	c.AddCommand(newAgentHealthCmd())
 	return c
