@@ -422,3 +422,64 @@ func received(vm *qmptest.FakeQEMU) []byte {
 	defer vm.Unlock()
 	return vm.Received
 }
+
+// TestPruneKeepsWhatAKeptCheckpointNeeds: a disk image named by both a kept
+// and a removed checkpoint stays, and so does an image of the removed one
+// in another repository; both are reported as left, with why.
+func TestPruneKeepsWhatAKeptCheckpointNeeds(t *testing.T) {
+	ctx := context.Background()
+	dir, other := t.TempDir(), t.TempDir()
+	push := func(layout, tag, artifactType string, config any, annotations map[string]string, subject *ocispec.Descriptor) ocispec.Descriptor {
+		t.Helper()
+		repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: layout, Tag: tag})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfgType := ociimage.MediaTypeVMStateConfig
+		if artifactType == ociimage.ArtifactTypeDisk {
+			cfgType = ociimage.MediaTypeDiskConfig
+		}
+		desc, err := ociimage.PushArtifact(ctx, repo, ociimage.Artifact{ArtifactType: artifactType, ConfigMediaType: cfgType,
+			Config: config, Annotations: annotations, Subject: subject})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return desc
+	}
+	disk := push(dir, "", ociimage.ArtifactTypeDisk, map[string]string{"disk": "shared"}, nil, nil)
+	elsewhere := push(other, "rootfs", ociimage.ArtifactTypeDisk, map[string]string{"disk": "elsewhere"}, nil, nil)
+	diskRef := "oci:" + dir + "@" + disk.Digest.String()
+	elsewhereRef := "oci:" + other + "@" + elsewhere.Digest.String()
+	old := push(dir, "vm", ociimage.ArtifactTypeVMState, map[string]int{"n": 1}, map[string]string{
+		ociimage.AnnotationCreated: "2020-01-01T00:00:00Z", ociimage.AnnotationDiskImage: diskRef, ociimage.AnnotationRootfsImage: elsewhereRef,
+	}, &disk)
+	kept := push(dir, "vm", ociimage.ArtifactTypeVMState, map[string]int{"n": 2}, map[string]string{
+		ociimage.AnnotationCreated: "2021-01-01T00:00:00Z", ociimage.AnnotationDiskImage: diskRef, ociimage.AnnotationPrevious: old.Digest.String(),
+	}, &disk)
+
+	res, err := Prune(ctx, PruneSpec{Repo: "oci:" + dir, Keep: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(digests(res.Kept), []string{kept.Digest.String()}) || !slices.Equal(digests(res.Removed), []string{old.Digest.String()}) || len(res.RemovedImages) != 0 {
+		t.Fatalf("kept %v removed %v images %+v", digests(res.Kept), digests(res.Removed), res.RemovedImages)
+	}
+	reasons := map[string]string{}
+	for _, l := range res.LeftImages {
+		reasons[l.Image] = l.Reason
+	}
+	if reasons[diskRef] != "a kept checkpoint needs it" || !strings.HasPrefix(reasons[elsewhereRef], "in another repository") {
+		t.Fatalf("left %+v", res.LeftImages)
+	}
+	if manifestGone(t, "oci:"+dir, disk.Digest.String(), nil) || manifestGone(t, "oci:"+other, elsewhere.Digest.String(), nil) {
+		t.Fatal("a disk image a kept checkpoint needs, or one in another repository, was deleted")
+	}
+	for _, b := range blobsOf(t, dir, disk.Digest.String()) {
+		if !blobExists(dir, b) {
+			t.Fatalf("blob %s of the shared disk image was removed", b)
+		}
+	}
+	if !manifestGone(t, "oci:"+dir, old.Digest.String(), nil) {
+		t.Fatal("the old checkpoint is still there")
+	}
+}
