@@ -152,7 +152,7 @@ func findCheckpoints(ctx context.Context, repo pruneRepo) (*inventory, error) {
 	for len(todo) > 0 {
 		desc := todo[0]
 		todo = todo[1:]
-		if _, seen := inv.checkpoints[desc.Digest]; seen || desc.MediaType != ocispec.MediaTypeImageManifest {
+		if _, seen := inv.checkpoints[desc.Digest]; seen || (desc.MediaType != ocispec.MediaTypeImageManifest && desc.MediaType != "") {
 			continue
 		}
 		m, err := repo.Manifest(ctx, desc)

@@ -29,7 +29,7 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 API on a unix socket (mode 0660; give access to a group with --socket-group)
 through which Jobs and controllers checkpoint and restore VMs on this node:
 
-  POST   /v1/checkpoints        {"vm":{"podUID","container","qmp","disk"},"image","diskImage","mode"}
+  POST   /v1/checkpoints        {"vm":{"podUID","container","qmp","disk"},"image","diskImage","mode","keep"}
   POST   /v1/restores           {"vm":{"podUID","container","qmp"},"image":"REF@sha256:...","paused"}
   GET    /v1/operations[/ID]    DELETE /v1/operations/ID cancels
   GET    /v1/events[?operation=ID]   server-sent events of operation changes
