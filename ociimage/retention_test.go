@@ -133,7 +133,7 @@ func TestLayoutCollectGarbage(t *testing.T) {
 	var repo Repository = openLayout(t, "oci:"+dir)
 	descs, datas := testChunks(t, 3, 1024)
 	putChunks(t, repo, descs, datas)
-	keep := pushDisk(t, repo, descs[:2], nil)  // chunks 0, 1
+	keep := pushDisk(t, repo, descs[:2], nil)   // chunks 0, 1
 	drop := pushDisk(t, repo, descs[1:], &keep) // chunks 1, 2; subject keep
 	l := repo.(*Layout)
 	if err := l.DeleteManifest(ctx, drop.Digest); err != nil {
