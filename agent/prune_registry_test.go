@@ -100,3 +100,49 @@ func TestPruneRegistryThatRefusesDeletes(t *testing.T) {
 		t.Fatalf("prune against a stopped registry: %v", err)
 	}
 }
+
+// TestPruneRegistryInterruptedAtEveryStep: on a real registry, a prune
+// stopped before each of its deletions in turn leaves both kept
+// checkpoints restorable, and a second prune removes everything the first
+// did not reach.
+func TestPruneRegistryInterruptedAtEveryStep(t *testing.T) {
+	reg := testregistry.Start(t)
+	opts := registryOpts(reg)
+	interrupted := errors.New("interrupted")
+	for stop := 1; ; stop++ {
+		image := reg.Host + "/vms/vm" + string(rune('a'+stop))
+		overlay, cps := fourCheckpoints(t, image, opts)
+		n := 0
+		pruneStep = func(string) error {
+			if n++; n == stop {
+				return interrupted
+			}
+			return nil
+		}
+		_, err := Prune(context.Background(), PruneSpec{Repo: image, Keep: 2, Store: opts})
+		pruneStep = nil
+		if err == nil {
+			if stop < 5 {
+				t.Fatalf("the prune had only %d steps", stop-1)
+			}
+			break
+		}
+		if !errors.Is(err, interrupted) {
+			t.Fatalf("step %d: %v", stop, err)
+		}
+		for _, cp := range cps[2:] {
+			restoresExactly(t, overlay, cp, opts)
+		}
+		res, err := Prune(context.Background(), PruneSpec{Repo: image, Keep: 2, Store: opts})
+		if err != nil || len(res.Kept) != 2 {
+			t.Fatalf("prune after an interruption at step %d: %+v, %v", stop, res, err)
+		}
+		for _, cp := range cps[:2] {
+			for _, d := range []string{cp.res.VMState.Digest, cp.res.Disk.Digest} {
+				if !manifestGone(t, image, d, opts) {
+					t.Fatalf("after an interruption at step %d and a second prune, %s is still there", stop, d)
+				}
+			}
+		}
+	}
+}
