@@ -85,6 +85,9 @@ func Prune(ctx context.Context, s PruneSpec) (*api.PruneResult, error) {
 		return nil, err
 	}
 	p := planPrune(inv, s.Keep)
+	if err := p.checkKinds(ctx, repo); err != nil {
+		return nil, err
+	}
 	res := p.result(inv, ref.String(), s)
 	if s.DryRun {
 		return res, nil
@@ -119,6 +122,7 @@ type checkpoint struct {
 	dated    bool
 	previous digest.Digest
 	images   []ociimage.Reference // disk and rootfs images, pinned: what prune may delete with it
+	kinds    []string             // the annotation that named each image
 	subject  digest.Digest        // kept with it, never deleted through it
 	older    int                  // checkpoints found behind it through previous links
 }
@@ -202,6 +206,7 @@ func (inv *inventory) parse(d digest.Digest, m ocispec.Manifest) *checkpoint {
 	for _, k := range []string{ociimage.AnnotationDiskImage, ociimage.AnnotationRootfsImage} {
 		if ref, err := ociimage.ParseReference(a[k]); err == nil && ref.IsDigest() {
 			cp.images = append(cp.images, ref)
+			cp.kinds = append(cp.kinds, k)
 		}
 	}
 	if m.Subject != nil {
@@ -239,6 +244,7 @@ type prunePlan struct {
 	// images to delete with each removed checkpoint (by its digest), and
 	// those left, with why.
 	images map[digest.Digest][]digest.Digest
+	kinds  map[digest.Digest]string // the annotation that named each of those
 	left   []api.PrunedImage
 	// fallback is the referrers index to delete after a manifest, by the
 	// manifest's digest.
@@ -252,7 +258,7 @@ type prunePlan struct {
 // Ties in time (the annotation has seconds) go to the one with more
 // checkpoints behind it, which is the newer within a chain.
 func planPrune(inv *inventory, keep int) *prunePlan {
-	p := &prunePlan{images: map[digest.Digest][]digest.Digest{}, fallback: map[digest.Digest]digest.Digest{}}
+	p := &prunePlan{images: map[digest.Digest][]digest.Digest{}, kinds: map[digest.Digest]string{}, fallback: map[digest.Digest]digest.Digest{}}
 	var dated []*checkpoint
 	for _, cp := range inv.checkpoints {
 		if cp.dated {
@@ -280,15 +286,19 @@ func planPrune(inv *inventory, keep int) *prunePlan {
 	deleted := map[digest.Digest]bool{}
 	for _, cp := range slices.Backward(p.removed) {
 		deleted[cp.digest] = true
-		for _, ref := range cp.images {
+		for i, ref := range cp.images {
 			switch {
 			case !inv.sameRepo(ref):
 				p.left = append(p.left, api.PrunedImage{Image: ref.String(), Reason: "in another repository: prune deletes only in " + inv.repo.String()})
 			case needed[ref.Digest]:
 				p.left = append(p.left, api.PrunedImage{Image: ref.String(), Tags: inv.tags[ref.Digest], Reason: "a kept checkpoint needs it"})
+			case len(inv.tags[ref.Digest]) > 0:
+				// A tag is a reference too: someone may still want it.
+				p.left = append(p.left, api.PrunedImage{Image: ref.String(), Tags: inv.tags[ref.Digest], Reason: "still tagged"})
 			case !deleted[ref.Digest] && inv.checkpoints[ref.Digest] == nil:
 				deleted[ref.Digest] = true
 				p.images[cp.digest] = append(p.images[cp.digest], ref.Digest)
+				p.kinds[ref.Digest] = cp.kinds[i]
 			}
 		}
 	}
@@ -317,6 +327,46 @@ func (inv *inventory) linked(cp *checkpoint) []digest.Digest {
 		out = append(out, cp.subject)
 	}
 	return out
+}
+
+// checkKinds leaves out of the deletions an image that is not what the
+// annotation naming it says (a disk image, a container image): a state
+// manifest, which anyone who may push can write, must not be able to get
+// some other image deleted by naming it.
+func (p *prunePlan) checkKinds(ctx context.Context, repo pruneRepo) error {
+	for cp, ds := range p.images {
+		var keep []digest.Digest
+		for _, d := range ds {
+			desc, err := repo.ResolveDigest(ctx, d)
+			if errors.Is(err, ociimage.ErrNotFound) {
+				keep = append(keep, d) // gone already; its fallback tag may not be
+				continue
+			}
+			if err != nil {
+				return err
+			}
+			m, err := repo.Manifest(ctx, desc)
+			if err == nil && isKind(m, p.kinds[d]) {
+				keep = append(keep, d)
+				continue
+			}
+			p.left = append(p.left, api.PrunedImage{Image: repo.Reference().WithDigest(d).String(),
+				Reason: "not the kind of image its " + p.kinds[d] + " annotation says"})
+		}
+		p.images[cp] = keep
+	}
+	return nil
+}
+
+// isKind says whether m is the image an annotation of that key names.
+func isKind(m ocispec.Manifest, key string) bool {
+	switch key {
+	case ociimage.AnnotationDiskImage:
+		return m.ArtifactType == ociimage.ArtifactTypeDisk
+	case ociimage.AnnotationRootfsImage:
+		return m.ArtifactType == "" && m.Config.MediaType == ocispec.MediaTypeImageConfig
+	}
+	return false
 }
 
 func fallbackTag(d digest.Digest) string { return d.Algorithm().String() + "-" + d.Encoded() }

@@ -137,11 +137,15 @@ func TestPruneRegistryInterruptedAtEveryStep(t *testing.T) {
 		if err != nil || len(res.Kept) != 2 {
 			t.Fatalf("prune after an interruption at step %d: %+v, %v", stop, res, err)
 		}
+		tags := reg.Tags(t, strings.TrimPrefix(image, reg.Host+"/"))
 		for _, cp := range cps[:2] {
 			for _, d := range []string{cp.res.VMState.Digest, cp.res.Disk.Digest} {
 				if !manifestGone(t, image, d, opts) {
 					t.Fatalf("after an interruption at step %d and a second prune, %s is still there", stop, d)
 				}
+			}
+			if slices.Contains(tags, strings.Replace(cp.res.Disk.Digest, ":", "-", 1)) {
+				t.Fatalf("after an interruption at step %d and a second prune, the fallback tag of %s is still there", stop, cp.res.Disk.Digest)
 			}
 		}
 	}

@@ -483,3 +483,49 @@ func TestPruneKeepsWhatAKeptCheckpointNeeds(t *testing.T) {
 		t.Fatal("the old checkpoint is still there")
 	}
 }
+
+// TestPruneDeletesOnlyWhatTheLinksSayTheyAre: a removed checkpoint whose
+// disk annotation names a container image, and whose rootfs annotation
+// names a tagged image, gets neither deleted: a state manifest cannot get
+// arbitrary images deleted by naming them.
+func TestPruneDeletesOnlyWhatTheLinksSayTheyAre(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	push := func(tag, artifactType, cfgType string, config any, annotations map[string]string) ocispec.Descriptor {
+		t.Helper()
+		repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir, Tag: tag})
+		if err != nil {
+			t.Fatal(err)
+		}
+		desc, err := ociimage.PushArtifact(ctx, repo, ociimage.Artifact{ArtifactType: artifactType, ConfigMediaType: cfgType, Config: config, Annotations: annotations})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return desc
+	}
+	// ArtifactType "" is refused by PushArtifact; a vmstate config stands
+	// in for "some other image".
+	victim := push("", ociimage.ArtifactTypeVMState, ociimage.MediaTypeVMStateConfig, map[string]string{"victim": "1"}, nil)
+	tagged := push("base", ociimage.ArtifactTypeDisk, ociimage.MediaTypeDiskConfig, map[string]string{"base": "1"}, nil)
+	old := push("vm", ociimage.ArtifactTypeVMState, ociimage.MediaTypeVMStateConfig, map[string]int{"n": 1}, map[string]string{
+		ociimage.AnnotationCreated:     "2020-01-01T00:00:00Z",
+		ociimage.AnnotationDiskImage:   "oci:" + dir + "@" + victim.Digest.String(),
+		ociimage.AnnotationRootfsImage: "oci:" + dir + "@" + tagged.Digest.String(),
+	})
+	push("vm", ociimage.ArtifactTypeVMState, ociimage.MediaTypeVMStateConfig, map[string]int{"n": 2}, map[string]string{
+		ociimage.AnnotationCreated: "2021-01-01T00:00:00Z", ociimage.AnnotationPrevious: old.Digest.String(),
+	})
+	res, err := Prune(ctx, PruneSpec{Repo: "oci:" + dir, Keep: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.RemovedImages) != 0 || len(res.LeftImages) != 2 {
+		t.Fatalf("removed %+v, left %+v", res.RemovedImages, res.LeftImages)
+	}
+	if manifestGone(t, "oci:"+dir, victim.Digest.String(), nil) || manifestGone(t, "oci:"+dir, tagged.Digest.String(), nil) {
+		t.Fatal("an image a removed checkpoint merely named was deleted")
+	}
+	if !manifestGone(t, "oci:"+dir, old.Digest.String(), nil) {
+		t.Fatal("the old checkpoint is still there")
+	}
+}

@@ -35,8 +35,9 @@ one in a chain); one without a valid time is always kept.
 
 What goes with a deleted checkpoint: its state manifest and tags; its disk and
 rootfs images (dev.vmsnap.disk.image, dev.vmsnap.rootfs.image) if they are in
-REPO and no kept checkpoint names them (images in another repository are left
-and listed); the referrers fallback tag (sha256-HEX) of whatever is deleted.
+REPO, no kept checkpoint and no tag names them, and they are the kind of image
+the annotation says (others are left, and listed with the reason); the
+referrers fallback tag (sha256-HEX) of whatever is deleted.
 In an OCI layout, index.json is rewritten first (atomically), then the blobs
 no remaining manifest needs are deleted. A registry deletes manifests by
 digest (it must allow deletes: storage.delete.enabled in distribution's
