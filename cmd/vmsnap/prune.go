@@ -38,6 +38,7 @@ rootfs images (dev.vmsnap.disk.image, dev.vmsnap.rootfs.image) if they are in
 REPO, no kept checkpoint and no tag names them, and they are the kind of image
 the annotation says (others are left, and listed with the reason); the
 referrers fallback tag (sha256-HEX) of whatever is deleted.
+
 In an OCI layout, index.json is rewritten first (atomically), then the blobs
 no remaining manifest needs are deleted. A registry deletes manifests by
 digest (it must allow deletes: storage.delete.enabled in distribution's
@@ -49,7 +50,13 @@ links to. Deletion runs oldest first, so an interrupted prune leaves every
 kept checkpoint restorable and can be run again.
 
 --dry-run lists what would go and deletes nothing. Registry access works as
-for checkpoint (--registry-config, --ca-file, --insecure-registry).`,
+for checkpoint (--registry-config, --ca-file, --insecure-registry).
+
+Exit status: 0 on success; 2 (USAGE) for bad flags or a REPO with a tag or
+digest; 8 (AUTH_FAILED) when the registry refuses the credentials; 9
+(REGISTRY_ERROR) for any other failure of the store, among them a registry
+that does not allow deletes ("enable storage.delete in its config"); 11
+(INVALID_INPUT) for a malformed manifest or tag list (see the README).`,
 		Example: `  vmsnap prune oci:/var/lib/snapshots --keep 3 --dry-run
   vmsnap prune registry.example:5000/vms/vm1 --keep 5 --json`,
 		Args: cobra.ExactArgs(1),
@@ -67,7 +74,7 @@ for checkpoint (--registry-config, --ca-file, --insecure-registry).`,
 			return nil
 		},
 	}
-	c.Flags().IntVar(&keep, "keep", 0, "how many of the newest checkpoints to keep, at least 1 (required)")
+	c.Flags().IntVar(&keep, "keep", 0, "keep the `N` newest checkpoints, at least 1 (required)")
 	c.Flags().BoolVar(&dryRun, "dry-run", false, "list what would be deleted, and delete nothing")
 	c.Flags().DurationVar(&timeout, "timeout", 30*time.Minute, "give up after this long")
 	reg.add(c)

@@ -66,7 +66,7 @@ func TestPruneHelpAndUsage(t *testing.T) {
 		t.Fatalf("prune --help: exit %d", code)
 	}
 	for _, want := range []string{"Usage:", "--keep", "--dry-run", "--json", "--registry-config", "--ca-file", "--insecure-registry",
-		"dev.vmsnap.previous", "storage.delete", "Never deleted"} {
+		"dev.vmsnap.previous", "storage.delete", "Never deleted", "Exit status"} {
 		if !strings.Contains(stdout.String(), want) {
 			t.Errorf("prune --help lacks %q", want)
 		}
