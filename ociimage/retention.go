@@ -331,10 +331,11 @@ func (l *Layout) sweep(ctx context.Context, live map[digest.Digest]bool, before 
 // --- registry ---
 
 // tagPageSize is how many tags ListTags asks the registry for at once, and
-// maxTagPage the bytes of one answer it reads.
+// maxTagPage the bytes of one answer it reads: as much as an index, for a
+// registry that ignores n and sends every tag at once.
 const (
 	tagPageSize = 1000
-	maxTagPage  = 1 << 20
+	maxTagPage  = MaxIndexSize
 )
 
 // ListTags lists the repository's tags (GET /v2/NAME/tags/list, page by
