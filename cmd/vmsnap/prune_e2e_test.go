@@ -3,13 +3,20 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/internal/testregistry"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
 // TestE2EPruneKeepsRestorableCheckpoints: three snapshot-mode checkpoints
@@ -78,4 +85,92 @@ func TestPruneHelpAndUsage(t *testing.T) {
 	cliError(t, errcode.Usage, "prune", "--keep", "1")
 	cliError(t, errcode.RegistryError, "prune", "oci:"+filepath.Join(dir, "missing"), "--keep", "1")
 	cliError(t, errcode.Usage, "checkpoint", "--qmp", "/nonexistent", "--image", "oci:"+dir+":vm", "--keep", "-1")
+}
+
+// TestPruneKilledMidwayLeavesTheKeptRestorable: vmsnap prune, a process of
+// its own, is killed with SIGKILL while the registry (behind a proxy) holds
+// its third manifest DELETE. Both kept checkpoints then restore exactly, and
+// a second prune removes what the first did not reach.
+func TestPruneKilledMidwayLeavesTheKeptRestorable(t *testing.T) {
+	reg := testregistry.Start(t)
+	proxy := startFaultProxy(t, reg)
+	image := proxy.Host + "/vms/vm1"
+	overlay := testguest.NewDisk(t, t.TempDir())
+	type taken struct {
+		cp    api.CheckpointResult
+		state []byte
+		disk  []byte
+	}
+	var cps []taken
+	for i := range 4 {
+		if i > 0 {
+			f, err := os.OpenFile(overlay, os.O_APPEND|os.O_WRONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			f.Write(make([]byte, 64<<10))
+			f.Close()
+		}
+		state := make([]byte, 1<<20)
+		rand.Read(state)
+		vm := qmptest.NewFakeQEMU(t, "running", state)
+		cp := cliJSON[api.CheckpointResult](t, append([]string{"checkpoint", "--qmp", vm.Path(), "--image", image + ":vm",
+			"--disk", overlay, "--disk-image", image + ":vm-disk", "--chunk-size", "262144"}, proxy.args()...)...)
+		disk, err := os.ReadFile(overlay)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cps = append(cps, taken{cp, state, disk})
+	}
+
+	proxy.stallDeletesAfter.Store(2)
+	cmd := exec.Command(binary(t), append([]string{"prune", image, "--keep", "2", "--json"}, proxy.args()...)...)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-proxy.stalled:
+	case <-time.After(2 * time.Minute):
+		cmd.Process.Kill()
+		t.Fatal("prune never reached its third DELETE")
+	}
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	proxy.stallDeletesAfter.Store(0)
+	if n := proxy.deletes.Load(); n != 2 {
+		t.Fatalf("%d DELETEs went through before the kill, want 2", n)
+	}
+
+	restore := func(c taken) {
+		t.Helper()
+		target := qmptest.NewFakeQEMU(t, "inmigrate", c.state)
+		cliJSON[api.RestoreResult](t, append([]string{"restore", "--qmp", target.Path(), "--image", c.cp.VMState.Image}, proxy.args()...)...)
+		dst := filepath.Join(filepath.Dir(overlay), "restored.qcow2")
+		cliJSON[api.RestoreResult](t, append([]string{"restore", "--disk-image", c.cp.Disk.Image, "--disk", dst}, proxy.args()...)...)
+		got, err := os.ReadFile(dst)
+		if err != nil || !bytes.Equal(got, c.disk) {
+			t.Fatalf("the restored disk of %s differs (%v)", c.cp.VMState.Digest, err)
+		}
+		os.Remove(dst)
+	}
+	for _, c := range cps[2:] {
+		restore(c)
+	}
+
+	res := cliJSON[api.PruneResult](t, append([]string{"prune", image, "--keep", "2"}, proxy.args()...)...)
+	if len(res.Kept) != 2 || res.Kept[0].Digest != cps[3].cp.VMState.Digest || res.Kept[1].Digest != cps[2].cp.VMState.Digest {
+		t.Fatalf("the second prune kept %+v", res.Kept)
+	}
+	for _, c := range cps[:2] {
+		for _, ref := range []string{c.cp.VMState.Image, c.cp.Disk.Image} {
+			if doc := cliError(t, errcode.RegistryError, append([]string{"inspect", ref}, proxy.args()...)...); !strings.Contains(doc.Error.Message, "no manifest") {
+				t.Fatalf("inspect of pruned %s: %s", ref, doc.Error.Message)
+			}
+		}
+	}
+	for _, c := range cps[2:] {
+		restore(c)
+	}
 }
