@@ -28,6 +28,7 @@ import (
 	"os"
 	"os/user"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"sync"
 	"time"
@@ -49,10 +50,38 @@ type Config struct {
 	Resolver      Resolver
 	Store         []ociimage.Option // registry credentials, CA, ...
 	Logger        *slog.Logger
+
+	// Bounds on one operation.
+
+	// MaxWorkers bounds a request's workers (default DefaultMaxWorkers(),
+	// at most HardMaxWorkers): each one holds chunk buffers (see
+	// vmstate.StreamOptions.EncodeMemory), so a caller must not pick how
+	// much of the agent's memory one operation takes. A request above it
+	// is refused (INVALID_INPUT), not clamped, so the caller knows.
+	MaxWorkers int
+	// OperationTimeout bounds every operation from its acceptance, its
+	// wait for a slot included (default 30m): a QEMU that stops answering,
+	// or a caller killed mid-wait, never holds a slot for good. When it
+	// fires, the operation fails and its VM is put back as on any failure.
+	OperationTimeout time.Duration
+
 	// Keep is the retention a checkpoint request without "keep" gets: the
 	// newest checkpoints its state repository keeps (0: no prune).
 	Keep int
 }
+
+// HardMaxWorkers is the most workers one request may ever ask for: with the
+// largest chunks, a worker holds up to about 50 MiB (EncodeMemory), and an
+// agent's memory is bounded by its DaemonSet.
+const HardMaxWorkers = 16
+
+// DefaultMaxWorkers is MaxWorkers' default: twice the CPUs the agent may
+// use, at most HardMaxWorkers. More workers than CPUs only help while a
+// registry is slower than compression.
+func DefaultMaxWorkers() int { return min(2*runtime.GOMAXPROCS(0), HardMaxWorkers) }
+
+// DefaultOperationTimeout is OperationTimeout's default.
+const DefaultOperationTimeout = 30 * time.Minute
 
 // Server is the node daemon.
 type Server struct {
@@ -80,6 +109,15 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	if cfg.MaxConcurrent <= 0 {
 		cfg.MaxConcurrent = 2
+	}
+	if cfg.MaxWorkers <= 0 {
+		cfg.MaxWorkers = DefaultMaxWorkers()
+	}
+	if cfg.MaxWorkers > HardMaxWorkers {
+		return nil, errcode.New(errcode.Usage, "--max-workers %d: at most %d (each worker holds up to about 50 MiB)", cfg.MaxWorkers, HardMaxWorkers)
+	}
+	if cfg.OperationTimeout <= 0 {
+		cfg.OperationTimeout = DefaultOperationTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
@@ -135,7 +173,8 @@ func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
-	s.log.Info("agent listening", "socket", ln.Addr().String(), "stateDir", s.cfg.StateDir, "maxConcurrent", s.cfg.MaxConcurrent)
+	s.log.Info("agent listening", "socket", ln.Addr().String(), "stateDir", s.cfg.StateDir, "maxConcurrent", s.cfg.MaxConcurrent,
+		"maxWorkers", s.cfg.MaxWorkers, "operationTimeout", s.cfg.OperationTimeout.String())
 	select {
 	case err := <-errc:
 		return errcode.Wrap(errcode.Internal, err, "serving the agent API")
@@ -174,8 +213,13 @@ func (s *Server) watch(ctx context.Context) {
 func (s *Server) forget(g Gone) {
 	why := errcode.New(errcode.VMNotFound, "the container %s of pod %s was deleted or replaced", g.Container, g.PodUID)
 	for _, op := range s.ops.forVM(g) {
-		s.log.Info("VM gone: cancelling its operation", "op", op.id, "pod", g.PodUID, "container", g.Container, "containerID", g.ContainerID)
-		op.cancel(why)
+		log := s.log.With("op", op.id, "pod", g.PodUID, "container", g.Container, "containerID", g.ContainerID)
+		if op.ended() {
+			log.Debug("VM gone: forgetting its finished operation")
+		} else {
+			log.Info("VM gone: cancelling its operation")
+			op.cancel(why)
+		}
 		s.ops.remove(op, why)
 	}
 }

@@ -20,6 +20,9 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if mode == "" {
 		mode = vmstate.ModeSnapshot
 	}
+	if err := s.checkStream(req.Workers, req.ChunkSize); err != nil {
+		return api.Operation{}, err
+	}
 	spec := CheckpointSpec{
 		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: mode,
 		Stream: vmstate.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
@@ -59,7 +62,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 			return rc.CaptureRootfs(ctx, target, repo, progress)
 		}
 	}
-	o := newOp(api.KindCheckpoint, req.VM, &target)
+	o := newOp(api.KindCheckpoint, req.VM, &target, s.cfg.OperationTimeout)
 	return s.start(o, func(ctx context.Context) error {
 		spec.Progress = s.progress(o)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
@@ -89,6 +92,9 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if req.Image == "" || req.VM.QMPPath == "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "a restore needs vm.qmp and image")
 	}
+	if err := s.checkStream(req.Workers, 0); err != nil {
+		return api.Operation{}, err
+	}
 	if req.VM.DiskPath != "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "the agent restores VM state only: put the disk overlay in place before QEMU starts (the restore init container does)")
 	}
@@ -96,7 +102,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if err != nil {
 		return api.Operation{}, err
 	}
-	o := newOp(api.KindRestore, req.VM, &target)
+	o := newOp(api.KindRestore, req.VM, &target, s.cfg.OperationTimeout)
 	return s.start(o, func(ctx context.Context) error {
 		// Journal it too: after a crash the operation is reported failed
 		// (a half-fed QEMU discards the partial state by itself).
@@ -116,6 +122,19 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 		}
 		return err
 	})
+}
+
+// checkStream refuses a request's stream settings beyond the agent's
+// bounds: they decide how much of the agent's memory the operation holds.
+// Refused rather than clamped, so that the caller learns the bound.
+func (s *Server) checkStream(workers, chunkSize int) error {
+	if workers < 0 || workers > s.cfg.MaxWorkers {
+		return errcode.New(errcode.InvalidInput, "workers %d: this agent allows 1..%d (its --max-workers); leave it out for the default", workers, s.cfg.MaxWorkers)
+	}
+	if chunkSize < 0 || chunkSize > vmstate.MaxChunkSize {
+		return errcode.New(errcode.InvalidInput, "chunkSize %d: at most %d (%d MiB); leave it out for the default", chunkSize, vmstate.MaxChunkSize, vmstate.MaxChunkSize>>20)
+	}
+	return nil
 }
 
 func (s *Server) resolve(ctx context.Context, vm api.VMRef) (api.Target, error) {
@@ -157,7 +176,11 @@ func (s *Server) run(o *op, work func(context.Context) error) {
 	select {
 	case s.slots <- struct{}{}:
 	case <-o.ctx.Done():
-		s.end(o, context.Cause(o.ctx), 0, log)
+		err := context.Cause(o.ctx)
+		if o.timedOut() {
+			err = errcode.New(errcode.Busy, "the node's %d operation slots stayed taken", s.cfg.MaxConcurrent)
+		}
+		s.end(o, err, 0, log)
 		return
 	}
 	defer func() { <-s.slots }()
@@ -188,6 +211,11 @@ func (s *Server) end(o *op, err error, seconds float64, log interface {
 	state := api.StateSucceeded
 	switch {
 	case err == nil:
+	case o.timedOut():
+		// What it was waiting for keeps its code (a QEMU that did not
+		// answer is QMP_ERROR, a slow registry REGISTRY_ERROR).
+		state = api.StateFailed
+		err = errcode.Wrap(errcode.Of(err), err, "%v", context.Cause(o.ctx))
 	case o.ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.Cause(o.ctx)) || errcode.Of(err) == errcode.Internal):
 		// Cancelled by a caller or because the VM went away: report why.
 		// A caller's cancellation says less than what the operation was

@@ -64,14 +64,16 @@ type agentProc struct {
 	done     chan struct{}
 }
 
-func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket string) *agentProc {
+// startAgentProc starts `vmsnap agent` on socket, with extra flags after
+// the test's own.
+func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket string, extra ...string) *agentProc {
 	t.Helper()
 	log, err := os.CreateTemp(t.TempDir(), "agent-*.log")
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(binary(t), "agent", "--socket", socket, "--state-dir", stateDir,
-		"--containerd-address", ctrd.Address, "--containerd-namespace", testcontainerd.Namespace, "--log-level", "debug")
+	cmd := exec.Command(binary(t), append([]string{"agent", "--socket", socket, "--state-dir", stateDir,
+		"--containerd-address", ctrd.Address, "--containerd-namespace", testcontainerd.Namespace, "--log-level", "debug"}, extra...)...)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
