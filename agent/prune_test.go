@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -390,6 +391,18 @@ func TestAgentCheckpointWithKeepPrunes(t *testing.T) {
 		done = append(done, final)
 	}
 	digest := func(i int) string { return done[i].Checkpoint.VMState.Digest }
+	// A negative keep is refused before anything runs.
+	resp, err := a.client.http.Post("http://agent/v1/checkpoints", "application/json",
+		strings.NewReader(`{"vm":{"podUID":"`+uid1+`","container":"qemu","qmp":"/run/vm/qmp.sock"},"image":"oci:`+store+`:vm","keep":-1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc api.ErrorDoc
+	_ = json.NewDecoder(resp.Body).Decode(&doc)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusBadRequest || doc.Error.Code != errcode.InvalidInput {
+		t.Fatalf("keep -1: %d %+v, want 400 INVALID_INPUT", resp.StatusCode, doc.Error)
+	}
 	// The agent's default, 2: the third checkpoint removed the first.
 	if p := done[2].Checkpoint.Pruned; p.Keep != 2 || !slices.Equal(digests(p.Removed), []string{digest(0)}) || !slices.Equal(digests(p.Kept), []string{digest(2), digest(1)}) {
 		t.Fatalf("the third checkpoint pruned %+v", p)

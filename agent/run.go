@@ -37,7 +37,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		keep = s.cfg.Keep
 	}
 	if keep < 0 {
-		return api.Operation{}, errcode.New(errcode.Usage, "keep %d: give the number of checkpoints to keep, or 0 to prune nothing", keep)
+		return api.Operation{}, errcode.New(errcode.InvalidInput, "keep %d: give the number of checkpoints to keep, or 0 for the agent's default", keep)
 	}
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
