@@ -1,8 +1,10 @@
 // Package agent runs checkpoints and restores of QEMU VMs on a node.
 //
 // The operations themselves (Checkpoint, RestoreState, RestoreDisk, Stage)
-// are plain functions on host paths, used by the CLI in its own process and
-// by the node daemon alike. The daemon (Server) adds what a node needs:
+// are plain functions, used by the CLI in its own process and by the node
+// daemon alike; a VM's files come to them opened (Handles), by the daemon's
+// resolver beneath the pod's volumes or from the CLI's own paths. The daemon
+// (Server) adds what a node needs:
 //
 //   - a JSON HTTP API on a unix socket (mode 0660, a configurable group);
 //   - finding a VM by pod UID and container name through a Resolver
@@ -35,6 +37,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
@@ -277,6 +280,30 @@ func lookupGroup(group string) (int, error) {
 	return gid, nil
 }
 
+// continueJournaled continues the VM of an unfinished checkpoint, found
+// again through the resolver as the request named it (pod UID, container,
+// QMP path inside the container), never through a host path from the
+// journal: the journal is a file, and the pod may have changed since. The
+// VM is continued only if it still runs in the container the checkpoint
+// stopped; a container replaced since runs another QEMU, which is left
+// alone. The agent acts for itself here, for no caller: it asks its
+// resolver directly.
+func (s *Server) continueJournaled(ctx context.Context, op api.Operation) error {
+	ref := api.VMRef{PodUID: op.VM.PodUID, Container: op.VM.Container, QMPPath: op.VM.QMPPath}
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	vm, err := s.cfg.Resolver.Resolve(rctx, ref)
+	if err != nil {
+		return err
+	}
+	defer vm.Close()
+	if vm.ContainerID != op.Target.ContainerID {
+		return errcode.New(errcode.VMNotFound, "the container %s of pod %s is not the one the checkpoint stopped (%s, now %s): left alone",
+			op.VM.Container, op.VM.PodUID, op.Target.ContainerID, vm.ContainerID)
+	}
+	return continueVM(ctx, vm.QMP, op.VM.QMPPath)
+}
+
 // recover finishes what a previous run of the agent left in its journal.
 func (s *Server) recover(ctx context.Context) {
 	entries, err := s.journal.list()
@@ -288,7 +315,7 @@ func (s *Server) recover(ctx context.Context) {
 		log := s.log.With("op", e.Op.ID, "kind", e.Op.Kind, "pod", e.Op.VM.PodUID)
 		outcome := "the agent stopped during this operation"
 		if e.Op.Kind == "checkpoint" && e.VMWasRunning && e.Op.Checkpoint == nil && e.Op.Target != nil {
-			if err := continueVM(ctx, e.Op.Target.QMPPath); err != nil {
+			if err := s.continueJournaled(ctx, e.Op); err != nil {
 				log.Error("could not continue the VM an unfinished checkpoint had stopped", "err", err)
 				outcome += fmt.Sprintf("; continuing the VM failed: %v", err)
 			} else {

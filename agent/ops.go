@@ -20,8 +20,9 @@ import (
 
 // The operations below are what a checkpoint or a restore is, whoever asks:
 // the CLI runs them in its own process, the agent's daemon runs them for
-// requests on its socket. Paths are host paths here; the daemon resolves a
-// pod's paths before it calls them.
+// requests on its socket. The VM's files come opened (Handles): the daemon's
+// resolver opens a pod's files beneath their volumes; the CLI's own paths
+// are opened once here. Paths are names for messages and annotations only.
 
 // Progress reports bytes done in a phase ("vmstate", "disk", "rootfs",
 // "restore", "stage"). It may be nil.
@@ -42,9 +43,19 @@ func (p Progress) stream(phase string, o vmstate.StreamOptions) vmstate.StreamOp
 
 // CheckpointSpec is one checkpoint of the VM behind a QMP socket.
 type CheckpointSpec struct {
+	// QMPPath and DiskPath name the QMP socket and the qcow2 overlay to
+	// capture while the VM is stopped (optional), as the caller gave them:
+	// inside the container, through the agent. DiskPath goes into the disk
+	// image's annotations.
 	QMPPath  string
-	DiskPath string // optional: the qcow2 overlay to capture while the VM is stopped
-	Image    string // where the state goes: oci:DIR[:TAG] or HOST/REPO[:TAG]
+	DiskPath string
+	// Handles are those files, opened and checked by whoever resolved them
+	// (the agent's resolver); Checkpoint uses nothing else. Without them,
+	// Checkpoint opens QMPPath and DiskPath as the caller's own paths
+	// (OpenLocal), once. The caller keeps ownership: Checkpoint does not
+	// close them.
+	Handles *Handles
+	Image   string // where the state goes: oci:DIR[:TAG] or HOST/REPO[:TAG]
 	// DiskImage is where the overlay goes as an image of its own. It may be
 	// left out when the overlay rides in the rootfs image (DiskInRootfs
 	// with RootfsImage); given anyway, the overlay is stored there as well.
@@ -289,13 +300,20 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	// The overlay rides in the rootfs image when it is in the writable layer
 	// that image captures.
 	diskInRootfs := s.DiskPath != "" && s.DiskInRootfs && rootfsStore != nil
-	if s.DiskPath != "" {
+	h, err := s.handles()
+	if err != nil {
+		return nil, err
+	}
+	if s.Handles == nil {
+		defer h.Close()
+	}
+	if h.Disk != nil {
 		// Refuse a bad overlay before the VM is touched.
-		if _, err := rootfs.InspectOverlay(s.DiskPath); err != nil {
+		if _, _, err := rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
 			return nil, err
 		}
 	}
-	mon, err := qmp.Dial(ctx, s.QMPPath)
+	mon, err := qmp.DialFile(ctx, h.QMP, s.QMPPath)
 	if err != nil {
 		return nil, err
 	}
@@ -324,7 +342,8 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			link := vmstate.Link{Annotations: map[string]string{}}
 			var err error
 			if diskStore != nil {
-				disk, err = rootfs.Capture(ctx, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream))
+				beforeDiskCapture()
+				disk, err = rootfs.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream))
 				if err != nil {
 					return vmstate.Link{}, err
 				}
@@ -335,7 +354,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 				if diskInRootfs && disk == nil {
 					// What the rootfs image will hold, as it is now.
 					t0 := time.Now()
-					if overlay, overlaySz, err = inspectOverlayFile(s.DiskPath); err != nil {
+					if overlay, overlaySz, err = rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
 						return vmstate.Link{}, err
 					}
 					overlayDur = time.Since(t0)
@@ -417,18 +436,21 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	return out, nil
 }
 
-// inspectOverlayFile validates the overlay at path and returns its header
-// and size.
-func inspectOverlayFile(path string) (rootfs.Header, int64, error) {
-	h, err := rootfs.InspectOverlay(path)
-	if err != nil {
-		return h, 0, err
+// beforeDiskCapture runs while the VM is stopped, just before its disk
+// overlay is read: when a hostile QEMU knows its migration stream has ended.
+// Tests swap the overlay's path there.
+var beforeDiskCapture = func() {}
+
+// handles returns the spec's Handles, or opens its paths (OpenLocal); the
+// caller closes what it opened.
+func (s CheckpointSpec) handles() (*Handles, error) {
+	if s.Handles == nil {
+		return OpenLocal(s.QMPPath, s.DiskPath)
 	}
-	fi, err := os.Stat(path)
-	if err != nil {
-		return h, 0, errcode.Wrap(errcode.Internal, err, "stat %s", path)
+	if s.Handles.QMP == nil || (s.Handles.Disk != nil) != (s.DiskPath != "") {
+		return nil, errcode.New(errcode.Internal, "the checkpoint's opened files do not match its QMP socket and disk paths")
 	}
-	return h, fi.Size(), nil
+	return s.Handles, nil
 }
 
 // openPinned opens a reference for restore: by digest only, unless allowTag.
@@ -446,7 +468,11 @@ func openPinned(ctx context.Context, s, what string, allowTag bool, opts []ociim
 
 // RestoreSpec is a restore of VM state into a QEMU waiting with -incoming defer.
 type RestoreSpec struct {
-	QMPPath  string
+	QMPPath string // names the QMP socket, as CheckpointSpec's
+	// QMP is the socket opened by whoever resolved it (an O_PATH
+	// descriptor, the agent's); without it, QMPPath is opened as the
+	// caller's own path. The caller keeps ownership.
+	QMP      *os.File
 	Image    string // REF@sha256:...
 	AllowTag bool
 	Paused   bool
@@ -466,7 +492,16 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 	if err != nil {
 		return nil, err
 	}
-	mon, err := qmp.Dial(ctx, s.QMPPath)
+	q := s.QMP
+	if q == nil {
+		h, err := OpenLocal(s.QMPPath, "")
+		if err != nil {
+			return nil, err
+		}
+		defer h.Close()
+		q = h.QMP
+	}
+	mon, err := qmp.DialFile(ctx, q, s.QMPPath)
 	if err != nil {
 		return nil, err
 	}

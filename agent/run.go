@@ -42,20 +42,28 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
 	}
-	target, err := s.resolve(ctx, req.VM)
+	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
 	}
-	spec.QMPPath, spec.DiskPath = target.QMPPath, target.DiskPath
-	if target.DiskInRootfs {
-		spec.DiskInRootfs, spec.DiskRootfsPath = true, path.Clean(req.VM.DiskPath)
+	// From here the operation uses the files the resolver opened, never the
+	// paths; the container's paths name them in messages and annotations.
+	spec.Handles = &vm.Handles
+	if spec.DiskPath != "" {
+		spec.DiskPath = path.Clean(spec.DiskPath)
+	}
+	if vm.DiskInRootfs {
+		spec.DiskInRootfs, spec.DiskRootfsPath = true, spec.DiskPath
 	}
 	if err := spec.checkDiskPlace(); err != nil {
+		vm.Close()
 		return api.Operation{}, err
 	}
+	target := vm.Target
 	if spec.RootfsImage != "" {
 		rc, ok := s.cfg.Resolver.(RootfsCapturer)
 		if !ok {
+			vm.Close()
 			return api.Operation{}, errcode.New(errcode.Usage, "this agent's resolver cannot capture a container's writable layer (it needs containerd)")
 		}
 		spec.CaptureRootfs = func(ctx context.Context, repo ociimage.Repository, progress func(int64)) (*rootfs.LayerResult, error) {
@@ -63,7 +71,8 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		}
 	}
 	o := newOp(api.KindCheckpoint, req.VM, &target, s.cfg.OperationTimeout)
-	return s.start(o, func(ctx context.Context) error {
+	return s.start(o, vm, func(ctx context.Context) error {
+		afterResolve()
 		spec.Progress = s.progress(o)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
 			return s.journal.write(journalEntry{Op: o.snapshot(), VMWasRunning: running})
@@ -98,19 +107,20 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if req.VM.DiskPath != "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "the agent restores VM state only: put the disk overlay in place before QEMU starts (the restore init container does)")
 	}
-	target, err := s.resolve(ctx, req.VM)
+	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
 	}
+	target := vm.Target
 	o := newOp(api.KindRestore, req.VM, &target, s.cfg.OperationTimeout)
-	return s.start(o, func(ctx context.Context) error {
+	return s.start(o, vm, func(ctx context.Context) error {
 		// Journal it too: after a crash the operation is reported failed
 		// (a half-fed QEMU discards the partial state by itself).
 		if err := s.journal.write(journalEntry{Op: o.snapshot()}); err != nil {
 			return err
 		}
 		res, err := RestoreState(ctx, RestoreSpec{
-			QMPPath: target.QMPPath, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
+			QMPPath: req.VM.QMPPath, QMP: vm.QMP, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
 			Stream: vmstate.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.
@@ -137,12 +147,17 @@ func (s *Server) checkStream(workers, chunkSize int) error {
 	return nil
 }
 
-func (s *Server) resolve(ctx context.Context, vm api.VMRef) (api.Target, error) {
+// afterResolve runs in a checkpoint between resolving the VM and using
+// what was resolved: tests swap the VM's files there.
+var afterResolve = func() {}
+
+// resolve finds the VM and opens its files; the caller owns them.
+func (s *Server) resolve(ctx context.Context, vm api.VMRef) (*Resolved, error) {
 	if vm.PodUID == "" {
-		return api.Target{}, errcode.New(errcode.VMNotFound, "no pod UID given: name the VM's pod by its UID (the Job's SOURCE_POD_UID)")
+		return nil, errcode.New(errcode.VMNotFound, "no pod UID given: name the VM's pod by its UID (the Job's SOURCE_POD_UID)")
 	}
 	if vm.Container == "" {
-		return api.Target{}, errcode.New(errcode.Usage, "no container given: name the QEMU container of the pod")
+		return nil, errcode.New(errcode.Usage, "no container given: name the QEMU container of the pod")
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -150,14 +165,19 @@ func (s *Server) resolve(ctx context.Context, vm api.VMRef) (api.Target, error) 
 }
 
 // start registers o and runs work in the background once a slot is free.
-func (s *Server) start(o *op, work func(context.Context) error) (api.Operation, error) {
+// The operation owns vm's files: they are closed when it ends, however.
+func (s *Server) start(o *op, vm *Resolved, work func(context.Context) error) (api.Operation, error) {
 	if err := s.ops.add(o); err != nil {
+		vm.Close()
 		return api.Operation{}, err
 	}
 	snap := o.snapshot()
 	s.metrics.inFlight.WithLabelValues(snap.Kind, api.StatePending).Inc()
 	s.events.publish(snap)
-	go s.run(o, work)
+	go func() {
+		defer vm.Close()
+		s.run(o, work)
+	}()
 	return snap, nil
 }
 

@@ -29,7 +29,7 @@ const (
 	AnnotationMemory      = "dev.vmsnap.vm.memory"
 	AnnotationRawBytes    = "dev.vmsnap.stream.raw-bytes"
 	AnnotationDiskImage   = "dev.vmsnap.disk.image"   // on a vmstate manifest: the disk image REF@DIGEST
-	AnnotationDiskPath    = "dev.vmsnap.disk.path"    // on a disk manifest: the overlay's path at capture
+	AnnotationDiskPath    = "dev.vmsnap.disk.path"    // on a disk manifest: the overlay's path as QEMU's container saw it (never a host path)
 	AnnotationRootfsImage = "dev.vmsnap.rootfs.image" // on a vmstate manifest: the container image REF@DIGEST
 	// AnnotationPrevious, on a vmstate manifest: the digest of the manifest
 	// the state's tag named before this checkpoint moved it, if it named

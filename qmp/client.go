@@ -10,6 +10,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"strconv"
 	"sync"
 	"syscall"
@@ -17,6 +18,7 @@ import (
 
 	goqmp "github.com/digitalocean/go-qemu/qmp"
 
+	"github.com/vmsnap/vmsnap/internal/beneath"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -103,8 +105,24 @@ type greetingBody struct {
 // per QMP socket, and a second client's connection is accepted by the
 // kernel but never greeted (BUSY).
 func Dial(ctx context.Context, path string) (*Client, error) {
+	return dial(ctx, path, path)
+}
+
+// DialFile is Dial for the QMP socket that f, a descriptor of it (O_PATH
+// is enough), is open on: it connects through f's /proc/self/fd link, so
+// the socket is the one f was opened on whatever its path names now, and
+// its path may be longer than a socket address holds. Messages call it
+// name. f must stay open until DialFile returns.
+func DialFile(ctx context.Context, f *os.File, name string) (*Client, error) {
+	c, err := dial(ctx, beneath.ProcPath(f), name)
+	runtime.KeepAlive(f)
+	return c, err
+}
+
+// dial connects to the socket at addr, which messages call path.
+func dial(ctx context.Context, addr, path string) (*Client, error) {
 	var d net.Dialer
-	nc, err := d.DialContext(ctx, "unix", path)
+	nc, err := d.DialContext(ctx, "unix", addr)
 	if err != nil {
 		return nil, dialError(path, err)
 	}

@@ -49,7 +49,7 @@ type VMStateResult struct {
 type DiskResult struct {
 	Image         string             `json:"image,omitempty"`
 	Digest        string             `json:"digest,omitempty"`
-	Path          string             `json:"path"` // where it was read (a host path, through the agent)
+	Path          string             `json:"path"` // the overlay's path as given: inside the container, through the agent
 	InRootfs      *DiskInRootfs      `json:"inRootfs,omitempty"`
 	RawBytes      int64              `json:"rawBytes"` // the overlay file's size
 	StoredBytes   int64              `json:"storedBytes"`
@@ -196,7 +196,8 @@ type VMRef struct {
 }
 
 // Target is a VM resolved to this node: the container that runs it and the
-// host paths of its QMP socket and disk overlay.
+// host paths of its QMP socket and disk overlay, for display (the agent
+// uses the files its resolver opened, never these paths).
 type Target struct {
 	PodUID      string `json:"podUID"`
 	Container   string `json:"container"`
