@@ -227,7 +227,7 @@ func daemonSetDoc(o Options) document {
 		"  " + o.ContainerdSocket + " (Socket)",
 		"    The node's containerd: find a pod's QEMU container by pod UID and container name, read",
 		"    its mounts, hear when it is deleted. Whoever can use this socket is root on the node:",
-		"    the price of finding VMs without host PID, ptrace or access to the Kubernetes API.",
+		"    the price of finding VMs without ptrace or access to the Kubernetes API.",
 		"  " + o.ContainerdRoot + " (Directory, read-only)",
 		"    containerd's root: a disk overlay in a QEMU container's writable layer is read in the",
 		"    snapshot directory that holds that layer. Nothing is written there.",
