@@ -628,6 +628,9 @@ func TestRenderIsDeterministic(t *testing.T) {
 		RestoreUser: DefaultNonRootUser, RestoreGroup: DefaultNonRootUser, RestoreStateDir: DefaultRestoreStateDir,
 		RestoreStateVolume: DefaultRestoreStateVolume, RestoreStateSizeLimit: resource.MustParse(DefaultRestoreStateLimit),
 		RestoreDiskPath: DefaultRestoreDiskPath, RestoreDiskVolume: DefaultRestoreDiskVolume,
+		ContainerdRoot: DefaultContainerdRoot, QMPSocket: DefaultQMPSocket,
+		RestoreMarkerDir: DefaultRestoreMarkerDir, RestoreMarkerVolume: DefaultRestoreMarkerVolume,
+		RestoreRunVolume: DefaultRestoreRunVolume, OnRestart: DefaultOnRestart, BaseDir: DefaultBaseDir,
 		AgentResources: DefaultAgentResources(), JobResources: DefaultJobResources(), RestoreResources: DefaultRestoreResources(),
 	}
 	b, err := Render(explicit)

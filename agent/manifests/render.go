@@ -4,8 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"path"
 	corev1 "k8s.io/api/core/v1"
+	"path"
 	"strings"
 
 	"sigs.k8s.io/yaml"

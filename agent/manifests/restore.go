@@ -232,6 +232,8 @@ func RestorePod(o Options) *corev1.Pod {
 			Command:         LaunchCommand(o, r),
 			Args:            []string{QEMUArgsPlaceholder},
 			VolumeMounts:    QEMUMounts(o, r),
+			// vmsnap launch's message (--on-restart fail) in the pod's status.
+			TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
 			// The same user as the init containers, so that QEMU can open
 			// the overlay and the state they wrote.
 			SecurityContext: securityContext(o.RestoreUser, o.RestoreGroup),

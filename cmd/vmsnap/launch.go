@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -139,6 +140,9 @@ func (f launchFlags) check(argv []string) error {
 		if a == "-incoming" || a == "--incoming" || strings.HasPrefix(a, "-incoming=") || strings.HasPrefix(a, "--incoming=") {
 			return errcode.New(errcode.Usage, "QEMU's command line has %s: launch adds -incoming itself on the first start only; remove it", a)
 		}
+	}
+	if f.stateDir != "" && !slices.ContainsFunc(argv[1:], func(a string) bool { return strings.Contains(a, "unix:"+f.qmp) || strings.Contains(a, "path="+f.qmp) }) {
+		return errcode.New(errcode.Usage, "QEMU's options have no monitor at %s: add -qmp unix:%s,server=on,wait=off, or vmsnap stream could not continue the VM once loaded", f.qmp, f.qmp)
 	}
 	if f.stateDir != "" {
 		for _, p := range []string{f.stateDir, f.qmp} {

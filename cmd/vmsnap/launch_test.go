@@ -52,8 +52,8 @@ func TestLaunchRefusesBadCommandLines(t *testing.T) {
 		"bad on-restart":     {"--marker-dir", markers, "--defer", "--on-restart", "reload", "--", "/bin/true"},
 		"no QEMU":            {"--marker-dir", markers, "--defer", "--"},
 		"no dash":            {"--marker-dir", markers, "--defer", "/bin/true"},
-		"shell character":    {"--marker-dir", markers, "--state-dir", "/vm/state;reboot", "--qmp", "/vm/run/q", "--", "/bin/true"},
-		"relative state dir": {"--marker-dir", markers, "--state-dir", "vm/state", "--qmp", "/vm/run/q", "--", "/bin/true"},
+		"shell character":    {"--marker-dir", markers, "--state-dir", "/vm/state;reboot", "--qmp", "/vm/run/q", "--", "/bin/true", "-qmp", "unix:/vm/run/q"},
+		"relative state dir": {"--marker-dir", markers, "--state-dir", "vm/state", "--qmp", "/vm/run/q", "--", "/bin/true", "-qmp", "unix:/vm/run/q"},
 		"qmp with defer":     {"--marker-dir", markers, "--defer", "--qmp", "/vm/run/q", "--", "/bin/true"},
 	} {
 		if _, code := launchCLI(t, args...); code != errcode.Usage.ExitStatus() {
