@@ -138,17 +138,9 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		return nil
 	}
 
-	var mark *restoreMarker
-	if f.markerDir != "" {
-		var err error
-		if mark, err = newRestoreMarker(f); err != nil {
-			return err
-		}
-		if done := mark.done(); done != nil {
-			fmt.Fprintf(out.stderr, "vmsnap restore: already done in this pod (marker %s): the overlay and the staged state are left as they are, not replaced\n", mark.path)
-			report(out, done, func(w io.Writer) { printRestore(w, done) })
-			return nil
-		}
+	mark, done, err := restoredBefore(out, f)
+	if err != nil || done {
+		return err
 	}
 	res := &api.RestoreResult{}
 	p := newPhasedProgress(out.stderr)

@@ -3,7 +3,10 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 
@@ -39,6 +42,26 @@ type markerFile struct {
 	Result  api.RestoreResult `json:"result"`
 }
 
+// restoredBefore checks --marker-dir: when the same restore succeeded
+// before in this pod, it reports that run's result, says so on stderr and
+// returns done. Otherwise it returns the marker to write on success (nil
+// without --marker-dir).
+func restoredBefore(out *globalOutput, f restoreFlags) (mark *restoreMarker, done bool, err error) {
+	if f.markerDir == "" {
+		return nil, false, nil
+	}
+	if mark, err = newRestoreMarker(f); err != nil {
+		return nil, false, err
+	}
+	res, err := mark.done()
+	if err != nil || res == nil {
+		return mark, false, err
+	}
+	fmt.Fprintf(out.stderr, "vmsnap restore: already done in this pod (marker %s): the overlay and the staged state are left as they are, not replaced\n", mark.path)
+	report(out, res, func(w io.Writer) { printRestore(w, res) })
+	return nil, true, nil
+}
+
 func newRestoreMarker(f restoreFlags) (*restoreMarker, error) {
 	key := f.image
 	if key == "" {
@@ -59,20 +82,33 @@ func newRestoreMarker(f restoreFlags) (*restoreMarker, error) {
 
 // done returns the earlier run's result when the marker is there and names
 // the same request, or nil: no marker, or one from another restore (this
-// one is new, and replaces it when it succeeds).
-func (m *restoreMarker) done() *api.RestoreResult {
+// one is new, and replaces it when it succeeds). A marker it cannot read is
+// an error rather than a reason to restore again: that could roll back a
+// disk the guest has written to.
+func (m *restoreMarker) done() (*api.RestoreResult, error) {
 	fh, err := os.Open(m.path)
-	if err != nil {
-		return nil
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
 	}
-	defer fh.Close()
-	b, err := io.ReadAll(io.LimitReader(fh, maxMarkerBytes))
 	var mf markerFile
-	if err != nil || json.Unmarshal(b, &mf) != nil || mf.Request != m.req {
-		return nil
+	if err == nil {
+		defer fh.Close()
+		var b []byte
+		if b, err = io.ReadAll(io.LimitReader(fh, maxMarkerBytes+1)); err == nil && len(b) > maxMarkerBytes {
+			err = errors.New("larger than any marker vmsnap writes")
+		} else if err == nil {
+			err = json.Unmarshal(b, &mf)
+		}
+	}
+	if err != nil {
+		return nil, errcode.Wrap(errcode.InvalidInput, err,
+			"reading the restore marker %s: this pod may have restored before, and restoring again could roll back its disk; remove the marker to restore anyway", m.path)
+	}
+	if mf.Request != m.req {
+		return nil, nil
 	}
 	mf.Result.AlreadyRestored = m.path
-	return &mf.Result
+	return &mf.Result, nil
 }
 
 // write puts the marker in place atomically (synced, renamed, directory
