@@ -60,7 +60,7 @@ var Placeholders = map[string]string{
 	"${STATE_DIGEST}":   "sha256:HEX, the checkpoint result's vmstate.digest (the Job's termination message)",
 	"${DISK_DIGEST}":    "sha256:HEX, the checkpoint result's disk.digest",
 	"${BACKING_FILE}":   "the overlay's backing file name, the checkpoint result's disk.backingFile (e.g. base.qcow2)",
-	"${QEMU_IMAGE}":     "the QEMU image: qemu-system-x86_64, vmsnap, /bin/sh and cp, and the backing file in the base directory",
+	"${QEMU_IMAGE}":     "the QEMU image: qemu-system-x86_64, vmsnap, /bin/sh and cp, and the backing file in the base directory, readable by the restore user",
 	"${QEMU_ARGS}":      "the source VM's exact QEMU options as a JSON array of strings, without -incoming",
 	"${POD_NAME}":       "the restored pod's name",
 	"${NAMESPACE}":      "the restored pod's namespace (the source's), with the pull secret (and CA ConfigMap) in it",

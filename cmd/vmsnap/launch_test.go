@@ -116,7 +116,8 @@ func TestLaunchDeferOnceThenColdOrFail(t *testing.T) {
 // next start boots the guest cold from the disk as it is now (a new boot,
 // the marker written since), never the old memory; with --on-restart fail
 // it does not start at all. The init container's own marker keeps a re-run
-// from replacing the overlay.
+// from replacing the overlay. The same for -incoming defer (launch --defer):
+// loaded once through the monitor, cold after a restart.
 func TestLaunchLoadsOnceThenBootsCold(t *testing.T) {
 	testguest.Assets(t)
 	bin := hardBuildStatic(t, t.TempDir(), "vmsnap", ".", "")
@@ -176,9 +177,9 @@ func TestLaunchLoadsOnceThenBootsCold(t *testing.T) {
 	}
 
 	// The init container runs again in the same pod: nothing replaced.
-	ino := hardStat(t, overlay).Ino
+	st0, sum0 := hardStat(t, overlay), hardFileSum(t, overlay)
 	again := cliJSON[api.RestoreResult](t, restore...)
-	if again.AlreadyRestored == "" || hardStat(t, overlay).Ino != ino {
+	if st1 := hardStat(t, overlay); again.AlreadyRestored == "" || st1.Ino != st0.Ino || st1.Mtim != st0.Mtim || hardFileSum(t, overlay) != sum0 {
 		t.Fatalf("the re-run restore replaced the overlay (result %+v)", again)
 	}
 
@@ -214,6 +215,32 @@ func TestLaunchLoadsOnceThenBootsCold(t *testing.T) {
 		t.Fatalf("--on-restart fail: %v\n%s", err, out)
 	}
 	t.Logf("--on-restart fail: %s", strings.TrimSpace(string(out)))
+
+	// 5. The -incoming defer variant: the disk alone before QEMU starts,
+	// the state loaded into the waiting QEMU (as the agent does), then a
+	// restart boots cold.
+	tdir = targetDir(t, srcDir)
+	markers, overlay = filepath.Join(tdir, "markers"), filepath.Join(tdir, "overlay.qcow2")
+	if err := os.Mkdir(markers, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cliJSON[api.RestoreResult](t, "restore", "--disk-image", cp.Disk.Image, "--disk", overlay, "--marker-dir", markers)
+	startDefer := func() *testguest.VM {
+		return testguest.Start(t, testguest.Options{Disk: overlay, Dir: tdir,
+			Launcher: []string{bin, "launch", "--defer", "--marker-dir", markers, "--"}})
+	}
+	vm = startDefer()
+	if st := runState(t, vm); st != "inmigrate" {
+		t.Fatalf("the first --defer start is %q, want waiting for its state (inmigrate)", st)
+	}
+	cliJSON[api.RestoreResult](t, "restore", "--qmp", vm.QMPPath(), "--image", cp.VMState.Image)
+	assertResumed(t, vm, before, resume, resume)
+	vm.Kill()
+	<-vm.Done()
+	vm = startDefer()
+	if ready, err := vm.WaitReady(waitCtx(t)); err != nil || ready.Boot == before.Boot {
+		t.Fatalf("the restarted --defer QEMU did not boot cold: %+v, %v\n%s", ready, err, vm.Stderr())
+	}
 }
 
 func itoa(n int) string { return strconv.Itoa(n) }
