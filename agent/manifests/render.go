@@ -288,7 +288,8 @@ func daemonSetDoc(o Options) document {
 		{"- " + o.Namespace, "--admin-namespace: callers here act on any VM; " + o.Namespace + " runs the checkpoint Jobs."},
 	}
 	if len(o.AllowRepositories) == 0 {
-		h = append(h, "  No --allow-repository given: this agent refuses every registry target.")
+		h = append(h, "Note: no --allow-repository given, so this agent refuses every registry target: add one",
+			"  per registry prefix (vmsnap manifests --allow-repository HOST[:PORT]/PREFIX).")
 	} else {
 		notes = append(notes, note{"- " + o.AllowRepositories[0], "--allow-repository: the only registry targets the agent uses; with none, all are refused."})
 	}
