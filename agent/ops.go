@@ -564,12 +564,12 @@ func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
 		return "", errcode.Wrap(errcode.Usage, err, "--state-dir %s", dir)
 	}
 	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Tag: StagedTag})
-	if err != nil {
-		return "", err
+	var desc ocispec.Descriptor
+	if err == nil {
+		desc, err = repo.Resolve(ctx)
 	}
-	desc, err := repo.Resolve(ctx)
 	if err != nil {
-		return "", errcode.Ensure(errcode.InvalidInput, err, "no VM state staged in %s (did the restore init container run with --to-dir %s?)", dir, dir)
+		return "", errcode.Wrap(errcode.InvalidInput, err, "no VM state staged in %s (did the restore init container run with --to-dir %s?)", dir, dir)
 	}
 	return desc.Digest, nil
 }

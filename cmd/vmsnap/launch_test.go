@@ -60,6 +60,12 @@ func TestLaunchRefusesBadCommandLines(t *testing.T) {
 			t.Errorf("%s: exit %d, want USAGE (%d)", name, code, errcode.Usage.ExitStatus())
 		}
 	}
+	// A state directory the init container staged nothing in.
+	empty := t.TempDir()
+	stderr, code := launchCLI(t, "--marker-dir", markers, "--state-dir", empty, "--qmp", "/vm/run/q", "--", "/bin/true", "-qmp", "unix:/vm/run/q")
+	if code != errcode.InvalidInput.ExitStatus() || !strings.Contains(stderr, "no VM state staged in "+empty) {
+		t.Errorf("nothing staged: exit %d, %q; want INVALID_INPUT naming the directory", code, stderr)
+	}
 	if len(*calls) != 0 {
 		t.Errorf("QEMU was started for a refused command line: %q", *calls)
 	}
