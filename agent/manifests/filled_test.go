@@ -324,3 +324,45 @@ func TestAgentOptionsPassedThrough(t *testing.T) {
 }
 
 func yamlUnmarshal(doc string, out any) error { return yaml.Unmarshal([]byte(doc), out) }
+
+// The restored pod for a restore through the agent: the disk alone before
+// QEMU starts, QEMU waiting with vmsnap launch --defer, still restricted.
+func TestRestorePodViaAgentFilledAsDocumented(t *testing.T) {
+	b, err := RenderParts(Options{RestoreViaAgent: true}, PartRestore)
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(b)
+	listed := documented(t, doc)
+	if slices.Contains(listed, "${STATE_REPO}") || slices.Contains(listed, "${STATE_DIGEST}") {
+		t.Errorf("a restore through the agent lists the state's placeholders: %q", listed)
+	}
+	filled := fill(t, doc, map[string]string{
+		"POD_NAME": "vm-restored", "NAMESPACE": "tenant-a", "QEMU_IMAGE": "vmsnap.test/qemu:e2e", "BACKING_FILE": "base.qcow2",
+		"DISK_REPO": "10.0.0.5:5000/vms/disk", "DISK_DIGEST": "sha256:" + strings.Repeat("2", 64),
+		"QEMU_ARGS": `["-machine","pc","-qmp","unix:/vm/run/qmp.sock,server=on,wait=off"]`,
+	})
+	noPlaceholders(t, filled)
+	var pod corev1.Pod
+	strictDecode(t, filled, &pod)
+	eval, err := policy.NewEvaluator(policy.DefaultChecks(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res := policy.AggregateCheckResults(eval.EvaluatePod(psa.LevelVersion{Level: psa.LevelRestricted, Version: psa.LatestVersion()}, &pod.ObjectMeta, &pod.Spec)); !res.Allowed {
+		t.Fatalf("not admissible under restricted: %s", res.ForbiddenDetail())
+	}
+	restore, qemu := pod.Spec.InitContainers[1], pod.Spec.Containers[0]
+	if cmd := strings.Join(restore.Command, " "); strings.Contains(cmd, "--image") || strings.Contains(cmd, "--to-dir") || !strings.Contains(cmd, "--marker-dir /vm/markers") {
+		t.Errorf("restore init container %q: want the disk alone, once per pod", cmd)
+	}
+	want := []string{"vmsnap", "launch", "--defer", "--marker-dir", "/vm/markers", "--on-restart", "cold", "--", "qemu-system-x86_64"}
+	if !slices.Equal(qemu.Command, want) || mountOfPath(qemu, "/vm/state") != nil {
+		t.Errorf("QEMU %q with mounts %+v; want %q and no state volume", qemu.Command, qemu.VolumeMounts, want)
+	}
+	for _, v := range pod.Spec.Volumes {
+		if v.Name == DefaultRestoreStateVolume {
+			t.Error("a restore through the agent has a state volume")
+		}
+	}
+}

@@ -198,6 +198,11 @@ type Options struct {
 	// restarts after the snapshot was loaded: "cold" (boot from the disk as
 	// it is now) or "fail" (vmsnap launch --on-restart).
 	OnRestart string
+	// RestoreViaAgent renders the restored pod for a restore through the
+	// agent: the init container restores the disk alone, and QEMU starts
+	// with vmsnap launch --defer (-incoming defer) for the agent to load
+	// the state (vmsnap restore --agent ... --pod-uid NEW_POD_UID).
+	RestoreViaAgent bool
 	// BaseDir is the directory of the QEMU image that holds the overlay's
 	// backing file; an init container copies it beside the restored overlay.
 	BaseDir string

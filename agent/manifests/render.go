@@ -371,15 +371,9 @@ func restoreDoc(o Options) document {
 		"  no hostPath: the restricted Pod Security Standard, met in a tenant's namespace.",
 		"  "+BackingContainerName+" copies the overlay's backing file from "+o.BaseDir+" in the QEMU image",
 		"    to the disk volume, beside the overlay, where QEMU resolves its relative name.",
-		"  "+RestoreContainerName+" pulls the snapshot by digest, verifies every byte, puts the overlay at",
-		"    "+o.RestoreDiskPath+" and stages the VM state in "+o.RestoreStateDir+".",
-		"  qemu runs `vmsnap launch`, which execs QEMU with the source VM's exact options",
-		"    (${QEMU_ARGS}) and, on its first start only, -incoming \"exec:vmsnap stream --dir",
-		"    "+o.RestoreStateDir+" --qmp "+o.QMPSocket+"\": QEMU loads the staged state, and vmsnap",
-		"    continues the VM over that monitor (include -qmp unix:"+o.QMPSocket+",server=on,wait=off).",
-		"    For a restore through the agent, use `vmsnap launch --defer` (first start: -incoming",
-		"    defer) and RestoreInit with no state image (the disk only).",
-		"",
+	)
+	h = append(h, restoreSteps(o)...)
+	h = append(h,
 		"One restore per snapshot, per pod: a snapshot's memory is loaded at most once.",
 		"  A restarted qemu container (crash, OOM kill, guest poweroff, failed probe) finds the",
 		"  launcher's marker in "+o.RestoreMarkerDir+" and (--on-restart "+o.OnRestart+") "+onRestartMeaning(o.OnRestart)+".",
@@ -399,7 +393,6 @@ func restoreDoc(o Options) document {
 		{"- name: DOCKER_CONFIG", "Registry credentials: a directory with config.json, from the mounted pull secret."},
 		{"secretName: " + o.PullSecret, "The pull secret, read-only; .dockerconfigjson becomes config.json."},
 		{"defaultMode: 292", "0444: secret files belong to root and these containers are not; only this one mounts them."},
-		{"sizeLimit: " + o.RestoreStateSizeLimit.String(), "The staged VM state (compressed); the pod is evicted past this."},
 		{"- launch", "Starts QEMU once with -incoming, and cold (or not at all: --on-restart fail) on a restart."},
 		{"- args: " + QEMUArgsPlaceholder, "The source VM's exact options, a JSON array; -incoming is the launcher's to add."},
 		{"- mountPath: " + path.Dir(o.QMPSocket), "QEMU's QMP socket directory: the root filesystem is read-only."},
@@ -408,7 +401,36 @@ func restoreDoc(o Options) document {
 	if o.RegistryCAConfigMap != "" {
 		notes = append(notes, note{"name: " + o.RegistryCAConfigMap, "The registry's private CA (ca.pem), passed as --ca-file; create it in the pod's namespace."})
 	}
+	if !o.RestoreViaAgent {
+		notes = append(notes, note{"sizeLimit: " + o.RestoreStateSizeLimit.String(), "The staged VM state (compressed); the pod is evicted past this."})
+	}
 	return document{header: h, obj: pod, notes: notes, flow: []string{QEMUArgsPlaceholder}}
+}
+
+// restoreSteps explains what the restored pod's last two containers do.
+func restoreSteps(o Options) []string {
+	if o.RestoreViaAgent {
+		return []string{
+			"  " + RestoreContainerName + " pulls the disk overlay by digest, verifies every byte and puts it",
+			"    at " + o.RestoreDiskPath + ". The VM state is the agent's to load (RestoreViaAgent).",
+			"  qemu runs `vmsnap launch --defer`, which execs QEMU with the source VM's exact options",
+			"    (${QEMU_ARGS}) and, on its first start only, -incoming defer. Then a controller asks",
+			"    the agent on the node: vmsnap restore --agent unix://" + AgentSocket(o) + " --pod-uid UID",
+			"    --container qemu --qmp " + o.QMPSocket + " --image STATE@DIGEST; the agent checks QEMU",
+			"    against the recorded VM, then loads the state (include -qmp unix:" + o.QMPSocket + ",server=on,wait=off).",
+			"",
+		}
+	}
+	return []string{
+		"  " + RestoreContainerName + " pulls the snapshot by digest, verifies every byte, puts the overlay at",
+		"    " + o.RestoreDiskPath + " and stages the VM state in " + o.RestoreStateDir + ".",
+		"  qemu runs `vmsnap launch`, which execs QEMU with the source VM's exact options",
+		"    (${QEMU_ARGS}) and, on its first start only, -incoming \"exec:vmsnap stream --dir",
+		"    " + o.RestoreStateDir + " --qmp " + o.QMPSocket + "\": QEMU loads the staged state, and vmsnap",
+		"    continues the VM over that monitor (include -qmp unix:" + o.QMPSocket + ",server=on,wait=off).",
+		"    For a restore through the agent instead: vmsnap manifests --restore-via-agent.",
+		"",
+	}
 }
 
 func onRestartMeaning(mode string) string {

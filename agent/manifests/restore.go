@@ -166,6 +166,8 @@ func BackingInit(o Options, qemuImage, backing string) corev1.Container {
 		// leaves $1 and $2 alone.
 		Command: []string{"/bin/sh", "-c", `set -e; [ -e "$2" ] || { cp -- "$1" "$2.vmsnap-tmp"; mv -- "$2.vmsnap-tmp" "$2"; }`,
 			"copy-backing-file", path.Join(o.BaseDir, backing), dst},
+		// As small as the Job's: cp needs little, and the copy lands on
+		// the disk volume, counted against the pod, not this container.
 		Resources:                DefaultJobResources(),
 		VolumeMounts:             []corev1.VolumeMount{diskMount(o)},
 		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
@@ -205,6 +207,15 @@ func AddRestore(spec *corev1.PodSpec, c corev1.Container, vols []corev1.Volume) 
 	return nil
 }
 
+// RestoreTemplate is TemplateRestore, or with RestoreViaAgent its disk
+// alone: the agent loads the state.
+func RestoreTemplate(o Options) Restore {
+	if o.RestoreViaAgent {
+		return Restore{DiskImage: TemplateRestore.DiskImage}
+	}
+	return TemplateRestore
+}
+
 // QEMUArgsPlaceholder stands for the source VM's exact QEMU options in
 // RestorePod. Render writes it as the whole value of the QEMU container's
 // args (args: ${QEMU_ARGS}), to be filled with a JSON array of strings.
@@ -218,7 +229,7 @@ const QEMUArgsPlaceholder = "${QEMU_ARGS}"
 // it writes.
 func RestorePod(o Options) *corev1.Pod {
 	o = o.withDefaults()
-	r := TemplateRestore
+	r := RestoreTemplate(o)
 	ic, vols := RestoreInit(o, r)
 	spec := corev1.PodSpec{
 		AutomountServiceAccountToken: ptr(false),

@@ -78,6 +78,7 @@ kubernetes.io/dockerconfigjson secret (--pull-secret).`,
 	c.Flags().DurationVar(&o.OperationTimeout, "operation-timeout", 0, "agent: bound on each operation (default: the agent's)")
 	c.Flags().IntVar(&o.MaxWorkers, "max-workers", 0, "agent: cap on a request's workers (default: the agent's)")
 	c.Flags().StringVar(&o.OnRestart, "on-restart", "", "restore: when the restored QEMU container restarts, cold (boot from its disk; default) or fail")
+	c.Flags().BoolVar(&o.RestoreViaAgent, "restore-via-agent", false, "restore: the init container restores the disk alone and QEMU waits (-incoming defer) for the agent to load the state")
 	c.Flags().StringVar(&o.BaseDir, "base-dir", "", "restore: the QEMU image's directory holding the overlay's backing file (default "+manifests.DefaultBaseDir+")")
 	return c
 }

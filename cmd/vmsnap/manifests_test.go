@@ -59,6 +59,9 @@ func TestManifestsFlags(t *testing.T) {
 			t.Errorf("the restore part lacks %q:\n%s", s, out)
 		}
 	}
+	if out, code := cli(t, "manifests", "--part", "restore", "--restore-via-agent"); code != 0 || !strings.Contains(string(out), "- launch\n    - --defer\n") {
+		t.Errorf("--restore-via-agent: exit %d, no launch --defer:\n%s", code, out)
+	}
 	if _, code := cli(t, "manifests", "--part", "restore", "--on-restart", "reload"); code != errcode.Usage.ExitStatus() {
 		t.Errorf("--on-restart reload: exit %d, want USAGE", code)
 	}
