@@ -158,7 +158,7 @@ func (f launchFlags) check(argv []string) error {
 // -incoming arguments of a first start.
 func (f launchFlags) plan(ctx context.Context) (name, what string, incoming []string, err error) {
 	if f.deferred {
-		return "loaded-defer", "the state the agent loads into QEMU's -incoming defer", []string{"-incoming", "defer"}, nil
+		return "loaded-defer", "the VM state (loaded by the agent into -incoming defer)", []string{"-incoming", "defer"}, nil
 	}
 	d, err := agent.StagedDigest(ctx, f.stateDir)
 	if err != nil {
