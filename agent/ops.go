@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
@@ -603,6 +604,24 @@ func sizeOf(m ocispec.Manifest) int64 {
 		n += l.Size
 	}
 	return n
+}
+
+// StagedDigest is the digest of the VM state image Stage put in dir: what
+// a launcher marks as loaded.
+func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return "", errcode.Wrap(errcode.Usage, err, "--state-dir %s", dir)
+	}
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Tag: StagedTag})
+	var desc ocispec.Descriptor
+	if err == nil {
+		desc, err = repo.Resolve(ctx)
+	}
+	if err != nil {
+		return "", errcode.Wrap(errcode.InvalidInput, err, "no VM state staged in %s (did the restore init container run with --to-dir %s?)", dir, dir)
+	}
+	return desc.Digest, nil
 }
 
 // StreamStaged writes the raw VM state staged in dir to w, verifying every

@@ -91,6 +91,10 @@ type RestoreResult struct {
 	Disk     *RestoredDisk  `json:"disk,omitempty"`
 	Staged   *StagedState   `json:"staged,omitempty"`
 	Endpoint *Endpoint      `json:"endpoint,omitempty"`
+	// AlreadyRestored is the marker (restore --marker-dir) of an earlier
+	// successful run of the same restore in this pod: nothing was done this
+	// time, and the rest of the result is that run's.
+	AlreadyRestored string `json:"alreadyRestored,omitempty"`
 }
 
 // RestoredState describes VM state loaded into a waiting QEMU.
