@@ -78,6 +78,10 @@ type Config struct {
 	// or a caller killed mid-wait, never holds a slot for good. When it
 	// fires, the operation fails and its VM is put back as on any failure.
 	OperationTimeout time.Duration
+
+	// Keep is the retention a checkpoint request without "keep" gets: the
+	// newest checkpoints its state repository keeps (0: no prune).
+	Keep int
 }
 
 // HardMaxWorkers is the most workers one request may ever ask for: with the

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
@@ -85,6 +86,9 @@ type CheckpointSpec struct {
 	// before the VM is touched, with whether the VM runs now (the agent
 	// journals there).
 	BeforeStop func(ctx context.Context, running bool) error
+	// Keep, if above 0, prunes the state image's repository once the
+	// checkpoint is committed, keeping the Keep newest (prune.go).
+	Keep int
 }
 
 // Validate checks a spec without touching anything.
@@ -106,6 +110,9 @@ func (s CheckpointSpec) Validate() error {
 	}
 	if s.Mode == vmstate.ModeLive && s.DiskPath != "" {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so its disk would not match the captured memory: use mode snapshot or pause to capture the disk")
+	}
+	if s.Keep < 0 {
+		return errcode.New(errcode.Usage, "keep %d: give the number of checkpoints to keep, or 0 to prune nothing", s.Keep)
 	}
 	_, err := vmstate.ParseMode(string(s.Mode))
 	return err
@@ -271,6 +278,11 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	if err != nil {
 		return nil, err
 	}
+	// Retention's link to the checkpoint this one follows (prune.go).
+	previous, err := state.previousLink(ctx)
+	if err != nil {
+		return nil, err
+	}
 	var rootfsStore *store
 	if s.RootfsImage != "" {
 		if s.CaptureRootfs == nil {
@@ -318,6 +330,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 
 	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir}
+	opts.Annotations = previous
 	var (
 		disk       *rootfs.CaptureResult
 		layer      *rootfs.LayerResult
@@ -417,6 +430,9 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		if diskInRootfs {
 			out.Disk.InRootfs = &api.DiskInRootfs{Image: out.Rootfs.Image, Digest: out.Rootfs.Digest, Path: s.DiskRootfsPath}
 		}
+	}
+	if s.Keep > 0 {
+		out.Pruned = pruneAfterCheckpoint(ctx, s.Image, s.Keep, s.Store)
 	}
 	return out, nil
 }
@@ -588,6 +604,24 @@ func sizeOf(m ocispec.Manifest) int64 {
 		n += l.Size
 	}
 	return n
+}
+
+// StagedDigest is the digest of the VM state image Stage put in dir: what
+// a launcher marks as loaded.
+func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return "", errcode.Wrap(errcode.Usage, err, "--state-dir %s", dir)
+	}
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Tag: StagedTag})
+	var desc ocispec.Descriptor
+	if err == nil {
+		desc, err = repo.Resolve(ctx)
+	}
+	if err != nil {
+		return "", errcode.Wrap(errcode.InvalidInput, err, "no VM state staged in %s (did the restore init container run with --to-dir %s?)", dir, dir)
+	}
+	return desc.Digest, nil
 }
 
 // StreamStaged writes the raw VM state staged in dir to w, verifying every

@@ -30,6 +30,15 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		// gets it as a descriptor, so its container need not see the path).
 		StagingDir: s.cfg.StateDir,
 	}
+	// Retention after the checkpoint: the request's, else the agent's
+	// default. It runs below, once the success is journaled.
+	keep := req.Keep
+	if keep == 0 {
+		keep = s.cfg.Keep
+	}
+	if keep < 0 {
+		return api.Operation{}, errcode.New(errcode.InvalidInput, "keep %d: give the number of checkpoints to keep, or 0 for the agent's default", keep)
+	}
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
 	}
@@ -78,7 +87,14 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		// Journal the success before anything else: a pause-mode VM is
 		// stopped on purpose now, and recovery must leave it so.
 		snap := o.update(func(d *api.Operation) { d.Checkpoint = res })
-		return s.journal.write(journalEntry{Op: snap})
+		if err := s.journal.write(journalEntry{Op: snap}); err != nil || keep == 0 {
+			return err
+		}
+		// After the journal: an agent that dies while pruning must not
+		// have its recovery continue a VM that pause mode left stopped.
+		pruned := pruneAfterCheckpoint(ctx, spec.Image, keep, spec.Store)
+		o.update(func(d *api.Operation) { d.Checkpoint.Pruned = pruned })
+		return nil
 	})
 }
 

@@ -22,6 +22,9 @@ type CheckpointResult struct {
 	DowntimeMs float64       `json:"downtimeMs"`
 	VMRunning  bool          `json:"vmRunning"`
 	TotalMs    float64       `json:"totalMs"`
+	// Pruned is what the prune after the checkpoint (CheckpointRequest.Keep)
+	// kept and removed.
+	Pruned *PruneResult `json:"pruned,omitempty"`
 }
 
 // VMStateResult describes a stored VM state image.
@@ -88,6 +91,10 @@ type RestoreResult struct {
 	Disk     *RestoredDisk  `json:"disk,omitempty"`
 	Staged   *StagedState   `json:"staged,omitempty"`
 	Endpoint *Endpoint      `json:"endpoint,omitempty"`
+	// AlreadyRestored is the marker (restore --marker-dir) of an earlier
+	// successful run of the same restore in this pod: nothing was done this
+	// time, and the rest of the result is that run's.
+	AlreadyRestored string `json:"alreadyRestored,omitempty"`
 }
 
 // RestoredState describes VM state loaded into a waiting QEMU.
@@ -225,6 +232,10 @@ type CheckpointRequest struct {
 	Mode        string `json:"mode,omitempty"` // pause, snapshot (default) or live
 	ChunkSize   int    `json:"chunkSize,omitempty"`
 	Workers     int    `json:"workers,omitempty"`
+	// Keep, if above 0, prunes the state image's repository once the
+	// checkpoint succeeded, keeping the Keep newest checkpoints (as vmsnap
+	// prune --keep). 0 takes the agent's --keep default (none: no prune).
+	Keep int `json:"keep,omitempty"`
 }
 
 // RestoreRequest asks the agent to load VM state into a QEMU on its node

@@ -29,7 +29,7 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 API on a unix socket (mode 0660; give access to a group with --socket-group)
 through which Jobs and controllers checkpoint and restore VMs on this node:
 
-  POST   /v1/checkpoints        {"vm":{"podUID","container","qmp","disk"},"image","diskImage","mode"}
+  POST   /v1/checkpoints        {"vm":{"podUID","container","qmp","disk"},"image","diskImage","mode","keep"}
   POST   /v1/restores           {"vm":{"podUID","container","qmp"},"image":"REF@sha256:...","paused"}
   GET    /v1/operations[/ID]    DELETE /v1/operations/ID cancels
   GET    /v1/events[?operation=ID]   server-sent events of operation changes
@@ -82,6 +82,7 @@ anything else is FORBIDDEN (exit status 12) before the VM is touched.`,
 	c.Flags().StringVar(&ctrdAddress, "containerd-address", "/run/containerd/containerd.sock", "the node's containerd socket")
 	c.Flags().StringVar(&ctrdNS, "containerd-namespace", "k8s.io", "containerd namespace of the kubelet's containers")
 	c.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error (JSON logs on stderr)")
+	c.Flags().IntVar(&cfg.Keep, "keep", 0, "after each successful checkpoint whose request has no \"keep\", keep the `N` newest checkpoints of its state repository and delete the older ones (as vmsnap prune; 0: never prune)")
 	// Authorization: who may act on which VM, and where images may go.
 	c.Flags().StringArrayVar(&cfg.AdminNamespaces, "admin-namespace", nil,
 		"pod namespace whose callers may act on any VM and see every operation, such as a platform controller's (repeatable)")

@@ -80,9 +80,23 @@ type Registry struct {
 	done chan struct{}
 }
 
+// Option changes how Start configures the registry.
+type Option func(*options)
+
+type options struct{ deletesDisabled bool }
+
+// WithDeletesDisabled runs the registry as distribution runs by default:
+// storage.delete.enabled false, so that it refuses every delete (405
+// UNSUPPORTED). Without it, deletes are enabled.
+func WithDeletesDisabled() Option { return func(o *options) { o.deletesDisabled = true } }
+
 // Start runs a registry for t, stopped when t ends.
-func Start(t testing.TB) *Registry {
+func Start(t testing.TB, opts ...Option) *Registry {
 	t.Helper()
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
 	requireTools(t)
 	dir := t.TempDir()
 	r := &Registry{
@@ -122,7 +136,7 @@ storage:
   filesystem:
     rootdirectory: %s
   delete:
-    enabled: true
+    enabled: %t
   maintenance:
     uploadpurging:
       enabled: false
@@ -138,7 +152,7 @@ auth:
   htpasswd:
     realm: vmsnap-test
     path: %s
-`, r.StorageDir, r.Host, randomString(t, 16), certFile, keyFile, htpasswdFile)
+`, r.StorageDir, !o.deletesDisabled, r.Host, randomString(t, 16), certFile, keyFile, htpasswdFile)
 	if err := os.WriteFile(r.config, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}
