@@ -16,6 +16,7 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp"
 	"github.com/vmsnap/vmsnap/rootfs"
+	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
 )
 
@@ -310,7 +311,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 	if h.Disk != nil {
 		// Refuse a bad overlay before the VM is touched.
-		if _, _, err := rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
+		if _, _, err := overlay.Inspect(h.Disk, s.DiskPath); err != nil {
 			return nil, err
 		}
 	}
@@ -332,9 +333,9 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir}
 	opts.Annotations = previous
 	var (
-		disk       *rootfs.CaptureResult
+		disk       *overlay.CaptureResult
 		layer      *rootfs.LayerResult
-		overlay    rootfs.Header // of an overlay captured in the rootfs image only
+		ovl        overlay.Header // of an overlay captured in the rootfs image only
 		overlaySz  int64
 		overlayDur time.Duration
 	)
@@ -344,7 +345,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			var err error
 			if diskStore != nil {
 				beforeDiskCapture()
-				disk, err = rootfs.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream))
+				disk, err = overlay.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream))
 				if err != nil {
 					return vmstate.Link{}, err
 				}
@@ -355,7 +356,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 				if diskInRootfs && disk == nil {
 					// What the rootfs image will hold, as it is now.
 					t0 := time.Now()
-					if overlay, overlaySz, err = rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
+					if ovl, overlaySz, err = overlay.Inspect(h.Disk, s.DiskPath); err != nil {
 						return vmstate.Link{}, err
 					}
 					overlayDur = time.Since(t0)
@@ -416,7 +417,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		}
 	case diskInRootfs:
 		out.Disk = &api.DiskResult{
-			Path: s.DiskPath, RawBytes: overlaySz, VirtualSize: overlay.VirtualSize, BackingFile: overlay.BackingFile,
+			Path: s.DiskPath, RawBytes: overlaySz, VirtualSize: ovl.VirtualSize, BackingFile: ovl.BackingFile,
 			DurationsMs: map[string]float64{"total": api.Ms(overlayDur)},
 		}
 	}
@@ -537,7 +538,7 @@ func RestoreDisk(ctx context.Context, s DiskRestoreSpec) (*api.RestoredDisk, err
 	if err != nil {
 		return nil, err
 	}
-	res, err := rootfs.Restore(ctx, repo, s.Path, s.Progress.stream("disk", s.Stream))
+	res, err := overlay.Restore(ctx, repo, s.Path, s.Progress.stream("disk", s.Stream))
 	if err != nil {
 		return nil, err
 	}

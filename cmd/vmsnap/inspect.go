@@ -12,7 +12,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/rootfs"
+	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
 )
 
@@ -45,14 +45,14 @@ access works as for checkpoint (--registry-config, --ca-file,
 }
 
 type inspectDoc struct {
-	Image        string             `json:"image"`
-	Digest       string             `json:"digest"`
-	ArtifactType string             `json:"artifactType"`
-	Chunks       int                `json:"chunks"`
-	StoredBytes  int64              `json:"storedBytes"`
-	Annotations  map[string]string  `json:"annotations,omitempty"`
-	VMState      *vmstate.Config    `json:"vmstate,omitempty"`
-	Disk         *rootfs.DiskConfig `json:"disk,omitempty"`
+	Image        string              `json:"image"`
+	Digest       string              `json:"digest"`
+	ArtifactType string              `json:"artifactType"`
+	Chunks       int                 `json:"chunks"`
+	StoredBytes  int64               `json:"storedBytes"`
+	Annotations  map[string]string   `json:"annotations,omitempty"`
+	VMState      *vmstate.Config     `json:"vmstate,omitempty"`
+	Disk         *overlay.DiskConfig `json:"disk,omitempty"`
 	// Checkpoint lists, for a VM state image, the images of its checkpoint
 	// together.
 	Checkpoint *checkpointImagesDoc `json:"checkpoint,omitempty"`
@@ -168,7 +168,7 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 			}
 		}
 	case ociimage.ArtifactTypeDisk:
-		_, _, cfg, err := rootfs.LoadDiskConfig(ctx, pinned)
+		_, _, cfg, err := overlay.LoadDiskConfig(ctx, pinned)
 		if err != nil {
 			return nil, err
 		}
