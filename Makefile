@@ -44,7 +44,7 @@ test-unit:
 	$(GO) test -race -short ./...
 
 # Benchmarks, one package at a time (-p 1: they measure CPU time on a shared
-# machine). BenchmarkE2E (cmd/vmsnap/bench_test.go) prints a table: QEMU's
+# machine). BenchmarkE2E (internal/e2e/bench_test.go) prints a table: QEMU's
 # own stream rate, a scripted zstd + skopeo baseline and vmsnap, through a
 # TLS + auth registry, plus peak RSS, live downtime and incremental uploads;
 # it also writes a CPU profile of one checkpoint to bin/bench-cpu.pprof.
@@ -70,7 +70,7 @@ FUZZ_TARGETS := \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
-	./rootfs:FuzzReadHeader
+	./rootfs/overlay:FuzzReadHeader
 .PHONY: fuzz
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \

@@ -1,4 +1,4 @@
-package main
+package e2e
 
 // End-to-end tests through a real registry: Debian's docker-registry
 // (distribution 2.8) with TLS from a test CA and htpasswd auth, started by
