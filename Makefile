@@ -3,8 +3,11 @@ SHELL := /bin/bash
 GO ?= go
 BIN := bin/vmsnap
 VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
-# Debian packages the tests and the demo use.
-DEBS := qemu-system-x86 qemu-utils busybox-static zstd cpio containerd runc docker-registry skopeo apache2-utils
+# Debian packages the tests and the demo use. The Kubernetes test cluster
+# (internal/testcluster) adds etcd, the CNI plugins, iptables and iproute2;
+# its Kubernetes binaries are built from testdata/k8s (cached).
+DEBS := qemu-system-x86 qemu-utils busybox-static zstd cpio containerd runc docker-registry skopeo apache2-utils \
+	etcd-server containernetworking-plugins iptables iproute2
 # Where the test guest (kernel + initramfs) is cached between runs.
 export VMSNAP_TEST_CACHE ?= $(HOME)/.cache/vmsnap-test
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -35,8 +38,9 @@ guest:
 vet:
 	$(GO) vet ./...
 
-# All tests, including the end-to-end ones on real QEMU guests (TCG).
-test: vet
+# All tests, including the end-to-end ones on real QEMU guests (TCG) and on
+# a real single-node Kubernetes cluster. Installs what they need first.
+test: deps guest vet
 	$(GO) test -race -timeout 45m ./...
 
 # Fast unit tests only: fakes, no guest.

@@ -80,8 +80,13 @@ type Registry struct {
 	done chan struct{}
 }
 
-// Start runs a registry for t, stopped when t ends.
-func Start(t testing.TB) *Registry {
+// Start runs a registry on 127.0.0.1 for t, stopped when t ends.
+func Start(t testing.TB) *Registry { t.Helper(); return StartOn(t, "127.0.0.1") }
+
+// StartOn runs a registry for t listening on ip, a local address: the
+// gateway address of a test cluster's pod bridge, where pods reach it
+// (its certificate names ip and 127.0.0.1). It is stopped when t ends.
+func StartOn(t testing.TB, ip string) *Registry {
 	t.Helper()
 	requireTools(t)
 	dir := t.TempDir()
@@ -92,13 +97,13 @@ func Start(t testing.TB) *Registry {
 		ConfigDir:  filepath.Join(dir, "docker"),
 		logPath:    filepath.Join(dir, "registry.log"),
 	}
-	r.Host = "127.0.0.1:" + freePort(t)
+	r.Host = net.JoinHostPort(ip, freePort(t, ip))
 	for _, d := range []string{r.StorageDir, r.CertDir, r.ConfigDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			t.Fatal(err)
 		}
 	}
-	certFile, keyFile := r.makeCerts(t)
+	certFile, keyFile := r.makeCerts(t, net.ParseIP(ip))
 	htpasswdFile := filepath.Join(dir, "htpasswd")
 	// The password goes in on stdin, never in argv.
 	cmd := exec.Command(HtpasswdBinary, "-iBc", htpasswdFile, r.User)
@@ -355,8 +360,8 @@ func (r *Registry) writeDockerConfig(t testing.TB, dir, password string) string 
 }
 
 // makeCerts writes a test CA (CAFile, CertDir/ca.crt) and a server
-// certificate for 127.0.0.1 and localhost signed by it.
-func (r *Registry) makeCerts(t testing.TB) (certFile, keyFile string) {
+// certificate for 127.0.0.1, localhost and ip signed by it.
+func (r *Registry) makeCerts(t testing.TB, ip net.IP) (certFile, keyFile string) {
 	t.Helper()
 	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -391,6 +396,9 @@ func (r *Registry) makeCerts(t testing.TB) (certFile, keyFile string) {
 		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
 		DNSNames:     []string{"localhost"},
 	}
+	if ip != nil && !ip.IsLoopback() {
+		srvTmpl.IPAddresses = append(srvTmpl.IPAddresses, ip)
+	}
 	srvDER, err := x509.CreateCertificate(rand.Reader, srvTmpl, caCert, &srvKey.PublicKey, caKey)
 	if err != nil {
 		t.Fatal(err)
@@ -418,9 +426,9 @@ func (r *Registry) makeCerts(t testing.TB) (certFile, keyFile string) {
 	return certFile, keyFile
 }
 
-func freePort(t testing.TB) string {
+func freePort(t testing.TB, ip string) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	l, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
 	if err != nil {
 		t.Fatal(err)
 	}
