@@ -49,7 +49,7 @@ func snapshotHost() (*hostState, error) {
 		h.Sysctls[s] = strings.TrimSpace(string(b))
 	}
 	for _, c := range iptablesCommands {
-		out, err := exec.Command(c+"-save").Output()
+		out, err := exec.Command(c + "-save").Output()
 		if err != nil {
 			return nil, fmt.Errorf("%s-save: %v", c, err)
 		}
