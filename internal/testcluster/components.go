@@ -102,7 +102,6 @@ func (c *Cluster) startControlPlane(t testing.TB) error {
 		"--leader-elect=false", "--use-service-account-credentials=true",
 		"--service-account-private-key-file", saKey, "--root-ca-file", p.CAFile,
 		"--cluster-signing-cert-file", p.CAFile, "--cluster-signing-key-file", filepath.Join(pkiDir, "ca.key"),
-		"--controllers", "*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
 		"--profiling=false", "--v=1"); err != nil {
 		return err
 	}
@@ -153,7 +152,7 @@ failSwapOn: false
 # The node's disk and memory are shared with the rest of the machine:
 # nothing this cluster runs may be evicted or garbage-collected because of
 # what others use.
-evictionHard: {memory.available: "1Mi", nodefs.available: "0%%", imagefs.available: "0%%", nodefs.inodesFree: "0%%"}
+evictionHard: {memory.available: "1Mi", nodefs.available: "1Mi", imagefs.available: "1Mi", nodefs.inodesFree: "1"}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 serializeImagePulls: false

@@ -156,15 +156,12 @@ func tables(save string) map[string]bool {
 	return t
 }
 
-// cgroupHierarchies lists the cgroup v1 hierarchies the kubelet and runc
-// put pods in (every one mounted, but the v2 "unified" one).
+// cgroupHierarchies lists the cgroup hierarchies the kubelet and runc put
+// pods in: every one mounted, the v2 "unified" one of a hybrid host too.
 func cgroupHierarchies() []string {
 	dirs, _ := filepath.Glob("/sys/fs/cgroup/*")
 	var out []string
 	for _, d := range dirs {
-		if filepath.Base(d) == "unified" {
-			continue
-		}
 		if _, err := os.Stat(filepath.Join(d, "cgroup.procs")); err == nil {
 			out = append(out, d)
 		}

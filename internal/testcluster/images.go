@@ -10,7 +10,6 @@ import (
 	"regexp"
 	"sort"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
@@ -29,39 +28,23 @@ const (
 	VMSnapPath = "/usr/local/bin/vmsnap"
 )
 
-var vmsnapBuild struct {
-	once sync.Once
-	path string
-	err  error
-}
-
-// VMSnapBinary builds cmd/vmsnap once per test binary: static (CGO
-// disabled), as it runs in images without a C library.
+// VMSnapBinary builds cmd/vmsnap into a directory of t: static (CGO
+// disabled), as it runs in images without a C library. The Go build cache
+// makes every build after the first a link.
 func VMSnapBinary(t testing.TB) string {
 	t.Helper()
-	vmsnapBuild.once.Do(func() {
-		root, err := testguest.RepoRoot()
-		if err != nil {
-			vmsnapBuild.err = err
-			return
-		}
-		dir, err := os.MkdirTemp("", "vmsnap-bin-")
-		if err != nil {
-			vmsnapBuild.err = err
-			return
-		}
-		vmsnapBuild.path = filepath.Join(dir, "vmsnap")
-		cmd := exec.Command("go", "build", "-trimpath", "-o", vmsnapBuild.path, "./cmd/vmsnap")
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			vmsnapBuild.err = fmt.Errorf("go build ./cmd/vmsnap: %v\n%s", err, out)
-		}
-	})
-	if vmsnapBuild.err != nil {
-		t.Fatal(vmsnapBuild.err)
+	root, err := testguest.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
 	}
-	return vmsnapBuild.path
+	bin := filepath.Join(t.TempDir(), "vmsnap")
+	cmd := exec.Command("go", "build", "-trimpath", "-o", bin, "./cmd/vmsnap")
+	cmd.Dir = root
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build ./cmd/vmsnap: %v\n%s", err, out)
+	}
+	return bin
 }
 
 // contentName names an image by a digest of its files, so that a changed

@@ -9,6 +9,7 @@ import (
 
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -134,4 +135,20 @@ func (c *Cluster) JobTerminationMessage(t testing.TB, ctx context.Context, ns, n
 		t.Fatalf("job %s/%s failed; termination message %q; logs:\n%s\n%s", ns, name, msg, strings.TrimSpace(logs), c.Describe(ns, "pod", p.Name))
 	}
 	return msg
+}
+
+// WaitPodGone waits until pod ns/name no longer exists.
+func (c *Cluster) WaitPodGone(t testing.TB, ctx context.Context, ns, name string) {
+	t.Helper()
+	for {
+		_, err := c.Client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("pod %s/%s still there: %v\n%s", ns, name, ctx.Err(), c.Describe(ns, "pod", name))
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
 }

@@ -173,6 +173,7 @@ func Start(t testing.TB) *Cluster {
 		if err := host.restore(); err != nil {
 			t.Errorf("testcluster: restoring the host: %v", err)
 		}
+		removeContainerLogLinks(dir)
 		for _, err := range testcontainerd.UnmountAll(dir) {
 			t.Logf("testcluster: %v", err)
 		}
@@ -473,6 +474,7 @@ func reapStale(t testing.TB, except string) (cgroups []string) {
 				}
 			}
 		}
+		removeContainerLogLinks(dir)
 		if h, err := loadHostState(filepath.Join(dir, "host.json")); err == nil {
 			cgroups = append(cgroups, h.Cgroup)
 			h.Cgroup = ""
@@ -486,6 +488,21 @@ func reapStale(t testing.TB, except string) (cgroups []string) {
 		os.RemoveAll(dir)
 	}
 	return cgroups
+}
+
+// containerLogLinks is where the kubelet links every container's log,
+// whatever its root directory: a fixed path.
+const containerLogLinks = "/var/log/containers"
+
+// removeContainerLogLinks removes the kubelet's links to logs under dir
+// (the directory itself stays: other kubelets may use it).
+func removeContainerLogLinks(dir string) {
+	links, _ := filepath.Glob(filepath.Join(containerLogLinks, "*.log"))
+	for _, l := range links {
+		if target, err := os.Readlink(l); err == nil && strings.HasPrefix(target, dir+"/") {
+			os.Remove(l)
+		}
+	}
 }
 
 func processIs(pid int, name string) bool {

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -138,3 +140,25 @@ func testJob(t *testing.T, c *Cluster) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// TestBinaries builds (or finds cached) the Kubernetes binaries and checks
+// that each one reports Version: the apiserver derives its emulation
+// version from it. make test runs it first, so that the build does not
+// compete with the tests that measure time.
+func TestBinaries(t *testing.T) {
+	Require(t)
+	dir, err := Binaries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name := range commands {
+		args := []string{"--version"}
+		if name == "kubectl" {
+			args = []string{"version", "--client"}
+		}
+		out, err := exec.Command(filepath.Join(dir, name), args...).CombinedOutput()
+		if err != nil || !strings.Contains(string(out), Version) {
+			t.Errorf("%s %s: %v: %s (want %s)", name, strings.Join(args, " "), err, out, Version)
+		}
+	}
+}
