@@ -112,24 +112,37 @@ func (c *Cluster) ImportQEMUImage(t testing.TB, vmsnap string) string {
 		t.Fatalf("qemu-img create: %v\n%s", err, out)
 	}
 	files = append(files, testcontainerd.File{Path: QEMUImageBaseDisk, HostPath: base, Mode: 0o444})
+	var bins []string
 	for _, name := range []string{testguest.QEMUBinary, testguest.QEMUImgBinary} {
 		bin, err := exec.LookPath(name)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}
+		files = append(files, testcontainerd.File{Path: "/usr/bin/" + name, HostPath: bin})
+		bins = append(bins, bin)
+	}
+	// Debian's QEMU loads TCG from a module, at its build-time path.
+	modules, _ := filepath.Glob(qemuModules)
+	if len(modules) == 0 {
+		t.Fatalf("no QEMU accelerator modules %s", qemuModules)
+	}
+	for _, m := range modules {
+		files = append(files, testcontainerd.File{Path: m, HostPath: m, Mode: 0o644})
+	}
+	for _, bin := range append(bins, modules...) {
 		libs, err := sharedLibraries(bin)
 		if err != nil {
 			t.Fatal(err)
 		}
-		files = append(files, testcontainerd.File{Path: "/usr/bin/" + name, HostPath: bin})
 		for _, l := range libs {
 			files = append(files, testcontainerd.File{Path: l, HostPath: l})
 		}
 	}
-	firmware, err := filepath.Glob("/usr/share/qemu/*")
-	if err != nil {
-		t.Fatal(err)
-	}
+	// QEMU's data files, and the BIOS Debian ships apart (seabios), where
+	// QEMU looks for them.
+	firmware, _ := filepath.Glob("/usr/share/qemu/*")
+	bios, _ := filepath.Glob("/usr/share/seabios/*")
+	firmware = append(firmware, bios...)
 	for _, f := range firmware {
 		if fi, err := os.Stat(f); err == nil && fi.Mode().IsRegular() { // symlinks followed
 			files = append(files, testcontainerd.File{Path: f, HostPath: f, Mode: 0o644})
@@ -139,6 +152,9 @@ func (c *Cluster) ImportQEMUImage(t testing.TB, vmsnap string) string {
 	return c.ImportFiles(t, "vmsnap.test/qemu", dedupe(files), testcontainerd.ImageConfig{
 		Env: []string{"PATH=/usr/local/bin:/usr/bin:/bin", "LD_LIBRARY_PATH=/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu"}})
 }
+
+// qemuModules are the accelerator modules of Debian's QEMU.
+const qemuModules = "/usr/lib/x86_64-linux-gnu/qemu/accel-*.so"
 
 var lddPath = regexp.MustCompile(`(/[^ ]+) \(0x`)
 

@@ -75,7 +75,7 @@ func (c *Cluster) WaitPod(t testing.TB, ctx context.Context, ns, name string, co
 			if cond(p) {
 				return p
 			}
-			if p.Status.Phase == corev1.PodFailed {
+			if p.Status.Phase == corev1.PodFailed || crashLooping(p) {
 				t.Fatalf("pod %s/%s failed\n%s", ns, name, c.Describe(ns, "pod", name))
 			}
 		}
@@ -89,6 +89,17 @@ func (c *Cluster) WaitPod(t testing.TB, ctx context.Context, ns, name string, co
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
+}
+
+// crashLooping reports whether a container of the pod failed twice: a
+// pod waited for is not meant to.
+func crashLooping(p *corev1.Pod) bool {
+	for _, st := range append(p.Status.InitContainerStatuses, p.Status.ContainerStatuses...) {
+		if w := st.State.Waiting; w != nil && w.Reason == "CrashLoopBackOff" && st.RestartCount >= 2 {
+			return true
+		}
+	}
+	return false
 }
 
 // Describe is kubectl describe of an object, for failure messages.

@@ -367,11 +367,11 @@ func (c *Cluster) logTails() string {
 	var b strings.Builder
 	for _, p := range c.procs {
 		data, _ := os.ReadFile(p.log)
-		fmt.Fprintf(&b, "==== %s (%s) ====\n%s\n", p.name, p.log, tail(data, 3000))
+		fmt.Fprintf(&b, "==== %s (%s) ====\n%s\n", p.name, p.log, tail(data, 1500))
 	}
 	if c.Containerd != nil {
 		data, _ := os.ReadFile(filepath.Join(c.Containerd.Dir, "containerd.log"))
-		fmt.Fprintf(&b, "==== containerd ====\n%s\n", tail(data, 3000))
+		fmt.Fprintf(&b, "==== containerd ====\n%s\n", tail(data, 1500))
 	}
 	return b.String()
 }
