@@ -1,8 +1,10 @@
 // Package agent runs checkpoints and restores of QEMU VMs on a node.
 //
 // The operations themselves (Checkpoint, RestoreState, RestoreDisk, Stage)
-// are plain functions on host paths, used by the CLI in its own process and
-// by the node daemon alike. The daemon (Server) adds what a node needs:
+// are plain functions, used by the CLI in its own process and by the node
+// daemon alike; a VM's files come to them opened (Handles), by the daemon's
+// resolver beneath the pod's volumes or from the CLI's own paths. The daemon
+// (Server) adds what a node needs:
 //
 //   - a JSON HTTP API on a unix socket (mode 0660, a configurable group);
 //   - finding a VM by pod UID and container name through a Resolver
@@ -28,12 +30,14 @@ import (
 	"os"
 	"os/user"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
@@ -49,7 +53,38 @@ type Config struct {
 	Resolver      Resolver
 	Store         []ociimage.Option // registry credentials, CA, ...
 	Logger        *slog.Logger
+
+	// Bounds on one operation.
+
+	// MaxWorkers bounds a request's workers (default DefaultMaxWorkers(),
+	// at most HardMaxWorkers): each one holds chunk buffers (see
+	// vmstate.StreamOptions.EncodeMemory), so a caller must not pick how
+	// much of the agent's memory one operation takes. A request above it
+	// is refused (INVALID_INPUT), not clamped, so the caller knows.
+	MaxWorkers int
+	// OperationTimeout bounds every operation from its acceptance, its
+	// wait for a slot included (default 30m): a QEMU that stops answering,
+	// or a caller killed mid-wait, never holds a slot for good. When it
+	// fires, the operation fails and its VM is put back as on any failure.
+	OperationTimeout time.Duration
+
+	// Keep is the retention a checkpoint request without "keep" gets: the
+	// newest checkpoints its state repository keeps (0: no prune).
+	Keep int
 }
+
+// HardMaxWorkers is the most workers one request may ever ask for: with the
+// largest chunks, a worker holds up to about 50 MiB (EncodeMemory), and an
+// agent's memory is bounded by its DaemonSet.
+const HardMaxWorkers = 16
+
+// DefaultMaxWorkers is MaxWorkers' default: twice the CPUs the agent may
+// use, at most HardMaxWorkers. More workers than CPUs only help while a
+// registry is slower than compression.
+func DefaultMaxWorkers() int { return min(2*runtime.GOMAXPROCS(0), HardMaxWorkers) }
+
+// DefaultOperationTimeout is OperationTimeout's default.
+const DefaultOperationTimeout = 30 * time.Minute
 
 // Server is the node daemon.
 type Server struct {
@@ -77,6 +112,15 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	if cfg.MaxConcurrent <= 0 {
 		cfg.MaxConcurrent = 2
+	}
+	if cfg.MaxWorkers <= 0 {
+		cfg.MaxWorkers = DefaultMaxWorkers()
+	}
+	if cfg.MaxWorkers > HardMaxWorkers {
+		return nil, errcode.New(errcode.Usage, "--max-workers %d: at most %d (each worker holds up to about 50 MiB)", cfg.MaxWorkers, HardMaxWorkers)
+	}
+	if cfg.OperationTimeout <= 0 {
+		cfg.OperationTimeout = DefaultOperationTimeout
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
@@ -132,7 +176,8 @@ func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
-	s.log.Info("agent listening", "socket", ln.Addr().String(), "stateDir", s.cfg.StateDir, "maxConcurrent", s.cfg.MaxConcurrent)
+	s.log.Info("agent listening", "socket", ln.Addr().String(), "stateDir", s.cfg.StateDir, "maxConcurrent", s.cfg.MaxConcurrent,
+		"maxWorkers", s.cfg.MaxWorkers, "operationTimeout", s.cfg.OperationTimeout.String())
 	select {
 	case err := <-errc:
 		return errcode.Wrap(errcode.Internal, err, "serving the agent API")
@@ -171,8 +216,13 @@ func (s *Server) watch(ctx context.Context) {
 func (s *Server) forget(g Gone) {
 	why := errcode.New(errcode.VMNotFound, "the container %s of pod %s was deleted or replaced", g.Container, g.PodUID)
 	for _, op := range s.ops.forVM(g) {
-		s.log.Info("VM gone: cancelling its operation", "op", op.id, "pod", g.PodUID, "container", g.Container, "containerID", g.ContainerID)
-		op.cancel(why)
+		log := s.log.With("op", op.id, "pod", g.PodUID, "container", g.Container, "containerID", g.ContainerID)
+		if op.ended() {
+			log.Debug("VM gone: forgetting its finished operation")
+		} else {
+			log.Info("VM gone: cancelling its operation")
+			op.cancel(why)
+		}
 		s.ops.remove(op, why)
 	}
 }
@@ -230,6 +280,30 @@ func lookupGroup(group string) (int, error) {
 	return gid, nil
 }
 
+// continueJournaled continues the VM of an unfinished checkpoint, found
+// again through the resolver as the request named it (pod UID, container,
+// QMP path inside the container), never through a host path from the
+// journal: the journal is a file, and the pod may have changed since. The
+// VM is continued only if it still runs in the container the checkpoint
+// stopped; a container replaced since runs another QEMU, which is left
+// alone. The agent acts for itself here, for no caller: it asks its
+// resolver directly.
+func (s *Server) continueJournaled(ctx context.Context, op api.Operation) error {
+	ref := api.VMRef{PodUID: op.VM.PodUID, Container: op.VM.Container, QMPPath: op.VM.QMPPath}
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	vm, err := s.cfg.Resolver.Resolve(rctx, ref)
+	if err != nil {
+		return err
+	}
+	defer vm.Close()
+	if vm.ContainerID != op.Target.ContainerID {
+		return errcode.New(errcode.VMNotFound, "the container %s of pod %s is not the one the checkpoint stopped (%s, now %s): left alone",
+			op.VM.Container, op.VM.PodUID, op.Target.ContainerID, vm.ContainerID)
+	}
+	return continueVM(ctx, vm.QMP, op.VM.QMPPath)
+}
+
 // recover finishes what a previous run of the agent left in its journal.
 func (s *Server) recover(ctx context.Context) {
 	entries, err := s.journal.list()
@@ -241,7 +315,7 @@ func (s *Server) recover(ctx context.Context) {
 		log := s.log.With("op", e.Op.ID, "kind", e.Op.Kind, "pod", e.Op.VM.PodUID)
 		outcome := "the agent stopped during this operation"
 		if e.Op.Kind == "checkpoint" && e.VMWasRunning && e.Op.Checkpoint == nil && e.Op.Target != nil {
-			if err := continueVM(ctx, e.Op.Target.QMPPath); err != nil {
+			if err := s.continueJournaled(ctx, e.Op); err != nil {
 				log.Error("could not continue the VM an unfinished checkpoint had stopped", "err", err)
 				outcome += fmt.Sprintf("; continuing the VM failed: %v", err)
 			} else {

@@ -51,15 +51,20 @@ func (r *staticResolver) delete(uid string) {
 	r.gone <- Gone{PodUID: uid, Container: t.Container, ContainerID: t.ContainerID}
 }
 
-func (r *staticResolver) Resolve(_ context.Context, ref VMRef) (Target, error) {
+// Resolve opens the target's host paths as they are: the tests own them.
+func (r *staticResolver) Resolve(_ context.Context, ref VMRef) (*Resolved, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.calls++
 	t, ok := r.vms[ref.PodUID]
 	if !ok || ref.Container != t.Container {
-		return Target{}, errcode.New(errcode.VMNotFound, "no container %s in pod %s on this node", ref.Container, ref.PodUID)
+		return nil, errcode.New(errcode.VMNotFound, "no container %s in pod %s on this node", ref.Container, ref.PodUID)
 	}
-	return t, nil
+	h, err := OpenLocal(t.QMPPath, t.DiskPath)
+	if err != nil {
+		return nil, err
+	}
+	return &Resolved{Target: t, Handles: *h}, nil
 }
 
 func (r *staticResolver) Watch(ctx context.Context) (<-chan Gone, error) {
@@ -148,6 +153,12 @@ func randomState(t testing.TB, n int) []byte {
 }
 
 const uid1 = "6f1c2a4e-1111-4c0e-9a51-0123456789ab"
+
+// Pods of the recovery tests.
+const (
+	uid3 = "6f1c2a4e-3333-4c0e-9a51-0123456789ab"
+	uid4 = "6f1c2a4e-4444-4c0e-9a51-0123456789ab"
+)
 
 func waitOp(t *testing.T, c *Client, id string) api.Operation {
 	t.Helper()
@@ -322,29 +333,19 @@ func TestAgentForgetsDeletedVM(t *testing.T) {
 }
 
 // A journal entry left by a crash mid-checkpoint: the restarted agent
-// continues the VM and reports the operation failed.
+// finds the VM again through its resolver, continues it and reports the
+// operation failed.
 func TestAgentRecoveryContinuesStoppedVM(t *testing.T) {
-	vm := qmptest.NewFakeQEMU(t, "running", nil)
-	client := vm.Dial(t)
-	if err := client.Execute(context.Background(), "stop", nil, nil); err != nil {
-		t.Fatal(err)
-	}
+	vm := stoppedFake(t)
 	stateDir := t.TempDir()
-	j, err := openJournal(stateDir)
-	if err != nil {
-		t.Fatal(err)
-	}
 	crashed := api.Operation{ID: "deadbeef00000001", Kind: api.KindCheckpoint, State: api.StateRunning,
-		VM: api.VMRef{PodUID: uid1, Container: "qemu"}, Target: &api.Target{QMPPath: vm.Path()}}
+		VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/vm/qmp.sock"}, Target: &api.Target{ContainerID: "c-" + uid1, QMPPath: vm.Path()}}
 	succeeded := api.Operation{ID: "deadbeef00000002", Kind: api.KindCheckpoint, State: api.StateRunning,
-		VM: api.VMRef{PodUID: uid1, Container: "qemu"}, Target: &api.Target{QMPPath: vm.Path()}, Checkpoint: &api.CheckpointResult{Mode: "pause"}}
-	if err := j.write(journalEntry{Op: crashed, VMWasRunning: true}); err != nil {
-		t.Fatal(err)
-	}
-	if err := j.write(journalEntry{Op: succeeded}); err != nil {
-		t.Fatal(err)
-	}
-	a := startAgent(t, stateDir, newStaticResolver(), 1)
+		VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/vm/qmp.sock"}, Target: &api.Target{ContainerID: "c-" + uid1, QMPPath: vm.Path()}, Checkpoint: &api.CheckpointResult{Mode: "pause"}}
+	writeJournal(t, stateDir, journalEntry{Op: crashed, VMWasRunning: true}, journalEntry{Op: succeeded})
+	r := newStaticResolver()
+	r.add(uid1, vm.Path())
+	a := startAgent(t, stateDir, r, 1)
 	if vm.Status() != "running" {
 		t.Fatalf("VM is %s after recovery, want running", vm.Status())
 	}
@@ -358,6 +359,80 @@ func TestAgentRecoveryContinuesStoppedVM(t *testing.T) {
 	if entries, _ := a.srv.journal.list(); len(entries) != 0 {
 		t.Fatalf("journal still holds %d entries", len(entries))
 	}
+}
+
+// The journal's host path is never dialed: recovery resolves the VM again
+// and continues it only in the container the checkpoint stopped. A journal
+// entry naming another VM's socket (a tampered or stale file) does not
+// reach that VM; a container replaced since, or gone, is left alone.
+func TestAgentRecoveryDoesNotDialJournaledPath(t *testing.T) {
+	victim := stoppedFake(t) // another tenant's VM, paused on purpose
+	own := stoppedFake(t)    // the pod's VM the checkpoint stopped
+	replaced := stoppedFake(t)
+	entry := func(id, uid, containerID string) journalEntry {
+		return journalEntry{VMWasRunning: true, Op: api.Operation{ID: id, Kind: api.KindCheckpoint, State: api.StateRunning,
+			VM:     api.VMRef{PodUID: uid, Container: "qemu", QMPPath: "/vm/qmp.sock"},
+			Target: &api.Target{ContainerID: containerID, QMPPath: victim.Path()}}}
+	}
+	stateDir := t.TempDir()
+	writeJournal(t, stateDir,
+		entry("deadbeef00000001", uid1, "c-"+uid1),         // the pod's own VM, still there
+		entry("deadbeef00000002", uid3, "c-old-container"), // a container replaced since
+		entry("deadbeef00000003", uid4, "c-gone"))          // a pod gone
+	r := newStaticResolver()
+	r.add(uid1, own.Path())
+	r.add(uid3, replaced.Path())
+	a := startAgent(t, stateDir, r, 1)
+	if own.Status() != "running" {
+		t.Errorf("the pod's VM is %s after recovery, want running", own.Status())
+	}
+	if victim.Status() != "paused" || hasCommand(victim, "cont") {
+		t.Errorf("the VM at the journal's host path was touched: %s, commands %v", victim.Status(), commandNames(victim))
+	}
+	if replaced.Status() != "paused" || hasCommand(replaced, "cont") {
+		t.Errorf("the VM of a replaced container was continued: %s", replaced.Status())
+	}
+	for id, want := range map[string]string{"deadbeef00000002": "not the one the checkpoint stopped", "deadbeef00000003": "continuing the VM failed"} {
+		o, err := a.client.Get(context.Background(), id)
+		if err != nil || o.State != api.StateFailed || !strings.Contains(o.Error.Message, want) {
+			t.Errorf("recovered op %s: %+v, %v; want failed, saying %q", id, o.Error, err, want)
+		}
+	}
+}
+
+// stoppedFake is a fake QEMU that was running and has been stopped.
+func stoppedFake(t *testing.T) *qmptest.FakeQEMU {
+	t.Helper()
+	vm := qmptest.NewFakeQEMU(t, "running", nil)
+	if err := vm.Dial(t).Execute(context.Background(), "stop", nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	return vm
+}
+
+func writeJournal(t *testing.T, stateDir string, entries ...journalEntry) {
+	t.Helper()
+	j, err := openJournal(stateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if err := j.write(e); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func commandNames(vm *qmptest.FakeQEMU) []string {
+	var names []string
+	for _, c := range vm.Srv.Received() {
+		names = append(names, c.Execute)
+	}
+	return names
+}
+
+func hasCommand(vm *qmptest.FakeQEMU, name string) bool {
+	return slices.Contains(commandNames(vm), name)
 }
 
 func TestAgentRejectsBadRequests(t *testing.T) {

@@ -111,10 +111,12 @@ func syncDir(dir string) error {
 
 // continueVM makes a VM run again after a checkpoint that did not finish:
 // it cancels a migration still under way and continues a stopped VM.
-func continueVM(ctx context.Context, qmpPath string) error {
+// qmpSock is the VM's QMP socket (an O_PATH descriptor) and name its path
+// inside the container.
+func continueVM(ctx context.Context, qmpSock *os.File, name string) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	mon, err := qmp.Dial(ctx, qmpPath)
+	mon, err := qmp.DialFile(ctx, qmpSock, name)
 	if err != nil {
 		return err
 	}

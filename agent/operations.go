@@ -4,6 +4,8 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
+	"fmt"
 	"slices"
 	"sync"
 	"time"
@@ -27,16 +29,42 @@ type op struct {
 
 func vmKey(podUID, container string) string { return podUID + "/" + container }
 
-func newOp(kind string, vm api.VMRef, target *api.Target) *op {
+// newOp makes an operation whose context ends when it is cancelled or,
+// with cause *opTimeout, once timeout has passed.
+func newOp(kind string, vm api.VMRef, target *api.Target, timeout time.Duration) *op {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	now := time.Now().UTC()
-	ctx, cancel := context.WithCancelCause(context.Background())
+	deadline, stopTimer := context.WithTimeoutCause(context.Background(), timeout, &opTimeout{timeout})
+	ctx, cancelCtx := context.WithCancelCause(deadline)
+	// Every operation ends with a cancel (run defers one), which stops the timer.
+	cancel := func(cause error) { cancelCtx(cause); stopTimer() }
 	return &op{
 		id: hex.EncodeToString(b[:]), key: vmKey(vm.PodUID, vm.Container),
 		ctx: ctx, cancel: cancel, done: make(chan struct{}),
 		data: api.Operation{ID: hex.EncodeToString(b[:]), Kind: kind, State: api.StatePending, VM: vm, Target: target, Created: now, Updated: now},
 	}
+}
+
+// ended reports whether the operation's end is recorded (or it was
+// recovered from the journal, finished).
+func (o *op) ended() bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.data.Done()
+}
+
+// timedOut reports whether the operation's deadline has passed.
+func (o *op) timedOut() bool {
+	var t *opTimeout
+	return errors.As(context.Cause(o.ctx), &t)
+}
+
+// opTimeout is the cause of an operation's context when its deadline passes.
+type opTimeout struct{ after time.Duration }
+
+func (e *opTimeout) Error() string {
+	return fmt.Sprintf("the operation did not finish within the agent's --operation-timeout of %v", e.after)
 }
 
 // snapshot returns a copy of the operation's document.

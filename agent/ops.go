@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
@@ -20,8 +21,9 @@ import (
 
 // The operations below are what a checkpoint or a restore is, whoever asks:
 // the CLI runs them in its own process, the agent's daemon runs them for
-// requests on its socket. Paths are host paths here; the daemon resolves a
-// pod's paths before it calls them.
+// requests on its socket. The VM's files come opened (Handles): the daemon's
+// resolver opens a pod's files beneath their volumes; the CLI's own paths
+// are opened once here. Paths are names for messages and annotations only.
 
 // Progress reports bytes done in a phase ("vmstate", "disk", "rootfs",
 // "restore", "stage"). It may be nil.
@@ -42,9 +44,19 @@ func (p Progress) stream(phase string, o vmstate.StreamOptions) vmstate.StreamOp
 
 // CheckpointSpec is one checkpoint of the VM behind a QMP socket.
 type CheckpointSpec struct {
+	// QMPPath and DiskPath name the QMP socket and the qcow2 overlay to
+	// capture while the VM is stopped (optional), as the caller gave them:
+	// inside the container, through the agent. DiskPath goes into the disk
+	// image's annotations.
 	QMPPath  string
-	DiskPath string // optional: the qcow2 overlay to capture while the VM is stopped
-	Image    string // where the state goes: oci:DIR[:TAG] or HOST/REPO[:TAG]
+	DiskPath string
+	// Handles are those files, opened and checked by whoever resolved them
+	// (the agent's resolver); Checkpoint uses nothing else. Without them,
+	// Checkpoint opens QMPPath and DiskPath as the caller's own paths
+	// (OpenLocal), once. The caller keeps ownership: Checkpoint does not
+	// close them.
+	Handles *Handles
+	Image   string // where the state goes: oci:DIR[:TAG] or HOST/REPO[:TAG]
 	// DiskImage is where the overlay goes as an image of its own. It may be
 	// left out when the overlay rides in the rootfs image (DiskInRootfs
 	// with RootfsImage); given anyway, the overlay is stored there as well.
@@ -74,6 +86,9 @@ type CheckpointSpec struct {
 	// before the VM is touched, with whether the VM runs now (the agent
 	// journals there).
 	BeforeStop func(ctx context.Context, running bool) error
+	// Keep, if above 0, prunes the state image's repository once the
+	// checkpoint is committed, keeping the Keep newest (prune.go).
+	Keep int
 }
 
 // Validate checks a spec without touching anything.
@@ -95,6 +110,9 @@ func (s CheckpointSpec) Validate() error {
 	}
 	if s.Mode == vmstate.ModeLive && s.DiskPath != "" {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so its disk would not match the captured memory: use mode snapshot or pause to capture the disk")
+	}
+	if s.Keep < 0 {
+		return errcode.New(errcode.Usage, "keep %d: give the number of checkpoints to keep, or 0 to prune nothing", s.Keep)
 	}
 	_, err := vmstate.ParseMode(string(s.Mode))
 	return err
@@ -260,6 +278,11 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	if err != nil {
 		return nil, err
 	}
+	// Retention's link to the checkpoint this one follows (prune.go).
+	previous, err := state.previousLink(ctx)
+	if err != nil {
+		return nil, err
+	}
 	var rootfsStore *store
 	if s.RootfsImage != "" {
 		if s.CaptureRootfs == nil {
@@ -278,13 +301,20 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	// The overlay rides in the rootfs image when it is in the writable layer
 	// that image captures.
 	diskInRootfs := s.DiskPath != "" && s.DiskInRootfs && rootfsStore != nil
-	if s.DiskPath != "" {
+	h, err := s.handles()
+	if err != nil {
+		return nil, err
+	}
+	if s.Handles == nil {
+		defer h.Close()
+	}
+	if h.Disk != nil {
 		// Refuse a bad overlay before the VM is touched.
-		if _, err := rootfs.InspectOverlay(s.DiskPath); err != nil {
+		if _, _, err := rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
 			return nil, err
 		}
 	}
-	mon, err := qmp.Dial(ctx, s.QMPPath)
+	mon, err := qmp.DialFile(ctx, h.QMP, s.QMPPath)
 	if err != nil {
 		return nil, err
 	}
@@ -300,6 +330,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 
 	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir}
+	opts.Annotations = previous
 	var (
 		disk       *rootfs.CaptureResult
 		layer      *rootfs.LayerResult
@@ -312,7 +343,8 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			link := vmstate.Link{Annotations: map[string]string{}}
 			var err error
 			if diskStore != nil {
-				disk, err = rootfs.Capture(ctx, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream))
+				beforeDiskCapture()
+				disk, err = rootfs.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream))
 				if err != nil {
 					return vmstate.Link{}, err
 				}
@@ -323,7 +355,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 				if diskInRootfs && disk == nil {
 					// What the rootfs image will hold, as it is now.
 					t0 := time.Now()
-					if overlay, overlaySz, err = inspectOverlayFile(s.DiskPath); err != nil {
+					if overlay, overlaySz, err = rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
 						return vmstate.Link{}, err
 					}
 					overlayDur = time.Since(t0)
@@ -399,21 +431,27 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			out.Disk.InRootfs = &api.DiskInRootfs{Image: out.Rootfs.Image, Digest: out.Rootfs.Digest, Path: s.DiskRootfsPath}
 		}
 	}
+	if s.Keep > 0 {
+		out.Pruned = pruneAfterCheckpoint(ctx, s.Image, s.Keep, s.Store)
+	}
 	return out, nil
 }
 
-// inspectOverlayFile validates the overlay at path and returns its header
-// and size.
-func inspectOverlayFile(path string) (rootfs.Header, int64, error) {
-	h, err := rootfs.InspectOverlay(path)
-	if err != nil {
-		return h, 0, err
+// beforeDiskCapture runs while the VM is stopped, just before its disk
+// overlay is read: when a hostile QEMU knows its migration stream has ended.
+// Tests swap the overlay's path there.
+var beforeDiskCapture = func() {}
+
+// handles returns the spec's Handles, or opens its paths (OpenLocal); the
+// caller closes what it opened.
+func (s CheckpointSpec) handles() (*Handles, error) {
+	if s.Handles == nil {
+		return OpenLocal(s.QMPPath, s.DiskPath)
 	}
-	fi, err := os.Stat(path)
-	if err != nil {
-		return h, 0, errcode.Wrap(errcode.Internal, err, "stat %s", path)
+	if s.Handles.QMP == nil || (s.Handles.Disk != nil) != (s.DiskPath != "") {
+		return nil, errcode.New(errcode.Internal, "the checkpoint's opened files do not match its QMP socket and disk paths")
 	}
-	return h, fi.Size(), nil
+	return s.Handles, nil
 }
 
 // openPinned opens a reference for restore: by digest only, unless allowTag.
@@ -431,7 +469,11 @@ func openPinned(ctx context.Context, s, what string, allowTag bool, opts []ociim
 
 // RestoreSpec is a restore of VM state into a QEMU waiting with -incoming defer.
 type RestoreSpec struct {
-	QMPPath  string
+	QMPPath string // names the QMP socket, as CheckpointSpec's
+	// QMP is the socket opened by whoever resolved it (an O_PATH
+	// descriptor, the agent's); without it, QMPPath is opened as the
+	// caller's own path. The caller keeps ownership.
+	QMP      *os.File
 	Image    string // REF@sha256:...
 	AllowTag bool
 	Paused   bool
@@ -451,7 +493,16 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 	if err != nil {
 		return nil, err
 	}
-	mon, err := qmp.Dial(ctx, s.QMPPath)
+	q := s.QMP
+	if q == nil {
+		h, err := OpenLocal(s.QMPPath, "")
+		if err != nil {
+			return nil, err
+		}
+		defer h.Close()
+		q = h.QMP
+	}
+	mon, err := qmp.DialFile(ctx, q, s.QMPPath)
 	if err != nil {
 		return nil, err
 	}
@@ -553,6 +604,24 @@ func sizeOf(m ocispec.Manifest) int64 {
 		n += l.Size
 	}
 	return n
+}
+
+// StagedDigest is the digest of the VM state image Stage put in dir: what
+// a launcher marks as loaded.
+func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return "", errcode.Wrap(errcode.Usage, err, "--state-dir %s", dir)
+	}
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Tag: StagedTag})
+	var desc ocispec.Descriptor
+	if err == nil {
+		desc, err = repo.Resolve(ctx)
+	}
+	if err != nil {
+		return "", errcode.Wrap(errcode.InvalidInput, err, "no VM state staged in %s (did the restore init container run with --to-dir %s?)", dir, dir)
+	}
+	return desc.Digest, nil
 }
 
 // StreamStaged writes the raw VM state staged in dir to w, verifying every

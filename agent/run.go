@@ -20,6 +20,9 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if mode == "" {
 		mode = vmstate.ModeSnapshot
 	}
+	if err := s.checkStream(req.Workers, req.ChunkSize); err != nil {
+		return api.Operation{}, err
+	}
 	spec := CheckpointSpec{
 		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: mode,
 		Stream: vmstate.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
@@ -27,31 +30,49 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		// gets it as a descriptor, so its container need not see the path).
 		StagingDir: s.cfg.StateDir,
 	}
+	// Retention after the checkpoint: the request's, else the agent's
+	// default. It runs below, once the success is journaled.
+	keep := req.Keep
+	if keep == 0 {
+		keep = s.cfg.Keep
+	}
+	if keep < 0 {
+		return api.Operation{}, errcode.New(errcode.InvalidInput, "keep %d: give the number of checkpoints to keep, or 0 for the agent's default", keep)
+	}
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
 	}
-	target, err := s.resolve(ctx, req.VM)
+	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
 	}
-	spec.QMPPath, spec.DiskPath = target.QMPPath, target.DiskPath
-	if target.DiskInRootfs {
-		spec.DiskInRootfs, spec.DiskRootfsPath = true, path.Clean(req.VM.DiskPath)
+	// From here the operation uses the files the resolver opened, never the
+	// paths; the container's paths name them in messages and annotations.
+	spec.Handles = &vm.Handles
+	if spec.DiskPath != "" {
+		spec.DiskPath = path.Clean(spec.DiskPath)
+	}
+	if vm.DiskInRootfs {
+		spec.DiskInRootfs, spec.DiskRootfsPath = true, spec.DiskPath
 	}
 	if err := spec.checkDiskPlace(); err != nil {
+		vm.Close()
 		return api.Operation{}, err
 	}
+	target := vm.Target
 	if spec.RootfsImage != "" {
 		rc, ok := s.cfg.Resolver.(RootfsCapturer)
 		if !ok {
+			vm.Close()
 			return api.Operation{}, errcode.New(errcode.Usage, "this agent's resolver cannot capture a container's writable layer (it needs containerd)")
 		}
 		spec.CaptureRootfs = func(ctx context.Context, repo ociimage.Repository, progress func(int64)) (*rootfs.LayerResult, error) {
 			return rc.CaptureRootfs(ctx, target, repo, progress)
 		}
 	}
-	o := newOp(api.KindCheckpoint, req.VM, &target)
-	return s.start(o, func(ctx context.Context) error {
+	o := newOp(api.KindCheckpoint, req.VM, &target, s.cfg.OperationTimeout)
+	return s.start(o, vm, func(ctx context.Context) error {
+		afterResolve()
 		spec.Progress = s.progress(o)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
 			return s.journal.write(journalEntry{Op: o.snapshot(), VMWasRunning: running})
@@ -63,7 +84,14 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		// Journal the success before anything else: a pause-mode VM is
 		// stopped on purpose now, and recovery must leave it so.
 		snap := o.update(func(d *api.Operation) { d.Checkpoint = res })
-		return s.journal.write(journalEntry{Op: snap})
+		if err := s.journal.write(journalEntry{Op: snap}); err != nil || keep == 0 {
+			return err
+		}
+		// After the journal: an agent that dies while pruning must not
+		// have its recovery continue a VM that pause mode left stopped.
+		pruned := pruneAfterCheckpoint(ctx, spec.Image, keep, spec.Store)
+		o.update(func(d *api.Operation) { d.Checkpoint.Pruned = pruned })
+		return nil
 	})
 }
 
@@ -73,22 +101,26 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if req.Image == "" || req.VM.QMPPath == "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "a restore needs vm.qmp and image")
 	}
+	if err := s.checkStream(req.Workers, 0); err != nil {
+		return api.Operation{}, err
+	}
 	if req.VM.DiskPath != "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "the agent restores VM state only: put the disk overlay in place before QEMU starts (the restore init container does)")
 	}
-	target, err := s.resolve(ctx, req.VM)
+	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
 	}
-	o := newOp(api.KindRestore, req.VM, &target)
-	return s.start(o, func(ctx context.Context) error {
+	target := vm.Target
+	o := newOp(api.KindRestore, req.VM, &target, s.cfg.OperationTimeout)
+	return s.start(o, vm, func(ctx context.Context) error {
 		// Journal it too: after a crash the operation is reported failed
 		// (a half-fed QEMU discards the partial state by itself).
 		if err := s.journal.write(journalEntry{Op: o.snapshot()}); err != nil {
 			return err
 		}
 		res, err := RestoreState(ctx, RestoreSpec{
-			QMPPath: target.QMPPath, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
+			QMPPath: req.VM.QMPPath, QMP: vm.QMP, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
 			Stream: vmstate.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.
@@ -102,12 +134,30 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	})
 }
 
-func (s *Server) resolve(ctx context.Context, vm api.VMRef) (api.Target, error) {
+// checkStream refuses a request's stream settings beyond the agent's
+// bounds: they decide how much of the agent's memory the operation holds.
+// Refused rather than clamped, so that the caller learns the bound.
+func (s *Server) checkStream(workers, chunkSize int) error {
+	if workers < 0 || workers > s.cfg.MaxWorkers {
+		return errcode.New(errcode.InvalidInput, "workers %d: this agent allows 1..%d (its --max-workers); leave it out for the default", workers, s.cfg.MaxWorkers)
+	}
+	if chunkSize < 0 || chunkSize > vmstate.MaxChunkSize {
+		return errcode.New(errcode.InvalidInput, "chunkSize %d: at most %d (%d MiB); leave it out for the default", chunkSize, vmstate.MaxChunkSize, vmstate.MaxChunkSize>>20)
+	}
+	return nil
+}
+
+// afterResolve runs in a checkpoint between resolving the VM and using
+// what was resolved: tests swap the VM's files there.
+var afterResolve = func() {}
+
+// resolve finds the VM and opens its files; the caller owns them.
+func (s *Server) resolve(ctx context.Context, vm api.VMRef) (*Resolved, error) {
 	if vm.PodUID == "" {
-		return api.Target{}, errcode.New(errcode.VMNotFound, "no pod UID given: name the VM's pod by its UID (the Job's SOURCE_POD_UID)")
+		return nil, errcode.New(errcode.VMNotFound, "no pod UID given: name the VM's pod by its UID (the Job's SOURCE_POD_UID)")
 	}
 	if vm.Container == "" {
-		return api.Target{}, errcode.New(errcode.Usage, "no container given: name the QEMU container of the pod")
+		return nil, errcode.New(errcode.Usage, "no container given: name the QEMU container of the pod")
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -115,14 +165,19 @@ func (s *Server) resolve(ctx context.Context, vm api.VMRef) (api.Target, error) 
 }
 
 // start registers o and runs work in the background once a slot is free.
-func (s *Server) start(o *op, work func(context.Context) error) (api.Operation, error) {
+// The operation owns vm's files: they are closed when it ends, however.
+func (s *Server) start(o *op, vm *Resolved, work func(context.Context) error) (api.Operation, error) {
 	if err := s.ops.add(o); err != nil {
+		vm.Close()
 		return api.Operation{}, err
 	}
 	snap := o.snapshot()
 	s.metrics.inFlight.WithLabelValues(snap.Kind, api.StatePending).Inc()
 	s.events.publish(snap)
-	go s.run(o, work)
+	go func() {
+		defer vm.Close()
+		s.run(o, work)
+	}()
 	return snap, nil
 }
 
@@ -141,7 +196,11 @@ func (s *Server) run(o *op, work func(context.Context) error) {
 	select {
 	case s.slots <- struct{}{}:
 	case <-o.ctx.Done():
-		s.end(o, context.Cause(o.ctx), 0, log)
+		err := context.Cause(o.ctx)
+		if o.timedOut() {
+			err = errcode.New(errcode.Busy, "the node's %d operation slots stayed taken", s.cfg.MaxConcurrent)
+		}
+		s.end(o, err, 0, log)
 		return
 	}
 	defer func() { <-s.slots }()
@@ -172,6 +231,11 @@ func (s *Server) end(o *op, err error, seconds float64, log interface {
 	state := api.StateSucceeded
 	switch {
 	case err == nil:
+	case o.timedOut():
+		// What it was waiting for keeps its code (a QEMU that did not
+		// answer is QMP_ERROR, a slow registry REGISTRY_ERROR).
+		state = api.StateFailed
+		err = errcode.Wrap(errcode.Of(err), err, "%v", context.Cause(o.ctx))
 	case o.ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.Cause(o.ctx)) || errcode.Of(err) == errcode.Internal):
 		// Cancelled by a caller or because the VM went away: report why.
 		// A caller's cancellation says less than what the operation was

@@ -170,36 +170,26 @@ func (l *Layout) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.D
 		return ocispec.Descriptor{}, errcode.New(errcode.InvalidInput,
 			"cannot store a manifest at %s: a digest reference names an existing manifest; push to oci:%s or oci:%s:TAG", l.ref, l.dir, l.dir)
 	}
-	for i, bd := range append([]ocispec.Descriptor{m.Config}, m.Layers...) {
-		what := "config"
-		if i > 0 {
-			what = fmt.Sprintf("layer %d", i-1)
-		}
-		fi, err := os.Stat(l.blobPath(bd.Digest))
-		if errors.Is(err, fs.ErrNotExist) {
-			return ocispec.Descriptor{}, errcode.New(errcode.RegistryError,
-				"refusing to store the manifest: its %s blob %s is not in %s; store every blob before the manifest", what, bd.Digest, l.dir)
-		}
-		if err != nil {
-			return ocispec.Descriptor{}, errcode.Wrap(errcode.RegistryError, err, "cannot check the %s blob %s in %s", what, bd.Digest, l.dir)
-		}
-		if fi.Size() != bd.Size {
-			return ocispec.Descriptor{}, errcode.New(errcode.DigestMismatch,
-				"refusing to store the manifest: its %s blob %s in %s is %d bytes, not the %d the manifest says; store it again", what, bd.Digest, l.dir, fi.Size(), bd.Size)
-		}
+	if err := l.checkBlobs(m); err != nil {
+		return ocispec.Descriptor{}, err
 	}
 	if err := l.ensureLayout(ctx); err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	if err := l.putBlob(desc.Digest, b); err != nil {
-		return ocispec.Descriptor{}, err
-	}
-
+	// Blobs are checked and the manifest written under the lock, which
+	// CollectGarbage holds while it sweeps: a blob it removed is refused
+	// here, and a manifest is never listed over a removed blob.
 	unlock, err := l.lock(ctx)
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
 	defer unlock()
+	if err := l.checkBlobs(m); err != nil {
+		return ocispec.Descriptor{}, err
+	}
+	if err := l.putBlob(desc.Digest, b); err != nil {
+		return ocispec.Descriptor{}, err
+	}
 	idx, err := l.readIndex()
 	if err != nil {
 		return ocispec.Descriptor{}, err
@@ -209,6 +199,30 @@ func (l *Layout) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.D
 		return ocispec.Descriptor{}, err
 	}
 	return desc, nil
+}
+
+// checkBlobs refuses a manifest whose config or layers are not all stored
+// whole.
+func (l *Layout) checkBlobs(m ocispec.Manifest) error {
+	for i, bd := range append([]ocispec.Descriptor{m.Config}, m.Layers...) {
+		what := "config"
+		if i > 0 {
+			what = fmt.Sprintf("layer %d", i-1)
+		}
+		fi, err := os.Stat(l.blobPath(bd.Digest))
+		if errors.Is(err, fs.ErrNotExist) {
+			return errcode.New(errcode.RegistryError,
+				"refusing to store the manifest: its %s blob %s is not in %s; store every blob before the manifest", what, bd.Digest, l.dir)
+		}
+		if err != nil {
+			return errcode.Wrap(errcode.RegistryError, err, "cannot check the %s blob %s in %s", what, bd.Digest, l.dir)
+		}
+		if fi.Size() != bd.Size {
+			return errcode.New(errcode.DigestMismatch,
+				"refusing to store the manifest: its %s blob %s in %s is %d bytes, not the %d the manifest says; store it again", what, bd.Digest, l.dir, fi.Size(), bd.Size)
+		}
+	}
+	return nil
 }
 
 // Resolve returns the descriptor of the manifest the reference names.
@@ -228,7 +242,7 @@ func (l *Layout) Resolve(ctx context.Context) (ocispec.Descriptor, error) {
 		return ocispec.Descriptor{}, err
 	}
 	if l.ref.IsDigest() {
-		return l.resolveDigest(idx)
+		return l.resolveDigest(idx, l.ref.Digest)
 	}
 
 	var found []ocispec.Descriptor
@@ -244,7 +258,7 @@ func (l *Layout) Resolve(ctx context.Context) (ocispec.Descriptor, error) {
 		if len(tags) > 0 {
 			present = "tags present: " + strings.Join(tags, ", ")
 		}
-		return ocispec.Descriptor{}, errcode.New(errcode.RegistryError, "no tag %s in %s; %s", l.ref.Tag, l.dir, present)
+		return ocispec.Descriptor{}, notFound{errcode.New(errcode.RegistryError, "no tag %s in %s; %s", l.ref.Tag, l.dir, present)}
 	case 1:
 		return withoutRefName(found[0]), nil
 	}
@@ -254,11 +268,10 @@ func (l *Layout) Resolve(ctx context.Context) (ocispec.Descriptor, error) {
 		"tag %s names %d different manifests in %s/index.json; use a digest reference, %s@sha256:HEX", l.ref.Tag, len(found), l.dir, l.ref.WithDigest("").String())
 }
 
-func (l *Layout) resolveDigest(idx ocispec.Index) (ocispec.Descriptor, error) {
-	d := l.ref.Digest
+func (l *Layout) resolveDigest(idx ocispec.Index, d digest.Digest) (ocispec.Descriptor, error) {
 	fi, err := os.Stat(l.blobPath(d))
 	if errors.Is(err, fs.ErrNotExist) {
-		return ocispec.Descriptor{}, errcode.New(errcode.RegistryError, "no manifest %s in %s; check the digest, or use a tag", d, l.dir)
+		return ocispec.Descriptor{}, notFound{errcode.New(errcode.RegistryError, "no manifest %s in %s; check the digest, or use a tag", d, l.dir)}
 	}
 	if err != nil {
 		return ocispec.Descriptor{}, errcode.Wrap(errcode.RegistryError, err, "cannot read manifest %s in %s", d, l.dir)
@@ -393,7 +406,7 @@ func indexTags(idx ocispec.Index) []string {
 func (l *Layout) checkLayout() error {
 	b, err := os.ReadFile(filepath.Join(l.dir, ocispec.ImageLayoutFile))
 	if errors.Is(err, fs.ErrNotExist) {
-		return errcode.New(errcode.RegistryError, "no OCI layout at %s; check the path, or push an image there first", l.dir)
+		return notFound{errcode.New(errcode.RegistryError, "no OCI layout at %s; check the path, or push an image there first", l.dir)}
 	}
 	if err != nil {
 		return errcode.Wrap(errcode.RegistryError, err, "cannot read OCI layout %s", l.dir)

@@ -29,8 +29,15 @@ const (
 	AnnotationMemory      = "dev.vmsnap.vm.memory"
 	AnnotationRawBytes    = "dev.vmsnap.stream.raw-bytes"
 	AnnotationDiskImage   = "dev.vmsnap.disk.image"   // on a vmstate manifest: the disk image REF@DIGEST
-	AnnotationDiskPath    = "dev.vmsnap.disk.path"    // on a disk manifest: the overlay's path at capture
+	AnnotationDiskPath    = "dev.vmsnap.disk.path"    // on a disk manifest: the overlay's path as QEMU's container saw it (never a host path)
 	AnnotationRootfsImage = "dev.vmsnap.rootfs.image" // on a vmstate manifest: the container image REF@DIGEST
+	// AnnotationPrevious, on a vmstate manifest: the digest of the manifest
+	// the state's tag named before this checkpoint moved it, if it named
+	// one. It chains the checkpoints stored under one tag, newest first, so
+	// that retention (vmsnap prune) finds those no tag names any more.
+	AnnotationPrevious = "dev.vmsnap.previous"
+	// AnnotationCreated, on a vmstate manifest: when the checkpoint was
+	// taken (RFC 3339); retention orders checkpoints by it.
 	AnnotationCreated     = "org.opencontainers.image.created"
 	AnnotationRefName     = "org.opencontainers.image.ref.name"
 	AnnotationTitle       = "org.opencontainers.image.title"
@@ -44,6 +51,7 @@ const (
 	MaxLayers       = 1 << 20  // layers of one manifest
 	MaxChunkSize    = 64 << 20 // bytes of one chunk, compressed or raw
 	MaxIndexSize    = 16 << 20 // bytes of a layout's index.json (tens of thousands of entries)
+	MaxTags         = 100000   // tags of one repository that vmsnap lists (retention)
 )
 
 // configMediaType is the config media type a manifest of artifactType must

@@ -57,6 +57,8 @@ type Registry struct {
 	mu     sync.Mutex
 	rt     http.RoundTripper // authenticated for pulls; set by the first request
 	pushRT http.RoundTripper // authenticated for pushes; set by the first upload
+	// deleteRT is authenticated for deletes (retention); set by the first.
+	deleteRT http.RoundTripper
 
 	// known holds the blobs this Registry has seen in the repository
 	// (digest -> size), so that a chunk repeated in a stream (zero pages)
@@ -444,13 +446,14 @@ func (r *Registry) Resolve(ctx context.Context) (ocispec.Descriptor, error) {
 	var desc ocispec.Descriptor
 	err := r.withRetry(ctx, what, 0, func(ctx context.Context) error {
 		var err error
-		desc, err = r.resolve(ctx, ident)
+		desc, err = r.resolve(ctx, ident, r.ref.Digest)
 		return err
 	})
 	return desc, err
 }
 
-func (r *Registry) resolve(ctx context.Context, ident string) (ocispec.Descriptor, error) {
+// resolve describes the manifest ident (a tag, or the digest want) names.
+func (r *Registry) resolve(ctx context.Context, ident string, want digest.Digest) (ocispec.Descriptor, error) {
 	resp, err := r.send(ctx, http.MethodHead, r.url("manifests", ident), manifestAccept)
 	if err != nil {
 		return ocispec.Descriptor{}, err
@@ -461,20 +464,20 @@ func (r *Registry) resolve(ctx context.Context, ident string) (ocispec.Descripto
 		d, derr := parseDigest(resp.Header.Get("Docker-Content-Digest"))
 		mt := mediaType(resp.Header.Get("Content-Type"))
 		switch {
-		case r.ref.IsDigest() && derr == nil && d != r.ref.Digest:
+		case want != "" && derr == nil && d != want:
 			return ocispec.Descriptor{}, errcode.New(errcode.DigestMismatch,
-				"registry %s answers manifest %s with digest %s", r.ref.Registry, r.ref.Digest, d)
-		case r.ref.IsDigest():
-			d, derr = r.ref.Digest, nil
+				"registry %s answers manifest %s with digest %s", r.ref.Registry, want, d)
+		case want != "":
+			d, derr = want, nil
 		}
 		if derr == nil && mt != "" && resp.ContentLength >= 0 {
 			if resp.ContentLength > MaxManifestSize {
-				return ocispec.Descriptor{}, tooLargeManifest(r.ref.String(), resp.ContentLength)
+				return ocispec.Descriptor{}, tooLargeManifest(ident, resp.ContentLength)
 			}
 			return ocispec.Descriptor{MediaType: mt, Digest: d, Size: resp.ContentLength}, nil
 		}
 	case http.StatusNotFound:
-		return ocispec.Descriptor{}, r.notFound(ident)
+		return ocispec.Descriptor{}, r.notFound(ident, want != "")
 	case http.StatusUnauthorized, http.StatusForbidden:
 		return ocispec.Descriptor{}, transport.CheckError(resp, http.StatusOK)
 	}
@@ -486,17 +489,17 @@ func (r *Registry) resolve(ctx context.Context, ident string) (ocispec.Descripto
 	}
 	defer drain(resp)
 	if resp.StatusCode == http.StatusNotFound {
-		return ocispec.Descriptor{}, r.notFound(ident)
+		return ocispec.Descriptor{}, r.notFound(ident, want != "")
 	}
 	if err := transport.CheckError(resp, http.StatusOK); err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	b, err := readBounded(resp, MaxManifestSize, func(n int64) error { return tooLargeManifest(r.ref.String(), n) })
+	b, err := readBounded(resp, MaxManifestSize, func(n int64) error { return tooLargeManifest(ident, n) })
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
 	d := digest.FromBytes(b)
-	if want := resp.Header.Get("Docker-Content-Digest"); (r.ref.IsDigest() && d != r.ref.Digest) || (want != "" && want != string(d)) {
+	if hdr := resp.Header.Get("Docker-Content-Digest"); (want != "" && d != want) || (hdr != "" && hdr != string(d)) {
 		return ocispec.Descriptor{}, errcode.New(errcode.DigestMismatch,
 			"the manifest %s from registry %s has digest %s; the registry returned corrupt data", ident, r.ref.Registry, d)
 	}
@@ -511,11 +514,11 @@ func (r *Registry) resolve(ctx context.Context, ident string) (ocispec.Descripto
 	return ocispec.Descriptor{MediaType: mt, Digest: d, Size: int64(len(b))}, nil
 }
 
-func (r *Registry) notFound(ident string) error {
-	if r.ref.IsDigest() {
-		return errcode.New(errcode.RegistryError, "no manifest %s in %s; check the digest, or use a tag", ident, r.where())
+func (r *Registry) notFound(ident string, isDigest bool) error {
+	if isDigest {
+		return notFound{errcode.New(errcode.RegistryError, "no manifest %s in %s; check the digest, or use a tag", ident, r.where())}
 	}
-	return errcode.New(errcode.RegistryError, "no tag %s in %s", ident, r.where())
+	return notFound{errcode.New(errcode.RegistryError, "no tag %s in %s", ident, r.where())}
 }
 
 func tooLargeManifest(what string, n int64) error {

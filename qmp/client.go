@@ -6,9 +6,11 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"strconv"
 	"sync"
 	"syscall"
@@ -16,6 +18,7 @@ import (
 
 	goqmp "github.com/digitalocean/go-qemu/qmp"
 
+	"github.com/vmsnap/vmsnap/internal/beneath"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -71,18 +74,55 @@ type request struct {
 	ID        uint64 `json:"id"`
 }
 
+// MaxLineBytes is the longest message QEMU may send. The largest real one,
+// query-qmp-schema's reply, is about 200 KiB; a longer line is a QEMU
+// that is broken or hostile (a pod's QEMU is the tenant's), and reading on
+// would let it grow our memory without bound. The line is read in pieces and
+// the connection ends as soon as the cap is passed, so a line's cost is
+// never more than about twice the cap.
+const MaxLineBytes = 16 << 20
+
+// greetingTimeout bounds the wait for QEMU's greeting whatever the caller's
+// context says: QEMU accepts a second client's connection but greets it
+// only once the first one leaves, which may be never. A QEMU that answers
+// at all greets at once. (A variable for tests.)
+var greetingTimeout = 10 * time.Second
+
+// commandTimeout bounds every command whatever the caller's context says.
+// QEMU answers in its main loop; a command that takes this long means that
+// loop is stuck, or that the peer is not QEMU. The longest legitimate ones
+// (stop, which drains the disks' I/O) take seconds. (A variable for tests.)
+var commandTimeout = 5 * time.Minute
+
 type greetingBody struct {
 	Version      goqmp.Version `json:"version"`
 	Capabilities []string      `json:"capabilities"`
 }
 
 // Dial connects to the QMP unix socket at path, reads QEMU's greeting and
-// negotiates capabilities. ctx bounds the whole handshake. Pass one with a
-// deadline: QEMU serves one client per QMP socket, and a second client's
-// connection is accepted by the kernel but never greeted.
+// negotiates capabilities. ctx bounds the whole handshake, and the greeting
+// is awaited for at most 10 seconds whatever ctx says: QEMU serves one client
+// per QMP socket, and a second client's connection is accepted by the
+// kernel but never greeted (BUSY).
 func Dial(ctx context.Context, path string) (*Client, error) {
+	return dial(ctx, path, path)
+}
+
+// DialFile is Dial for the QMP socket that f, a descriptor of it (O_PATH
+// is enough), is open on: it connects through f's /proc/self/fd link, so
+// the socket is the one f was opened on whatever its path names now, and
+// its path may be longer than a socket address holds. Messages call it
+// name. f must stay open until DialFile returns.
+func DialFile(ctx context.Context, f *os.File, name string) (*Client, error) {
+	c, err := dial(ctx, beneath.ProcPath(f), name)
+	runtime.KeepAlive(f)
+	return c, err
+}
+
+// dial connects to the socket at addr, which messages call path.
+func dial(ctx context.Context, addr, path string) (*Client, error) {
 	var d net.Dialer
-	nc, err := d.DialContext(ctx, "unix", path)
+	nc, err := d.DialContext(ctx, "unix", addr)
 	if err != nil {
 		return nil, dialError(path, err)
 	}
@@ -91,7 +131,9 @@ func Dial(ctx context.Context, path string) (*Client, error) {
 	// The greeting is read here, before the reader goroutine exists, so
 	// nothing can race with it.
 	br := bufio.NewReaderSize(conn, 64<<10)
-	g, err := readGreeting(ctx, conn, br, path)
+	gctx, cancel := context.WithTimeout(ctx, greetingTimeout)
+	g, err := readGreeting(gctx, conn, br, path)
+	cancel()
 	if err != nil {
 		conn.Close()
 		return nil, err
@@ -135,7 +177,7 @@ func readGreeting(ctx context.Context, conn *net.UnixConn, br *bufio.Reader, pat
 		conn.SetReadDeadline(dl)
 	}
 	stop := interruptOnDone(ctx, conn.SetReadDeadline)
-	line, err := br.ReadBytes('\n')
+	line, err := readLine(br)
 	stop()
 	conn.SetReadDeadline(time.Time{})
 
@@ -146,7 +188,9 @@ func readGreeting(ctx context.Context, conn *net.UnixConn, br *bufio.Reader, pat
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return nil, errcode.Wrap(errcode.Busy, context.DeadlineExceeded,
 			"QEMU accepted the connection on %s but sent no QMP greeting in time; "+
-				"another client is probably connected (QEMU serves one QMP client per socket)", path)
+				"another client probably holds the monitor (QEMU serves one QMP client per socket): try again once it has disconnected", path)
+	case errors.Is(err, errLineTooLong):
+		return nil, errcode.Wrap(errcode.QMPError, err, "reading the QMP greeting from %s", path)
 	case errors.Is(err, io.EOF):
 		return nil, errcode.Wrap(errcode.QMPError, err, "QEMU closed %s before sending the QMP greeting", path)
 	default:
@@ -265,6 +309,8 @@ func (c *Client) roundTrip(ctx context.Context, command string, f *os.File, enco
 	if err := ctx.Err(); err != nil {
 		return nil, errcode.Wrap(errcode.QMPError, err, "qmp: %s: not sent", command)
 	}
+	ctx, cancel := context.WithTimeout(ctx, commandTimeout)
+	defer cancel()
 
 	ch := make(chan *reply, 1) // the reader sends at most once and must never block
 	c.mu.Lock()
@@ -396,10 +442,9 @@ func (c *Client) send(b []byte, f *os.File) (int, error) {
 func (c *Client) readLoop(br *bufio.Reader) {
 	defer close(c.readerDone)
 	for {
-		// ReadBytes grows its result as needed: replies such as
-		// query-qmp-schema are far larger than any fixed buffer one
-		// would pick.
-		line, err := br.ReadBytes('\n')
+		// readLine grows its result as needed (query-qmp-schema's reply is
+		// far larger than any fixed buffer one would pick), up to the cap.
+		line, err := readLine(br)
 		if err != nil {
 			c.fail(readError(err, len(bytes.TrimSpace(line)) > 0))
 			return
@@ -414,11 +459,43 @@ func (c *Client) readLoop(br *bufio.Reader) {
 	}
 }
 
+// errLineTooLong ends a connection whose peer sent a line over MaxLineBytes.
+var errLineTooLong = fmt.Errorf("QEMU sent a QMP message longer than %d MiB, which no real QEMU does: the connection was closed", MaxLineBytes>>20)
+
+// readLine reads one line, newline included, failing with errLineTooLong as
+// soon as it passes MaxLineBytes: it never holds more than the cap, whatever
+// the peer sends.
+func readLine(br *bufio.Reader) ([]byte, error) {
+	// Full buffers are kept as pieces and joined once at the end: growing
+	// one slice would allocate several times the line on the way.
+	var pieces [][]byte
+	n := 0
+	for {
+		frag, err := br.ReadSlice('\n')
+		n += len(frag)
+		if n > MaxLineBytes {
+			return nil, errLineTooLong
+		}
+		if err == bufio.ErrBufferFull {
+			// frag is the reader's own buffer, overwritten by the next read.
+			pieces = append(pieces, bytes.Clone(frag))
+			continue
+		}
+		line := make([]byte, 0, n)
+		for _, p := range pieces {
+			line = append(line, p...)
+		}
+		return append(line, frag...), err
+	}
+}
+
 func readError(err error, partial bool) error {
 	// A peer that closes with our commands still unread resets the
 	// connection instead of ending it: the same thing to us.
 	closed := errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
 	switch {
+	case errors.Is(err, errLineTooLong):
+		return errcode.Wrap(errcode.QMPError, err, "reading from the QEMU monitor")
 	case closed && partial:
 		return errcode.Wrap(errcode.QMPError, io.ErrUnexpectedEOF,
 			"QEMU closed the monitor connection in the middle of a message")

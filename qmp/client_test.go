@@ -147,6 +147,52 @@ func TestDialSilentPeerTimesOutAsBusy(t *testing.T) {
 	}
 }
 
+// TestDialSilentPeerTimesOutWithoutCallerDeadline: a caller that gives no
+// deadline still gets BUSY once the greeting timeout passes, with a message
+// saying another client may hold the monitor.
+func TestDialSilentPeerTimesOutWithoutCallerDeadline(t *testing.T) {
+	qmp.SetTimeoutsForTest(t, 300*time.Millisecond, 0)
+	path := listenRaw(t, "")
+	start := time.Now()
+	_, err := qmp.Dial(context.Background(), path)
+	if elapsed := time.Since(start); elapsed < 250*time.Millisecond || elapsed > 3*time.Second {
+		t.Errorf("Dial took %v with a 300ms greeting timeout", elapsed)
+	}
+	if errcode.Of(err) != errcode.Busy || !strings.Contains(err.Error(), "another client probably holds the monitor") {
+		t.Fatalf("Dial to a peer that never greets: %v (code %s), want BUSY saying another client may hold the monitor", err, errcode.Of(err))
+	}
+}
+
+// TestCommandTimeoutWithoutCallerDeadline: a QEMU that greets and then
+// never answers fails Dial's capabilities negotiation, and any command,
+// within the command timeout even when the caller's context has no
+// deadline.
+func TestCommandTimeoutWithoutCallerDeadline(t *testing.T) {
+	qmp.SetTimeoutsForTest(t, 0, 300*time.Millisecond)
+	path := listenRaw(t, `{"QMP": {"version": {"qemu": {"micro": 0, "minor": 2, "major": 7}, "package": ""}, "capabilities": []}}`+"\n")
+	start := time.Now()
+	_, err := qmp.Dial(context.Background(), path)
+	if elapsed := time.Since(start); elapsed < 250*time.Millisecond || elapsed > 3*time.Second {
+		t.Errorf("Dial took %v with a 300ms command timeout", elapsed)
+	}
+	if errcode.Of(err) != errcode.QMPError || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Dial to a peer that never answers: %v (code %s), want QMP_ERROR wrapping DeadlineExceeded", err, errcode.Of(err))
+	}
+
+	srv := qmptest.NewServer(t, func(_ *qmptest.Server, cmd qmptest.Command, _ []*os.File) (any, *qmp.Error) {
+		if cmd.Execute == "hang" {
+			time.Sleep(2 * time.Second)
+		}
+		return nil, nil
+	})
+	c := dial(t, srv)
+	start = time.Now()
+	err = c.Execute(context.Background(), "hang", nil, nil)
+	if elapsed := time.Since(start); elapsed > 1500*time.Millisecond || errcode.Of(err) != errcode.QMPError || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a command QEMU never answers: %v after %v, want QMP_ERROR wrapping DeadlineExceeded within the 300ms timeout", err, elapsed)
+	}
+}
+
 func TestDialCancelledWhileWaitingForGreeting(t *testing.T) {
 	path := listenRaw(t, "")
 	ctx, cancel := context.WithCancel(context.Background())
@@ -242,6 +288,43 @@ func TestEventFloodDoesNotBlockReplies(t *testing.T) {
 	ev, err := late.Wait(testContext(t), nil)
 	if err != nil || ev.Event != "LATE" {
 		t.Errorf("first event of a later subscription = %q, %v; want LATE", ev.Event, err)
+	}
+}
+
+// TestEventQueueBoundedInBytes: large events a subscriber does not read
+// are dropped, oldest first, once the queue holds EventQueueBytes, long
+// before it holds EventQueueLimit events; the newest are delivered.
+func TestEventQueueBoundedInBytes(t *testing.T) {
+	const events, size = 64, 512 << 10 // 32 MiB in all, 64 events
+	pad := strings.Repeat("e", size)
+	srv := qmptest.NewServer(t, func(srv *qmptest.Server, cmd qmptest.Command, _ []*os.File) (any, *qmp.Error) {
+		if cmd.Execute == "flood" {
+			for i := range events {
+				srv.Emit(goqmp.Event{Event: "BIG", Data: map[string]any{"n": i, "pad": pad}})
+			}
+		}
+		return nil, nil
+	})
+	c := dial(t, srv)
+	sub := c.Subscribe()
+	defer sub.Close()
+	if err := c.Execute(testContext(t), "flood", nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	// Each event costs a little over 512 KiB: at most 15 fit in 8 MiB, and
+	// the pump may hold one more.
+	kept := uint64(qmp.EventQueueBytes / size)
+	if d := sub.Dropped(); d < events-kept-1 || d > events-kept+1 {
+		t.Fatalf("Dropped() = %d, want about %d (events - %d that fit in %d MiB)", d, events-kept, kept, qmp.EventQueueBytes>>20)
+	}
+	var last float64
+	for last != events-1 {
+		select {
+		case ev := <-sub.C():
+			last = ev.Data["n"].(float64)
+		case <-time.After(5 * time.Second):
+			t.Fatalf("the newest events were not delivered (last %v)", last)
+		}
 	}
 }
 

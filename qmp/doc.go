@@ -25,9 +25,13 @@
 //     migration status "wait-unplug".
 //
 // This package's Client instead has a single reader goroutine that reads
-// messages of any size, matches replies to commands by id (so concurrent
+// messages of up to MaxLineBytes (16 MiB, far above any real reply; a
+// longer one ends the connection, since the QEMU of a tenant's pod is not
+// trusted with the agent's memory), matches replies to commands by id (so concurrent
 // Execute calls are safe), hands events to per-subscription queues without
-// ever blocking, honours contexts on every blocking call and fails pending
+// ever blocking (bounded in count and bytes), honours contexts on every
+// blocking call, bounds the greeting and every command even when the
+// context does not, and fails pending
 // commands the moment the connection ends. Monitor adapts a Client to
 // go-qemu's Monitor interface for code written against go-qemu.
 //

@@ -10,11 +10,25 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
-// EventQueueLimit is how many undelivered events a subscription holds. When
-// a subscriber falls further behind, its oldest events are dropped (and
-// counted by Dropped): a stalled subscriber must never stall command replies,
-// nor grow memory without bound.
-const EventQueueLimit = 4096
+// EventQueueLimit is how many undelivered events a subscription holds, and
+// EventQueueBytes how many bytes of them (as QEMU sent them; decoded, they
+// take a few times more). When a subscriber falls further behind, its oldest
+// events are dropped (and counted by Dropped): a stalled subscriber must
+// never stall command replies, nor grow memory without bound, even when
+// QEMU floods it with large events. One event larger than EventQueueBytes
+// (up to MaxLineBytes) is still delivered, alone in the queue.
+const (
+	EventQueueLimit = 4096
+	EventQueueBytes = 8 << 20
+)
+
+// eventOverhead is what an event costs in the queue besides its data.
+const eventOverhead = 128
+
+type queuedEvent struct {
+	ev   goqmp.Event
+	size int
+}
 
 // Subscription receives the events QEMU sends after it was created.
 type Subscription struct {
@@ -26,7 +40,8 @@ type Subscription struct {
 	pumpDone chan struct{}
 
 	mu      sync.Mutex
-	queue   []goqmp.Event
+	queue   []queuedEvent
+	bytes   int // sum of the queue's sizes
 	dropped uint64
 }
 
@@ -63,8 +78,9 @@ func (c *Client) publish(m *message) {
 			return // data that is not an object; go-qemu's Event cannot hold it
 		}
 	}
+	size := eventOverhead + len(m.Event) + len(m.Data)
 	for s := range c.subs {
-		s.push(ev)
+		s.push(queuedEvent{ev, size})
 	}
 }
 
@@ -76,7 +92,7 @@ func (c *Client) publish(m *message) {
 func (s *Subscription) C() <-chan goqmp.Event { return s.out }
 
 // Dropped counts the events discarded because the subscriber fell more than
-// EventQueueLimit events behind.
+// EventQueueLimit events or EventQueueBytes behind.
 func (s *Subscription) Dropped() uint64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -91,7 +107,7 @@ func (s *Subscription) Close() {
 		s.c.mu.Unlock()
 		close(s.closed)
 		s.mu.Lock()
-		s.queue = nil
+		s.queue, s.bytes = nil, 0
 		s.mu.Unlock()
 	})
 }
@@ -119,14 +135,16 @@ func (s *Subscription) Wait(ctx context.Context, match func(goqmp.Event) bool) (
 	}
 }
 
-func (s *Subscription) push(ev goqmp.Event) {
+func (s *Subscription) push(q queuedEvent) {
 	s.mu.Lock()
-	if len(s.queue) >= EventQueueLimit {
-		s.queue[0] = goqmp.Event{} // let the dropped event's data be collected
+	for len(s.queue) > 0 && (len(s.queue) >= EventQueueLimit || s.bytes+q.size > EventQueueBytes) {
+		s.bytes -= s.queue[0].size
+		s.queue[0] = queuedEvent{} // let the dropped event's data be collected
 		s.queue = s.queue[1:]
 		s.dropped++
 	}
-	s.queue = append(s.queue, ev)
+	s.queue = append(s.queue, q)
+	s.bytes += q.size
 	s.mu.Unlock()
 	select {
 	case s.wake <- struct{}{}:
@@ -140,10 +158,11 @@ func (s *Subscription) pop() (goqmp.Event, bool) {
 	if len(s.queue) == 0 {
 		return goqmp.Event{}, false
 	}
-	ev := s.queue[0]
-	s.queue[0] = goqmp.Event{}
+	q := s.queue[0]
+	s.queue[0] = queuedEvent{}
 	s.queue = s.queue[1:]
-	return ev, true
+	s.bytes -= q.size
+	return q.ev, true
 }
 
 func (s *Subscription) queued() int {

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -46,7 +47,10 @@ func startQEMU(t *testing.T) (sock string, exited <-chan struct{}) {
 	})
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if _, err := os.Stat(sock); err == nil {
+		// Accepting, not just bound: QEMU creates the socket file a
+		// moment before it listens.
+		if c, err := net.Dial("unix", sock); err == nil {
+			c.Close()
 			return sock, done
 		}
 		select {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -31,25 +32,21 @@ type DiskConfig struct {
 }
 
 // InspectOverlay reads and validates the qcow2 header of an overlay that is
-// to be captured.
-func InspectOverlay(path string) (Header, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return Header{}, errcode.Wrap(errcode.InvalidInput, err, "opening the disk overlay")
-	}
-	defer f.Close()
+// to be captured, from f (open for reading), and returns it with the
+// file's size. name is what messages call the overlay.
+func InspectOverlay(f *os.File, name string) (Header, int64, error) {
 	fi, err := f.Stat()
 	if err != nil {
-		return Header{}, errcode.Wrap(errcode.Internal, err, "stat %s", path)
+		return Header{}, 0, errcode.Wrap(errcode.Internal, err, "stat %s", name)
 	}
 	if !fi.Mode().IsRegular() {
-		return Header{}, errcode.New(errcode.InvalidInput, "disk overlay %s is not a regular file", path)
+		return Header{}, 0, errcode.New(errcode.InvalidInput, "disk overlay %s is not a regular file", name)
 	}
 	h, err := ReadHeader(f, fi.Size())
 	if err != nil {
-		return h, err
+		return h, 0, err
 	}
-	return h, h.Validate()
+	return h, fi.Size(), h.Validate()
 }
 
 // CaptureResult is what Capture stored.
@@ -61,33 +58,29 @@ type CaptureResult struct {
 	Duration time.Duration
 }
 
-// Capture stores the qcow2 overlay at path as a disk image in repo, chunked
-// and compressed like VM state. The VM must not be writing to it: call it
-// while the VM is stopped (vmstate.CheckpointOptions.WhileStopped). Like
-// any PutManifest, the manifest is tagged only if repo's reference has a
-// tag: a checkpoint passes an untagged repository and moves the tag once
-// all its images are stored (ociimage.TagManifest).
-func Capture(ctx context.Context, path string, repo ociimage.Repository, opts vmstate.StreamOptions) (*CaptureResult, error) {
+// Capture stores the qcow2 overlay f (open for reading) as a disk image in
+// repo, chunked and compressed like VM state. The header checked and the
+// bytes stored are read from this one descriptor, by offset, never by
+// name: a path swapped meanwhile changes nothing. name is the overlay's
+// path as its user sees it (inside the container, through the agent): it
+// goes into the image's annotations, so it must not be a node's host path.
+// The VM must not be writing to it: call it while the VM is stopped
+// (vmstate.CheckpointOptions.WhileStopped). Like any PutManifest, the
+// manifest is tagged only if repo's reference has a tag: a checkpoint
+// passes an untagged repository and moves the tag once all its images are
+// stored (ociimage.TagManifest).
+func Capture(ctx context.Context, f *os.File, name string, repo ociimage.Repository, opts vmstate.StreamOptions) (*CaptureResult, error) {
 	start := time.Now()
-	h, err := InspectOverlay(path)
+	h, size, err := InspectOverlay(f, name)
 	if err != nil {
 		return nil, err
 	}
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, errcode.Wrap(errcode.InvalidInput, err, "opening the disk overlay")
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "stat %s", path)
-	}
-	stream, err := vmstate.EncodeStream(ctx, f, repo, opts)
+	stream, err := vmstate.EncodeStream(ctx, io.NewSectionReader(f, 0, math.MaxInt64), repo, opts)
 	if err != nil {
 		return nil, err
 	}
-	if stream.RawBytes != fi.Size() {
-		return nil, errcode.New(errcode.Internal, "disk overlay %s changed size while it was captured (%d, now %d bytes): is the VM still running?", path, fi.Size(), stream.RawBytes)
+	if stream.RawBytes != size {
+		return nil, errcode.New(errcode.Internal, "disk overlay %s changed size while it was captured (%d, now %d bytes): is the VM still running?", name, size, stream.RawBytes)
 	}
 	cfg := DiskConfig{
 		Format: "qcow2", Version: h.Version, VirtualSize: h.VirtualSize, ClusterSize: h.ClusterSize(),
@@ -100,10 +93,10 @@ func Capture(ctx context.Context, path string, repo ociimage.Repository, opts vm
 		Config:          cfg,
 		Layers:          stream.Layers,
 		Annotations: map[string]string{
-			ociimage.AnnotationDiskPath: path,
+			ociimage.AnnotationDiskPath: name,
 			ociimage.AnnotationRawBytes: strconv.FormatInt(stream.RawBytes, 10),
 			ociimage.AnnotationCreated:  cfg.Created.Format(time.RFC3339),
-			ociimage.AnnotationTitle:    filepath.Base(path),
+			ociimage.AnnotationTitle:    filepath.Base(name),
 		},
 	})
 	if err != nil {

@@ -218,7 +218,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	)
 	go func() {
 		defer close(finished)
-		stream, streamErr = EncodeStream(streamCtx, r, repo, opts.Stream)
+		stream, streamErr = EncodeStream(streamCtx, newBoundedStream(r, record.MemoryBytes), repo, opts.Stream)
 		if streamErr != nil {
 			// QEMU may be blocked writing into the full pipe while it holds
 			// its big lock (the final pass of a migration does), and then
@@ -529,7 +529,9 @@ func cancelMigration(ctx context.Context, mon Monitor) {
 	}
 }
 
-// ensureRunning continues the VM unless it already runs.
+// ensureRunning continues the VM unless it already runs. A migration that
+// completed just as the checkpoint failed must be finalized first: QEMU
+// refuses cont until then.
 func ensureRunning(ctx context.Context, mon Monitor) error {
 	st, err := queryStatus(ctx, mon)
 	if err != nil {
@@ -537,6 +539,11 @@ func ensureRunning(ctx context.Context, mon Monitor) error {
 	}
 	if st.Running {
 		return nil
+	}
+	if st.Status == "finish-migrate" {
+		if err := waitFinalized(ctx, mon); err != nil {
+			return err
+		}
 	}
 	return errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "cont", nil, nil), "cont")
 }

@@ -305,6 +305,19 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	// On failure, once the guard has cancelled the migration: QEMU writes
 	// into the file no more.
 	g.onFinish(func() { staging.release(ctx) })
+	// From here on QEMU may write into the file, and it must not write
+	// more than the VM's memory explains: past that, the watch frees the
+	// file and cancels ctx with its error, which the checkpoint returns.
+	memory := res.Config.Record.MemoryBytes
+	ctx, abort := context.WithCancelCause(ctx)
+	defer abort(nil)
+	watch := staging.watch(memory, abort)
+	g.onFinish(watch.stop) // before the release
+	defer func() {
+		if werr := watch.exceeded(); werr != nil {
+			err = werr
+		}
+	}()
 	if err = staging.pass(ctx); err != nil {
 		return nil, err
 	}
@@ -338,8 +351,10 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 		return nil, err
 	}
 	res.Durations.Save = time.Since(saveStart)
-	size, allocated, err := fileExtent(staging.f)
-	if err != nil {
+	size, allocated, err := checkExtent(staging.f, memory)
+	if errcode.Of(err) == errcode.QMPError {
+		return nil, err
+	} else if err != nil {
 		return nil, stagingError(dir, err, "reading the staging file")
 	}
 	if size == 0 {
@@ -380,6 +395,10 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	res.Durations.Stream = res.Durations.Save + time.Since(streamStart)
 	res.Config.RawBytes = size
 	res.Config.DataBytes = allocated
+	watch.stop()
+	if err = watch.exceeded(); err != nil {
+		return nil, err
+	}
 	staging.release(ctx) // the staging space is free from here on
 
 	g.phase = "storing the manifest"

@@ -53,6 +53,9 @@ func LoadConfig(ctx context.Context, repo ociimage.Repository) (ocispec.Descript
 	if err := cfg.checkFormat(); err != nil {
 		return desc, m, cfg, err
 	}
+	if err := cfg.checkSize(); err != nil {
+		return desc, m, cfg, err
+	}
 	total, err := ValidateLayers(m.Layers)
 	if err != nil {
 		return desc, m, cfg, err

@@ -73,6 +73,10 @@ const (
 	maxAverageChunk = ociimage.MaxChunkSize / 4
 )
 
+// MaxChunkSize is the largest StreamOptions.ChunkSize that is not clamped:
+// the agent refuses requests for larger chunks.
+const MaxChunkSize = maxAverageChunk
+
 // effectiveChunkSize is the average chunk size the pipeline uses for a
 // requested one: the default for 0, clamped to 4 KiB..maxAverageChunk, and
 // rounded down to a power of two.

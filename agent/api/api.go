@@ -22,6 +22,9 @@ type CheckpointResult struct {
 	DowntimeMs float64       `json:"downtimeMs"`
 	VMRunning  bool          `json:"vmRunning"`
 	TotalMs    float64       `json:"totalMs"`
+	// Pruned is what the prune after the checkpoint (CheckpointRequest.Keep)
+	// kept and removed.
+	Pruned *PruneResult `json:"pruned,omitempty"`
 }
 
 // VMStateResult describes a stored VM state image.
@@ -46,7 +49,7 @@ type VMStateResult struct {
 type DiskResult struct {
 	Image         string             `json:"image,omitempty"`
 	Digest        string             `json:"digest,omitempty"`
-	Path          string             `json:"path"` // where it was read (a host path, through the agent)
+	Path          string             `json:"path"` // the overlay's path as given: inside the container, through the agent
 	InRootfs      *DiskInRootfs      `json:"inRootfs,omitempty"`
 	RawBytes      int64              `json:"rawBytes"` // the overlay file's size
 	StoredBytes   int64              `json:"storedBytes"`
@@ -88,6 +91,10 @@ type RestoreResult struct {
 	Disk     *RestoredDisk  `json:"disk,omitempty"`
 	Staged   *StagedState   `json:"staged,omitempty"`
 	Endpoint *Endpoint      `json:"endpoint,omitempty"`
+	// AlreadyRestored is the marker (restore --marker-dir) of an earlier
+	// successful run of the same restore in this pod: nothing was done this
+	// time, and the rest of the result is that run's.
+	AlreadyRestored string `json:"alreadyRestored,omitempty"`
 }
 
 // RestoredState describes VM state loaded into a waiting QEMU.
@@ -193,7 +200,8 @@ type VMRef struct {
 }
 
 // Target is a VM resolved to this node: the container that runs it and the
-// host paths of its QMP socket and disk overlay.
+// host paths of its QMP socket and disk overlay, for display (the agent
+// uses the files its resolver opened, never these paths).
 type Target struct {
 	PodUID      string `json:"podUID"`
 	Container   string `json:"container"`
@@ -221,6 +229,10 @@ type CheckpointRequest struct {
 	Mode        string `json:"mode,omitempty"` // pause, snapshot (default) or live
 	ChunkSize   int    `json:"chunkSize,omitempty"`
 	Workers     int    `json:"workers,omitempty"`
+	// Keep, if above 0, prunes the state image's repository once the
+	// checkpoint succeeded, keeping the Keep newest checkpoints (as vmsnap
+	// prune --keep). 0 takes the agent's --keep default (none: no prune).
+	Keep int `json:"keep,omitempty"`
 }
 
 // RestoreRequest asks the agent to load VM state into a QEMU on its node

@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -36,6 +37,7 @@ func volumeTree(tb testing.TB) (dir string, mounts []specs.Mount) {
 	if l, err := net.Listen("unix", filepath.Join(vol, "qmp.sock")); err == nil {
 		tb.Cleanup(func() { l.Close() })
 	}
+	syscall.Mkfifo(filepath.Join(vol, "fifo"), 0o600) // opening it for reading would block
 	os.Symlink("/etc", filepath.Join(vol, "etc"))
 	os.Symlink("../outside", filepath.Join(vol, "up"))
 	os.Symlink("../outside/secret", filepath.Join(vol, "secret"))
@@ -70,6 +72,7 @@ func TestHostPathRefusesEscapes(t *testing.T) {
 		{"/run/vm/disk.qcow2", fs.ModeSocket, "", errcode.InvalidInput}, // not a socket
 		{"/run/vm/qmp.sock", 0, "", errcode.InvalidInput},               // not a regular file
 		{"/run/vm/sub", 0, "", errcode.InvalidInput},                    // a directory
+		{"/run/vm/fifo", 0, "", errcode.InvalidInput},                   // a named pipe: refused, not opened
 		{"/run/vm/nothing", 0, "", errcode.VMNotFound},
 		{"/run/vm/disk.qcow2/x", 0, "", errcode.VMNotFound},                  // ENOTDIR: was INTERNAL
 		{"/run/vm/" + strings.Repeat("0", 300), 0, "", errcode.InvalidInput}, // ENAMETOOLONG: was INTERNAL
@@ -77,7 +80,7 @@ func TestHostPathRefusesEscapes(t *testing.T) {
 		{"/esc/secret", 0, "", errcode.InvalidInput},                         // source with ".."
 		{"/etc/passwd", 0, "", errcode.InvalidInput},                         // the container's root filesystem
 	} {
-		got, err := hostPath(mounts, "disk", tc.p, tc.mode)
+		got, err := openedPath(t, mounts, tc.p, tc.mode)
 		if tc.code != "" {
 			if errcode.Of(err) != tc.code {
 				t.Errorf("%s: %q, %v (code %s); want %s", tc.p, got, err, errcode.Of(err), tc.code)
@@ -93,6 +96,27 @@ func TestHostPathRefusesEscapes(t *testing.T) {
 			t.Errorf("containerPath(%q) = %v, want INVALID_INPUT", p, err)
 		}
 	}
+}
+
+// openedPath is hostPath for tests: the host path, once it has checked that
+// the file hostPath opened is the one at that path (and of the type asked
+// for), and closed it.
+func openedPath(t *testing.T, mounts []specs.Mount, p string, mode fs.FileMode) (string, error) {
+	t.Helper()
+	host, f, err := hostPath(mounts, "disk", p, mode)
+	if err != nil {
+		if f != nil {
+			t.Fatalf("%s: an error (%v) and a file", p, err)
+		}
+		return host, err
+	}
+	defer f.Close()
+	opened, err1 := f.Stat()
+	named, err2 := os.Lstat(host)
+	if err1 != nil || err2 != nil || !os.SameFile(opened, named) || opened.Mode().Type() != mode {
+		t.Fatalf("%s: opened %v (%v), but %s is %v (%v)", p, opened, err1, host, named, err2)
+	}
+	return host, nil
 }
 
 // TestResolveRefusesMalformedNames: refused before containerd is asked (the
@@ -151,7 +175,7 @@ func FuzzHostPath(f *testing.F) {
 			}
 			return
 		}
-		host, err := hostPath(mounts, "disk", clean, mode)
+		host, err := openedPath(t, mounts, clean, mode)
 		if err != nil {
 			if c := errcode.Of(err); c != errcode.InvalidInput && c != errcode.VMNotFound {
 				t.Fatalf("hostPath(%q): %v (code %s)", clean, err, c)

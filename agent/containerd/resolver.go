@@ -9,9 +9,11 @@
 // under the same name is another VM), takes the one whose task is running,
 // and maps the paths to host paths through the bind mounts (the pod's
 // volumes) of its OCI spec, or, for a disk on none of them, through the
-// snapshot that holds the container's writable layer. Watch reports containers that are deleted or
-// whose main process exited, so that the agent can drop every record about
-// them at once.
+// snapshot that holds the container's writable layer. There it opens each
+// file once, below the mount's source, without following any link (see
+// openBelow), and hands the agent the descriptors to use. Watch reports
+// containers that are deleted or whose main process exited, so that the
+// agent can drop every record about them at once.
 //
 // It talks to containerd only through its gRPC API with the
 // github.com/containerd/containerd/v2 client, which also works against
@@ -31,7 +33,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	tasksapi "github.com/containerd/containerd/api/services/tasks/v1"
@@ -43,7 +44,10 @@ import (
 	"github.com/containerd/errdefs"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/vmsnap/vmsnap/agent"
+	"github.com/vmsnap/vmsnap/internal/beneath"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -138,8 +142,10 @@ func (r *Resolver) Close() error { return r.client.Close() }
 // Namespace is the containerd namespace the resolver looks in.
 func (r *Resolver) Namespace() string { return r.namespace }
 
-// Resolve finds the running container of ref's pod and maps ref's paths to
-// host paths. The QMP socket must be on a volume. A disk on none of the
+// Resolve finds the running container of ref's pod, maps ref's paths to
+// host paths and opens them (see hostPath): the caller owns the returned
+// descriptors and uses them, not the paths, which are for display. The QMP
+// socket must be on a volume. A disk on none of the
 // container's mounts is in its writable layer: it maps to the file in the
 // snapshot containerd keeps that layer in, and Target.DiskInRootfs says so.
 // Errors carry a code:
@@ -148,70 +154,73 @@ func (r *Resolver) Namespace() string { return r.namespace }
 //     running; the QMP socket or disk not there.
 //   - INVALID_INPUT: a malformed pod UID or container name; a path that is
 //     relative, has a ".." component, is on a mount that is not a bind
-//     mount (a volume), or goes through a symbolic link inside the volume or
-//     the writable layer; a QMP path on no mount, or that is not a socket; a
+//     mount (a volume), or goes through a symbolic link or a mount point
+//     inside the volume or the writable layer; a QMP path on no mount, or
+//     that is not a socket; a
 //     disk that is not a regular file, or in a writable layer vmsnap cannot
 //     read from the host (a snapshotter other than overlayfs or native).
-//   - INTERNAL: containerd failed.
-func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (agent.Target, error) {
+//   - INTERNAL: containerd failed; the kernel lacks openat2 (Linux 5.6+).
+func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (*agent.Resolved, error) {
 	if ref.PodUID == "" {
-		return agent.Target{}, errcode.New(errcode.VMNotFound, "no VM: the request names no pod UID (a VM is named by its pod's UID, never by pod name)")
+		return nil, errcode.New(errcode.VMNotFound, "no VM: the request names no pod UID (a VM is named by its pod's UID, never by pod name)")
 	}
 	if !validPodUID(ref.PodUID) {
-		return agent.Target{}, errcode.New(errcode.InvalidInput, "pod UID %q is malformed: want a UUID such as 3f2c1a9e-8b7d-4c6e-9f10-2a3b4c5d6e7f", clip(ref.PodUID))
+		return nil, errcode.New(errcode.InvalidInput, "pod UID %q is malformed: want a UUID such as 3f2c1a9e-8b7d-4c6e-9f10-2a3b4c5d6e7f", clip(ref.PodUID))
 	}
 	if ref.Container == "" {
-		return agent.Target{}, errcode.New(errcode.InvalidInput, "no container name: name the QEMU container of pod %s", ref.PodUID)
+		return nil, errcode.New(errcode.InvalidInput, "no container name: name the QEMU container of pod %s", ref.PodUID)
 	}
 	if !validContainerName(ref.Container) {
-		return agent.Target{}, errcode.New(errcode.InvalidInput, "container name %q is malformed: want a DNS label such as \"qemu\"", clip(ref.Container))
+		return nil, errcode.New(errcode.InvalidInput, "container name %q is malformed: want a DNS label such as \"qemu\"", clip(ref.Container))
 	}
 	if ref.QMPPath == "" {
-		return agent.Target{}, errcode.New(errcode.InvalidInput, "no QMP socket path: give the path of QEMU's QMP socket as seen inside container %q", ref.Container)
+		return nil, errcode.New(errcode.InvalidInput, "no QMP socket path: give the path of QEMU's QMP socket as seen inside container %q", ref.Container)
 	}
 	qmpIn, err := containerPath("QMP socket", ref.QMPPath)
 	if err != nil {
-		return agent.Target{}, err
+		return nil, err
 	}
 	var diskIn string
 	if ref.DiskPath != "" {
 		if diskIn, err = containerPath("disk", ref.DiskPath); err != nil {
-			return agent.Target{}, err
+			return nil, err
 		}
 	}
 
 	ctx = namespaces.WithNamespace(ctx, r.namespace)
 	c, err := r.find(ctx, ref.PodUID, ref.Container)
 	if err != nil {
-		return agent.Target{}, err
+		return nil, err
 	}
 	var spec specs.Spec
 	if c.Spec == nil {
-		return agent.Target{}, errcode.New(errcode.Internal, "container %s has no OCI spec", c.ID)
+		return nil, errcode.New(errcode.Internal, "container %s has no OCI spec", c.ID)
 	}
 	if err := json.Unmarshal(c.Spec.GetValue(), &spec); err != nil {
-		return agent.Target{}, errcode.Wrap(errcode.Internal, err, "container %s: reading its OCI spec", c.ID)
+		return nil, errcode.Wrap(errcode.Internal, err, "container %s: reading its OCI spec", c.ID)
 	}
 	t := agent.Target{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID}
-	if t.QMPPath, err = hostPath(spec.Mounts, "QMP socket", qmpIn, fs.ModeSocket); err != nil {
-		return agent.Target{}, err
+	var h agent.Handles
+	if t.QMPPath, h.QMP, err = hostPath(spec.Mounts, "QMP socket", qmpIn, fs.ModeSocket); err != nil {
+		return nil, err
 	}
 	if diskIn != "" {
-		t.DiskPath, err = hostPath(spec.Mounts, "disk", diskIn, 0)
+		t.DiskPath, h.Disk, err = hostPath(spec.Mounts, "disk", diskIn, 0)
 		var notOnMount *notOnMountError
 		if errors.As(err, &notOnMount) {
 			// Not on any mount: in the container's own writable layer.
-			t.DiskPath, err = r.writableLayerPath(ctx, c, diskIn)
+			t.DiskPath, h.Disk, err = r.writableLayerPath(ctx, c, diskIn)
 			t.DiskInRootfs = err == nil
 		}
 		if err != nil {
-			return agent.Target{}, err
+			h.Close()
+			return nil, err
 		}
 	}
 	r.mu.Lock()
 	r.known[c.ID] = agent.Gone{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID}
 	r.mu.Unlock()
-	return t, nil
+	return &agent.Resolved{Target: t, Handles: h}, nil
 }
 
 // find returns the newest container of pod uid named name whose task runs.
@@ -279,12 +288,10 @@ func containerPath(what, p string) (string, error) {
 
 // hostPath maps p, a clean absolute path inside the container, to the host
 // through the mount that p is on (the one with the longest destination
-// that contains p; of equal ones the last, which is mounted on top). That
-// mount must be a bind mount: a pod's volumes are. The path below the mount
-// must exist, have no symbolic link in it (links in a volume are the
-// container's to set, and the agent runs as root on the host) and end in a
-// socket (mode fs.ModeSocket) or a regular file (mode 0).
-func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, error) {
+// that contains p; of equal ones the last, which is mounted on top), and
+// opens it there. That mount must be a bind mount: a pod's volumes are.
+// See openBelow for how the path below the mount is opened and checked.
+func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, *os.File, error) {
 	best := -1
 	for i, m := range mounts {
 		d := path.Clean("/" + m.Destination)
@@ -296,7 +303,7 @@ func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, e
 		}
 	}
 	if best < 0 {
-		return "", &notOnMountError{errcode.New(errcode.InvalidInput,
+		return "", nil, &notOnMountError{errcode.New(errcode.InvalidInput,
 			"%s %s is in the container's own root filesystem, not on a volume: the %s must be on a volume "+
 				"(a bind mount such as an emptyDir) shared with the node; paths in the container's root filesystem are not supported",
 			what, p, what)}
@@ -308,71 +315,106 @@ func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, e
 		if typ == "" {
 			typ = "non-bind"
 		}
-		return "", errcode.New(errcode.InvalidInput,
+		return "", nil, errcode.New(errcode.InvalidInput,
 			"%s %s is on the container's %s mount at %s, not on a volume: the %s must be on a volume (a bind mount such as an emptyDir) shared with the node",
 			what, p, typ, dest, what)
 	}
 	src := m.Source
 	if !strings.HasPrefix(src, "/") || slices.Contains(strings.Split(src, "/"), "..") {
-		return "", errcode.New(errcode.InvalidInput, "%s %s is on a bind mount whose source %q is not a plain absolute path", what, p, src)
+		return "", nil, errcode.New(errcode.InvalidInput, "%s %s is on a bind mount whose source %q is not a plain absolute path", what, p, src)
 	}
 	src = path.Clean(src)
 	rel := strings.TrimPrefix(strings.TrimPrefix(p, dest), "/")
-	host := path.Join(src, rel)
-	if !within(host, src) {
-		return "", errcode.New(errcode.InvalidInput, "%s %s maps to %s, outside its volume's source %s", what, p, host, src)
-	}
-
-	// The source is the kubelet's (or a hostPath volume's): follow it. Below
-	// it, nothing may be a link.
-	fi, err := os.Stat(src)
-	if err != nil {
-		return "", errcode.New(errcode.VMNotFound,
+	return openBelow(src, rel, dest, "in the volume", what, p, mode, func(err error) error {
+		return errcode.New(errcode.VMNotFound,
 			"%s %s: the volume mounted at %s (host path %s) is not there as the agent sees it (%v); if the agent runs in a container, mount the kubelet's pod directory into it at the same path",
 			what, p, dest, src, err)
-	}
-	return walkBelow(src, rel, dest, "in the volume", what, p, mode, fi)
+	})
 }
 
-// walkBelow returns src/rel, the host path of p (the container's path of a
-// what), once it has checked that every component of rel exists below src
-// and none is a symbolic link (links there are the container's to set, and
-// the agent runs as root on the host), and that it ends in a socket (mode
-// fs.ModeSocket) or a regular file (mode 0). dest is where src appears in
-// the container, where names that place ("in the volume"); fi is src's.
-func walkBelow(src, rel, dest, where, what, p string, mode fs.FileMode, fi fs.FileInfo) (string, error) {
+// openBelow opens src/rel, the host path of p (the container's path of a
+// what), and returns that path (for display only) and the file: an O_PATH
+// descriptor of a socket (mode fs.ModeSocket), or a regular file (mode 0)
+// open for reading. src, the mount's source, is trusted and followed (the
+// kubelet's or the snapshotter's directory); rel is opened below it with
+// openat2, so that no symbolic link (links there are the container's to
+// set, and the agent runs as root on the host), no magic link and no mount
+// is crossed, and the type is checked on what was opened. Nothing is
+// looked up by name again: a file swapped after this is not what the
+// agent uses. dest is where src appears in the container, where names that
+// place ("in the volume"); noSrc makes the error for a src that is not
+// there.
+func openBelow(src, rel, dest, where, what, p string, mode fs.FileMode, noSrc func(error) error) (string, *os.File, error) {
 	host := path.Join(src, rel)
 	if !within(host, src) {
-		return "", errcode.New(errcode.InvalidInput, "%s %s maps to %s, outside %s", what, p, host, src)
+		return "", nil, errcode.New(errcode.InvalidInput, "%s %s maps to %s, outside %s", what, p, host, src)
 	}
-	cur := src
-	if rel != "" {
+	var f *os.File
+	if rel == "" {
+		// p is the mount's destination: a file bind-mounted on its own.
 		var err error
-		parts := strings.Split(rel, "/")
-		for i, part := range parts {
-			cur = path.Join(cur, part)
-			if fi, err = os.Lstat(cur); err != nil {
-				// A file where the path needs a directory is as absent.
-				if errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENOTDIR) {
-					return "", errcode.New(errcode.VMNotFound, "no %s at %s in the container (host path %s does not exist)", what, p, cur)
-				}
-				if errors.Is(err, syscall.ENAMETOOLONG) {
-					return "", errcode.New(errcode.InvalidInput, "%s path %q is too long for the node's file system", what, clip(p))
-				}
-				return "", errcode.Wrap(errcode.Internal, err, "%s %s", what, p)
-			}
-			if fi.Mode()&fs.ModeSymlink != 0 {
-				return "", errcode.New(errcode.InvalidInput, "%s %s: %s %s is a symbolic link; vmsnap does not follow links inside a container", what, p, path.Join(dest, strings.Join(parts[:i+1], "/")), where)
-			}
+		if f, err = beneath.Path(src); err != nil {
+			return "", nil, noSrc(err)
+		}
+	} else {
+		dir, err := beneath.Dir(src)
+		if err != nil {
+			return "", nil, noSrc(err)
+		}
+		f, err = beneath.Open(dir, rel, host)
+		dir.Close()
+		if err != nil {
+			return "", nil, openError(err, where, what, p, host)
 		}
 	}
+	f, err := checkType(f, what, p, host, mode)
+	return host, f, err
+}
+
+// openError gives an error of beneath.Open its code and a message.
+func openError(err error, where, what, p, host string) error {
 	switch {
-	case mode == fs.ModeSocket && fi.Mode().Type() != fs.ModeSocket:
-		return "", errcode.New(errcode.InvalidInput, "%s %s (host path %s) is not a unix socket (%s)", what, p, host, fi.Mode().Type())
-	case mode == 0 && !fi.Mode().IsRegular():
-		return "", errcode.New(errcode.InvalidInput, "%s %s (host path %s) is not a regular file (%s)", what, p, host, fi.Mode().Type())
+	case errors.Is(err, unix.ENOENT), errors.Is(err, unix.ENOTDIR):
+		// A file where the path needs a directory is as absent.
+		return errcode.New(errcode.VMNotFound, "no %s at %s in the container (host path %s does not exist)", what, p, host)
+	case errors.Is(err, unix.ELOOP):
+		return errcode.New(errcode.InvalidInput, "%s %s: its path %s goes through a symbolic link; vmsnap does not follow links inside a container", what, p, where)
+	case errors.Is(err, unix.EXDEV):
+		return errcode.New(errcode.InvalidInput, "%s %s: its path %s crosses a mount point; vmsnap opens files only on the volume itself", what, p, where)
+	case errors.Is(err, unix.ENAMETOOLONG):
+		return errcode.New(errcode.InvalidInput, "%s path %q is too long for the node's file system", what, clip(p))
+	case errors.Is(err, unix.ENOSYS):
+		return errcode.Wrap(errcode.Internal, err, "opening %s %s: the node's kernel lacks openat2 (Linux 5.6 or later is needed)", what, p)
 	}
-	return host, nil
+	return errcode.Wrap(errcode.Internal, err, "%s %s", what, p)
+}
+
+// checkType checks f's type against mode (fstat: the file opened, not its
+// name) and returns f (a socket) or the regular file reopened for reading
+// through f; f is closed otherwise.
+func checkType(f *os.File, what, p, host string, mode fs.FileMode) (*os.File, error) {
+	typ, err := beneath.Type(f)
+	switch {
+	case err != nil:
+		f.Close()
+		return nil, errcode.Wrap(errcode.Internal, err, "%s %s", what, p)
+	case mode == fs.ModeSocket && typ != fs.ModeSocket:
+		f.Close()
+		return nil, errcode.New(errcode.InvalidInput, "%s %s (host path %s) is not a unix socket (%s)", what, p, host, beneath.TypeName(typ))
+	case mode == fs.ModeSocket:
+		return f, nil
+	case typ != 0:
+		f.Close()
+		return nil, errcode.New(errcode.InvalidInput, "%s %s (host path %s) is not a regular file (%s)", what, p, host, beneath.TypeName(typ))
+	}
+	// Opened for I/O only now that it is known to be a regular file: a
+	// FIFO would block the open, a device could act on it.
+	r, err := beneath.Reopen(f)
+	f.Close()
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "opening %s %s", what, p)
+	}
+	return r, nil
 }
 
 // notOnMountError is hostPath's error for a path on none of the
@@ -382,46 +424,45 @@ type notOnMountError struct{ error }
 func (e *notOnMountError) Unwrap() error { return e.error }
 
 // writableLayerPath maps p, a clean absolute path inside container c that
-// is on none of its mounts, to the host path of the file in c's writable
-// layer, as the snapshotter keeps it: the overlay's upper directory (or a
-// bind-mounted directory: the native snapshotter, or an overlay snapshot
-// with no image layers below it). The file must be there: a disk overlay
-// QEMU writes to is copied up into the upper directory when QEMU opens it.
-// Every component below must exist without a symbolic link, and end in a
-// regular file.
+// is on none of its mounts, to the file in c's writable layer, as the
+// snapshotter keeps it: the overlay's upper directory (or a bind-mounted
+// directory: the native snapshotter, or an overlay snapshot with no image
+// layers below it), and opens it there as openBelow does. The file must be
+// there: a disk overlay QEMU writes to is copied up into the upper
+// directory when QEMU opens it.
 //
 // The agent reads the file there, to check the overlay before the VM is
 // touched: if it runs in a container, containerd's root must be mounted
 // into it at the same path.
-func (r *Resolver) writableLayerPath(ctx context.Context, c containers.Container, p string) (string, error) {
+func (r *Resolver) writableLayerPath(ctx context.Context, c containers.Container, p string) (string, *os.File, error) {
 	if c.Snapshotter == "" || c.SnapshotKey == "" {
-		return "", errcode.New(errcode.InvalidInput,
+		return "", nil, errcode.New(errcode.InvalidInput,
 			"disk %s is in the root filesystem of container %s, which has no snapshot (writable layer) in containerd: put the disk on a volume", p, shortID(c.ID))
 	}
 	mounts, err := r.client.SnapshotService(c.Snapshotter).Mounts(ctx, c.SnapshotKey)
 	if err != nil {
 		if errdefs.IsNotFound(err) {
-			return "", errcode.Wrap(errcode.VMNotFound, err, "the writable layer of container %s is gone", shortID(c.ID))
+			return "", nil, errcode.Wrap(errcode.VMNotFound, err, "the writable layer of container %s is gone", shortID(c.ID))
 		}
-		return "", errcode.Wrap(errcode.Internal, err, "asking containerd for the writable layer of container %s", c.ID)
+		return "", nil, errcode.Wrap(errcode.Internal, err, "asking containerd for the writable layer of container %s", c.ID)
 	}
 	root, err := upperDir(mounts)
 	if err != nil {
-		return "", errcode.Wrap(errcode.InvalidInput, err,
+		return "", nil, errcode.Wrap(errcode.InvalidInput, err,
 			"disk %s is in the writable layer of container %s (snapshotter %s), which vmsnap cannot read from the host: put the disk on a volume", p, shortID(c.ID), c.Snapshotter)
 	}
-	fi, err := os.Stat(root)
-	if err != nil {
-		return "", errcode.New(errcode.VMNotFound,
+	noRoot := false
+	host, f, err := openBelow(root, strings.TrimPrefix(p, "/"), "/", "in the container's writable layer", "disk", p, 0, func(err error) error {
+		noRoot = true
+		return errcode.New(errcode.VMNotFound,
 			"disk %s: the writable layer of container %s (host path %s) is not there as the agent sees it (%v); if the agent runs in a container, mount containerd's root directory into it at the same path",
 			p, shortID(c.ID), root, err)
-	}
-	host, err := walkBelow(root, strings.TrimPrefix(p, "/"), "/", "in the container's writable layer", "disk", p, 0, fi)
-	if errcode.Of(err) == errcode.VMNotFound {
-		return "", errcode.Wrap(errcode.VMNotFound, err,
+	})
+	if errcode.Of(err) == errcode.VMNotFound && !noRoot {
+		return "", nil, errcode.Wrap(errcode.VMNotFound, err,
 			"no disk at %s in the writable layer of container %s, nor on a volume (a disk QEMU has opened for writing is in that layer)", p, shortID(c.ID))
 	}
-	return host, err
+	return host, f, err
 }
 
 // upperDir is the directory holding a writable layer, from the mounts of an

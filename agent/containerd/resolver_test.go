@@ -2,6 +2,7 @@ package containerd
 
 import (
 	"context"
+	"io/fs"
 	"log/slog"
 	"net"
 	"os"
@@ -80,8 +81,33 @@ func resolve(t *testing.T, r *Resolver, ref agent.VMRef) (agent.Target, error, t
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	t0 := time.Now()
-	tg, err := r.Resolve(ctx, ref)
-	return tg, err, time.Since(t0)
+	vm, err := r.Resolve(ctx, ref)
+	took := time.Since(t0)
+	if err != nil {
+		if vm != nil {
+			t.Fatalf("Resolve returned an error (%v) and a VM", err)
+		}
+		return agent.Target{}, err, took
+	}
+	defer vm.Close()
+	checkOpened(t, "QMP socket", vm.QMP, vm.QMPPath, fs.ModeSocket)
+	if (vm.Disk != nil) != (vm.DiskPath != "") {
+		t.Fatalf("disk path %q but disk file %v", vm.DiskPath, vm.Disk)
+	}
+	if vm.Disk != nil {
+		checkOpened(t, "disk", vm.Disk, vm.DiskPath, 0)
+	}
+	return vm.Target, nil, took
+}
+
+// checkOpened fails unless f is open on the file of type typ at host.
+func checkOpened(t *testing.T, what string, f *os.File, host string, typ fs.FileMode) {
+	t.Helper()
+	opened, err1 := f.Stat()
+	named, err2 := os.Lstat(host)
+	if err1 != nil || err2 != nil || !os.SameFile(opened, named) || opened.Mode().Type() != typ {
+		t.Fatalf("%s: opened %v (%v), but %s is %v (%v)", what, opened, err1, host, named, err2)
+	}
 }
 
 func wantCode(t *testing.T, what string, err error, code errcode.Code, msgPart string) {
@@ -426,7 +452,7 @@ func TestHostPath(t *testing.T) {
 		{"/esc/etc/passwd", "", errcode.InvalidInput},
 		{"/rel/f", "", errcode.InvalidInput},
 	} {
-		got, err := hostPath(mounts, "disk", tc.p, 0)
+		got, err := openedPath(t, mounts, tc.p, 0)
 		if tc.code != "" {
 			if errcode.Of(err) != tc.code {
 				t.Errorf("%s: %q, %v; want %s", tc.p, got, err, tc.code)

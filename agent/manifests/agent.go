@@ -1,6 +1,9 @@
 package manifests
 
 import (
+	"slices"
+	"strconv"
+
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -29,6 +32,10 @@ const (
 	// VolumeRegistry is the volume of the registry credentials secret, in
 	// the agent and in the restored pod.
 	VolumeRegistry = "vmsnap-registry-config"
+	// VolumeRegistryCA is the volume of RegistryCAConfigMap, in the agent
+	// and in the restored pod.
+	VolumeRegistryCA = "vmsnap-registry-ca"
+	volLayoutRoot    = "layout-root"
 )
 
 // AgentCapability is the only capability the agent keeps. Root without it
@@ -101,6 +108,21 @@ func registryMount() corev1.VolumeMount {
 	return corev1.VolumeMount{Name: VolumeRegistry, MountPath: RegistryConfigDir, ReadOnly: true}
 }
 
+// registryCAVolume mounts RegistryCAConfigMap's ca.pem, readable by any
+// user (the default mode, 0644): a CA certificate is public.
+func registryCAVolume(o Options) corev1.Volume {
+	return corev1.Volume{Name: VolumeRegistryCA, VolumeSource: corev1.VolumeSource{
+		ConfigMap: &corev1.ConfigMapVolumeSource{
+			LocalObjectReference: corev1.LocalObjectReference{Name: o.RegistryCAConfigMap},
+			Items:                []corev1.KeyToPath{{Key: RegistryCAKey, Path: RegistryCAKey}},
+		},
+	}}
+}
+
+func registryCAMount() corev1.VolumeMount {
+	return corev1.VolumeMount{Name: VolumeRegistryCA, MountPath: RegistryCADir, ReadOnly: true}
+}
+
 func registryEnv() corev1.EnvVar {
 	return corev1.EnvVar{Name: "DOCKER_CONFIG", Value: RegistryConfigDir}
 }
@@ -109,10 +131,12 @@ func registryEnv() corev1.EnvVar {
 // agent and in the Jobs.
 func AgentSocket(o Options) string { return o.withDefaults().SocketDir + "/" + SocketName }
 
-// Namespace is the agent's namespace. Its Pod Security level is privileged:
-// hostPath volumes are outside the baseline level, and the agent and the
-// Jobs need them. Everything else they do is within baseline (the agent) or
-// restricted (the Jobs but for their one hostPath).
+// Namespace is the agent's namespace, where the checkpoint Jobs run too.
+// Its Pod Security level is privileged, enforced, warned and audited alike:
+// the agent needs hostPath volumes and the host PID namespace and every Job
+// mounts the agent's socket directory, all outside baseline, so a baseline
+// warning would fire on every Job and say nothing. Tenants' namespaces stay
+// restricted: the restored pod's containers meet it.
 func Namespace(o Options) *corev1.Namespace {
 	o = o.withDefaults()
 	return &corev1.Namespace{
@@ -122,8 +146,8 @@ func Namespace(o Options) *corev1.Namespace {
 			Labels: map[string]string{
 				LabelName:                                    o.Name,
 				"pod-security.kubernetes.io/enforce":         "privileged",
-				"pod-security.kubernetes.io/warn":            "baseline",
-				"pod-security.kubernetes.io/audit":           "baseline",
+				"pod-security.kubernetes.io/warn":            "privileged",
+				"pod-security.kubernetes.io/audit":           "privileged",
 				"pod-security.kubernetes.io/enforce-version": "latest",
 			},
 		},
@@ -168,19 +192,10 @@ func DaemonSet(o Options) *appsv1.DaemonSet {
 		Name:            "agent",
 		Image:           o.Image,
 		ImagePullPolicy: o.ImagePullPolicy,
-		Command:         []string{"vmsnap", "agent", "--socket", AgentSocket(o), "--state-dir", o.StateDir},
+		Command:         AgentArgs(o),
 		Env:             []corev1.EnvVar{registryEnv()},
 		Resources:       o.AgentResources,
-		VolumeMounts: []corev1.VolumeMount{
-			{Name: volContainerd, MountPath: o.ContainerdSocket},
-			// Plain directories (a layer's upperdir): no propagation needed.
-			{Name: volCtrdRoot, MountPath: o.ContainerdRoot, ReadOnly: true},
-			{Name: volPods, MountPath: o.KubeletPodsDir, ReadOnly: true,
-				MountPropagation: ptr(corev1.MountPropagationHostToContainer)},
-			{Name: volSocket, MountPath: o.SocketDir},
-			{Name: volState, MountPath: o.StateDir},
-			registryMount(),
-		},
+		VolumeMounts:    agentMounts(o),
 		// The agent recovers its journal before it listens: give it time
 		// to start before liveness counts.
 		StartupProbe:             probe(5, 60),
@@ -209,22 +224,97 @@ func DaemonSet(o Options) *appsv1.DaemonSet {
 					ServiceAccountName:           o.Name,
 					AutomountServiceAccountToken: ptr(false),
 					EnableServiceLinks:           ptr(false),
-					ImagePullSecrets:             pullSecrets(o),
+					// The agent identifies a caller by the pid its socket
+					// reports (SO_PEERCRED), mapped to its container through
+					// containerd: pids of the node's PID namespace.
+					HostPID:          true,
+					ImagePullSecrets: pullSecrets(o),
 					// On SIGTERM the agent cancels its operations, each of
 					// which continues the VM it had stopped.
 					TerminationGracePeriodSeconds: ptr(int64(60)),
 					SecurityContext:               podSecurityContext(),
 					Containers:                    []corev1.Container{container},
-					Volumes: []corev1.Volume{
-						hostPathVolume(volContainerd, o.ContainerdSocket, corev1.HostPathSocket),
-						hostPathVolume(volCtrdRoot, o.ContainerdRoot, corev1.HostPathDirectory),
-						hostPathVolume(volPods, o.KubeletPodsDir, corev1.HostPathDirectory),
-						hostPathVolume(volSocket, o.SocketDir, corev1.HostPathDirectoryOrCreate),
-						hostPathVolume(volState, o.StateDir, corev1.HostPathDirectoryOrCreate),
-						registryVolume(o, 0o400),
-					},
+					Volumes:                       agentVolumes(o),
 				},
 			},
 		},
 	}
+}
+
+// AgentArgs is the agent's command line, its policy flags included.
+func AgentArgs(o Options) []string {
+	o = o.withDefaults()
+	args := []string{"vmsnap", "agent", "--socket", AgentSocket(o), "--state-dir", o.StateDir,
+		"--containerd-address", o.ContainerdSocket}
+	for _, r := range o.AllowRepositories {
+		args = append(args, "--allow-repository", r)
+	}
+	for _, n := range AdminNamespaces(o) {
+		args = append(args, "--admin-namespace", n)
+	}
+	if o.LayoutRoot != "" {
+		args = append(args, "--layout-root", o.LayoutRoot)
+	}
+	if o.OperationTimeout > 0 {
+		args = append(args, "--operation-timeout", o.OperationTimeout.String())
+	}
+	if o.MaxWorkers > 0 {
+		args = append(args, "--max-workers", strconv.Itoa(o.MaxWorkers))
+	}
+	if o.RegistryCAConfigMap != "" {
+		args = append(args, "--ca-file", RegistryCADir+"/"+RegistryCAKey)
+	}
+	return args
+}
+
+// AdminNamespaces are the agent's --admin-namespace values: Namespace
+// first, because the checkpoint Jobs run there and act on tenants' VMs,
+// then AdminNamespaces.
+func AdminNamespaces(o Options) []string {
+	o = o.withDefaults()
+	ns := []string{o.Namespace}
+	for _, n := range o.AdminNamespaces {
+		if !slices.Contains(ns, n) {
+			ns = append(ns, n)
+		}
+	}
+	return ns
+}
+
+func agentMounts(o Options) []corev1.VolumeMount {
+	m := []corev1.VolumeMount{
+		{Name: volContainerd, MountPath: o.ContainerdSocket},
+		// Plain directories (a layer's upperdir): no propagation needed.
+		{Name: volCtrdRoot, MountPath: o.ContainerdRoot, ReadOnly: true},
+		{Name: volPods, MountPath: o.KubeletPodsDir, ReadOnly: true,
+			MountPropagation: ptr(corev1.MountPropagationHostToContainer)},
+		{Name: volSocket, MountPath: o.SocketDir},
+		{Name: volState, MountPath: o.StateDir},
+		registryMount(),
+	}
+	if o.LayoutRoot != "" {
+		m = append(m, corev1.VolumeMount{Name: volLayoutRoot, MountPath: o.LayoutRoot})
+	}
+	if o.RegistryCAConfigMap != "" {
+		m = append(m, registryCAMount())
+	}
+	return m
+}
+
+func agentVolumes(o Options) []corev1.Volume {
+	v := []corev1.Volume{
+		hostPathVolume(volContainerd, o.ContainerdSocket, corev1.HostPathSocket),
+		hostPathVolume(volCtrdRoot, o.ContainerdRoot, corev1.HostPathDirectory),
+		hostPathVolume(volPods, o.KubeletPodsDir, corev1.HostPathDirectory),
+		hostPathVolume(volSocket, o.SocketDir, corev1.HostPathDirectoryOrCreate),
+		hostPathVolume(volState, o.StateDir, corev1.HostPathDirectoryOrCreate),
+		registryVolume(o, 0o400),
+	}
+	if o.LayoutRoot != "" {
+		v = append(v, hostPathVolume(volLayoutRoot, o.LayoutRoot, corev1.HostPathDirectoryOrCreate))
+	}
+	if o.RegistryCAConfigMap != "" {
+		v = append(v, registryCAVolume(o))
+	}
+	return v
 }

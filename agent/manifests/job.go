@@ -25,8 +25,11 @@ type Checkpoint struct {
 	Mode      string // pause, snapshot or live; empty: Options.CheckpointMode
 }
 
-// Placeholders of JobTemplate and RestoreInitContainer, in the ${VAR} form
-// envsubst replaces. A controller uses CheckpointJob and RestoreInit instead.
+// Placeholders of JobTemplate, RestoreInitContainer and RestorePod, in the
+// ${VAR} form envsubst replaces, each with one meaning in every part (see
+// Placeholders). A controller uses CheckpointJob and RestoreInit instead.
+// The repositories are the same in both: the Job pushes to
+// ${STATE_REPO}:${TAG}, the restore pulls ${STATE_REPO}@${STATE_DIGEST}.
 var (
 	TemplateCheckpoint = Checkpoint{
 		Node:      "${NODE_NAME}",
@@ -34,14 +37,34 @@ var (
 		Container: "${QEMU_CONTAINER}",
 		QMP:       "${QMP_SOCKET}",
 		Disk:      "${DISK_PATH}",
-		Image:     "${STATE_IMAGE}",
-		DiskImage: "${DISK_IMAGE}",
+		Image:     "${STATE_REPO}:${TAG}",
+		DiskImage: "${DISK_REPO}:${TAG}",
 	}
 	TemplateRestore = Restore{
-		Image:     "${STATE_IMAGE}@${STATE_DIGEST}",
-		DiskImage: "${DISK_IMAGE}@${DISK_DIGEST}",
+		Image:     "${STATE_REPO}@${STATE_DIGEST}",
+		DiskImage: "${DISK_REPO}@${DISK_DIGEST}",
 	}
 )
+
+// Placeholders says what each ${VAR} of the templates means: the comment
+// at the top of each part lists the ones it uses from here.
+var Placeholders = map[string]string{
+	"${NODE_NAME}":      "the source pod's node (its spec.nodeName)",
+	"${SOURCE_POD_UID}": "the source pod's UID (metadata.uid), never its name",
+	"${QEMU_CONTAINER}": "the source pod's QEMU container's name",
+	"${QMP_SOCKET}":     "its QMP socket, as the container sees it (e.g. " + DefaultQMPSocket + ")",
+	"${DISK_PATH}":      "its qcow2 overlay, as the container sees it (e.g. " + DefaultRestoreDiskPath + ")",
+	"${STATE_REPO}":     "the VM state's repository, HOST[:PORT]/PATH, with neither tag nor digest",
+	"${DISK_REPO}":      "the disk overlay's repository, HOST[:PORT]/PATH, with neither tag nor digest",
+	"${TAG}":            "the checkpoint's tag in both repositories",
+	"${STATE_DIGEST}":   "sha256:HEX, the checkpoint result's vmstate.digest (the Job's termination message)",
+	"${DISK_DIGEST}":    "sha256:HEX, the checkpoint result's disk.digest",
+	"${BACKING_FILE}":   "the overlay's backing file name, the checkpoint result's disk.backingFile (e.g. base.qcow2)",
+	"${QEMU_IMAGE}":     "the QEMU image: qemu-system-x86_64, vmsnap, /bin/sh and cp, and the backing file in the base directory, readable by the restore user",
+	"${QEMU_ARGS}":      "the source VM's exact QEMU options as a JSON array of strings, without -incoming",
+	"${POD_NAME}":       "the restored pod's name",
+	"${NAMESPACE}":      "the restored pod's namespace (the source's), with the pull secret (and CA ConfigMap) in it",
+}
 
 // JobTemplate is the checkpoint Job with placeholders for what the
 // controller fills in (TemplateCheckpoint).

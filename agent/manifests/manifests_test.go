@@ -25,7 +25,7 @@ type rendered struct {
 	sa   *corev1.ServiceAccount
 	ds   *appsv1.DaemonSet
 	job  *batchv1.Job
-	pt   *corev1.PodTemplate
+	pod  *corev1.Pod
 }
 
 // strictDecode decodes one YAML document into out twice, both ways strict:
@@ -92,14 +92,16 @@ func render(t *testing.T, o Options) rendered {
 		case "Job":
 			r.job = new(batchv1.Job)
 			strictDecode(t, d, r.job)
-		case "PodTemplate":
-			r.pt = new(corev1.PodTemplate)
-			strictDecode(t, d, r.pt)
+		case "Pod":
+			// The one placeholder that is not a string: fill it with
+			// itself, as a JSON array, to get RestorePod back.
+			r.pod = new(corev1.Pod)
+			strictDecode(t, fill(t, d, map[string]string{"QEMU_ARGS": `["${QEMU_ARGS}"]`}), r.pod)
 		default:
 			t.Fatalf("unexpected document %q:\n%s", tm.APIVersion+" "+tm.Kind, d)
 		}
 	}
-	want := []string{"v1 Namespace", "v1 ServiceAccount", "apps/v1 DaemonSet", "batch/v1 Job", "v1 PodTemplate"}
+	want := []string{"v1 Namespace", "v1 ServiceAccount", "apps/v1 DaemonSet", "batch/v1 Job", "v1 Pod"}
 	if o.OmitNamespace {
 		want = want[1:]
 	}
@@ -277,7 +279,7 @@ func TestRenderDecodesStrictlyAndMatchesTheTypes(t *testing.T) {
 		got, want any
 	}{
 		{r.ns, Namespace(o)}, {r.sa, ServiceAccount(o)}, {r.ds, DaemonSet(o)},
-		{r.job, JobTemplate(o)}, {r.pt, RestoreExample(o)},
+		{r.job, JobTemplate(o)}, {r.pod, RestorePod(o)},
 	} {
 		// Comments and dropping the status change nothing of the object.
 		if !equality.Semantic.DeepEqual(c.got, c.want) {
@@ -293,7 +295,10 @@ func TestRenderDecodesStrictlyAndMatchesTheTypes(t *testing.T) {
 		}
 	}
 	all := strings.Join(r.docs, "\n")
-	for _, bad := range []string{"privileged: true", "hostNetwork: true", "hostPID: true", "hostIPC: true",
+	if strings.Count(all, "hostPID: true") != 1 || !strings.Contains(r.doc(t, "DaemonSet"), "hostPID: true") {
+		t.Error("hostPID is not the agent's alone")
+	}
+	for _, bad := range []string{"privileged: true", "hostNetwork: true", "hostIPC: true",
 		"allowPrivilegeEscalation: true", "readOnlyRootFilesystem: false", "SYS_ADMIN\n"} {
 		if strings.Contains(all, bad) {
 			t.Errorf("output contains %q", bad)
@@ -316,7 +321,10 @@ func TestAgentDaemonSet(t *testing.T) {
 	if !equality.Semantic.DeepEqual(ds.Spec.Selector.MatchLabels, ds.Spec.Template.Labels) {
 		t.Errorf("selector %v does not match the template's labels %v", ds.Spec.Selector.MatchLabels, ds.Spec.Template.Labels)
 	}
-	checkNoHostNamespaces(t, "agent", spec)
+	if spec.HostNetwork || spec.HostIPC || !spec.HostPID {
+		t.Errorf("agent: host network %v, IPC %v, PID %v; want the host PID namespace only", spec.HostNetwork, spec.HostIPC, spec.HostPID)
+	}
+	commentAbove(t, doc, "hostPID: true")
 	if spec.ServiceAccountName != r.sa.Name || r.sa.AutomountServiceAccountToken == nil || *r.sa.AutomountServiceAccountToken {
 		t.Errorf("service account %q (token %v)", spec.ServiceAccountName, r.sa.AutomountServiceAccountToken)
 	}
@@ -324,7 +332,8 @@ func TestAgentDaemonSet(t *testing.T) {
 		t.Fatalf("%d containers, %d init containers", len(spec.Containers), len(spec.InitContainers))
 	}
 	c := spec.Containers[0]
-	if want := []string{"vmsnap", "agent", "--socket", "/run/vmsnap/agent.sock", "--state-dir", "/var/lib/vmsnap"}; !slices.Equal(c.Command, want) {
+	if want := []string{"vmsnap", "agent", "--socket", "/run/vmsnap/agent.sock", "--state-dir", "/var/lib/vmsnap",
+		"--containerd-address", "/run/containerd/containerd.sock", "--admin-namespace", "vmsnap-system"}; !slices.Equal(c.Command, want) {
 		t.Errorf("command %q, want %q", c.Command, want)
 	}
 
@@ -435,8 +444,8 @@ func TestCheckpointJob(t *testing.T) {
 	}
 	want := []string{"vmsnap", "checkpoint", "--agent", "unix:///run/vmsnap/agent.sock", "--json",
 		"--termination-log", "/dev/termination-log", "--pod-uid", "$(SOURCE_POD_UID)",
-		"--container", "${QEMU_CONTAINER}", "--qmp", "${QMP_SOCKET}", "--image", "${STATE_IMAGE}",
-		"--disk", "${DISK_PATH}", "--disk-image", "${DISK_IMAGE}", "--mode", "pause"}
+		"--container", "${QEMU_CONTAINER}", "--qmp", "${QMP_SOCKET}", "--image", "${STATE_REPO}:${TAG}",
+		"--disk", "${DISK_PATH}", "--disk-image", "${DISK_REPO}:${TAG}", "--mode", "pause"}
 	if !slices.Equal(c.Command, want) {
 		t.Errorf("command\n%q, want\n%q", c.Command, want)
 	}
@@ -505,8 +514,9 @@ func TestRestoreInitContainer(t *testing.T) {
 	if lim := c.Resources.Limits[corev1.ResourceEphemeralStorage]; lim.Cmp(o.withDefaults().RestoreStateSizeLimit) < 0 {
 		t.Errorf("ephemeral-storage limit %s is below the state volume's size limit", lim.String())
 	}
-	want := []string{"vmsnap", "restore", "--image", "${STATE_IMAGE}@${STATE_DIGEST}",
-		"--disk-image", "${DISK_IMAGE}@${DISK_DIGEST}", "--disk", "/vm/disk/overlay.qcow2", "--to-dir", "/vm/state", "--max-bytes", "8589934592"}
+	want := []string{"vmsnap", "restore", "--image", "${STATE_REPO}@${STATE_DIGEST}",
+		"--disk-image", "${DISK_REPO}@${DISK_DIGEST}", "--disk", "/vm/disk/overlay.qcow2", "--to-dir", "/vm/state", "--max-bytes", "8589934592",
+		"--marker-dir", "/vm/markers"}
 	if !slices.Equal(c.Command, want) {
 		t.Errorf("command %q, want %q", c.Command, want)
 	}
@@ -519,7 +529,7 @@ func TestRestoreInitContainer(t *testing.T) {
 			writable = append(writable, m.Name+":"+m.MountPath)
 		}
 	}
-	if want := []string{"vmsnap-state:/vm/state", "vm-disk:/vm/disk"}; !slices.Equal(writable, want) {
+	if want := []string{"vmsnap-state:/vm/state", "vm-disk:/vm/disk", "vmsnap-markers:/vm/markers"}; !slices.Equal(writable, want) {
 		t.Errorf("writable mounts %q, want %q", writable, want)
 	}
 	for _, v := range vols {
@@ -532,31 +542,16 @@ func TestRestoreInitContainer(t *testing.T) {
 		t.Errorf("state volume %+v", state)
 	}
 
-	// The rendered example holds the same container, and QEMU after it.
+	markers := volumeOf(t, spec, "vmsnap-markers")
+	if markers.EmptyDir == nil || markers.EmptyDir.Medium != "" {
+		t.Errorf("marker volume %+v: want a disk-backed emptyDir, which a node reboot keeps", markers)
+	}
+
+	// The rendered pod holds the same container, after the backing file's.
 	r := render(t, o)
-	ps, doc := r.pt.Template.Spec, r.doc(t, "PodTemplate")
-	if len(ps.InitContainers) != 1 || !equality.Semantic.DeepEqual(ps.InitContainers[0], c) {
-		t.Fatalf("the example's init containers differ from RestoreInitContainer's")
-	}
-	checkNoHostNamespaces(t, "restore example", ps)
-	if ps.SecurityContext == nil || ps.SecurityContext.SeccompProfile == nil ||
-		ps.SecurityContext.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
-		t.Error("the example pod has no RuntimeDefault seccomp profile")
-	}
-	q := ps.Containers[0]
-	if !slices.Equal(q.Args, []string{"-incoming", "exec:vmsnap stream --dir /vm/state --qmp /vm/run/qmp.sock"}) {
-		t.Errorf("QEMU args %q", q.Args)
-	}
-	if m := mountOf(t, q, "vmsnap-state"); !m.ReadOnly {
-		t.Error("QEMU mounts the staged state writable")
-	}
-	for _, line := range []string{"- name: DOCKER_CONFIG", "secretName: " + DefaultPullSecret, "- -incoming", "initContainers:"} {
-		commentAbove(t, doc, line)
-	}
-	for _, s := range []string{"-incoming defer", `-incoming "exec:vmsnap stream --dir /vm/state --qmp /vm/run/qmp.sock"`, "ephemeral-storage"} {
-		if !strings.Contains(doc, s) {
-			t.Errorf("the restore example does not mention %q", s)
-		}
+	ps := r.pod.Spec
+	if len(ps.InitContainers) != 2 || ps.InitContainers[0].Name != BackingContainerName || !equality.Semantic.DeepEqual(ps.InitContainers[1], c) {
+		t.Fatalf("the pod's init containers differ from the backing file's and RestoreInitContainer's")
 	}
 }
 
@@ -571,8 +566,9 @@ func TestRestoreDiskOnlyForAgentDrivenRestore(t *testing.T) {
 			t.Error("a disk-only restore has a state volume")
 		}
 	}
-	if !slices.Equal(IncomingDefer(), []string{"-incoming", "defer"}) {
-		t.Error(IncomingDefer())
+	want := []string{"vmsnap", "launch", "--defer", "--marker-dir", "/vm/markers", "--on-restart", "cold", "--", "qemu-system-x86_64"}
+	if got := LaunchCommand(Options{}, Restore{DiskImage: "x"}); !slices.Equal(got, want) {
+		t.Errorf("launch command %q, want %q", got, want)
 	}
 }
 
@@ -596,7 +592,7 @@ func TestAddRestore(t *testing.T) {
 	for _, v := range spec.Volumes {
 		names = append(names, v.Name)
 	}
-	if !slices.Equal(names, []string{DefaultRestoreDiskVolume, DefaultRestoreStateVolume, VolumeRegistry}) {
+	if !slices.Equal(names, []string{DefaultRestoreDiskVolume, DefaultRestoreStateVolume, DefaultRestoreMarkerVolume, VolumeRegistry}) {
 		t.Errorf("volumes %q", names)
 	}
 	if !reflect.DeepEqual(spec.Volumes[0], own) {
@@ -632,6 +628,9 @@ func TestRenderIsDeterministic(t *testing.T) {
 		RestoreUser: DefaultNonRootUser, RestoreGroup: DefaultNonRootUser, RestoreStateDir: DefaultRestoreStateDir,
 		RestoreStateVolume: DefaultRestoreStateVolume, RestoreStateSizeLimit: resource.MustParse(DefaultRestoreStateLimit),
 		RestoreDiskPath: DefaultRestoreDiskPath, RestoreDiskVolume: DefaultRestoreDiskVolume,
+		ContainerdRoot: DefaultContainerdRoot, QMPSocket: DefaultQMPSocket,
+		RestoreMarkerDir: DefaultRestoreMarkerDir, RestoreMarkerVolume: DefaultRestoreMarkerVolume,
+		RestoreRunVolume: DefaultRestoreRunVolume, OnRestart: DefaultOnRestart, BaseDir: DefaultBaseDir,
 		AgentResources: DefaultAgentResources(), JobResources: DefaultJobResources(), RestoreResources: DefaultRestoreResources(),
 	}
 	b, err := Render(explicit)
@@ -677,7 +676,7 @@ func TestCustomOptions(t *testing.T) {
 	if r.job.Namespace != "vm-ops" || r.job.Spec.Template.Spec.ImagePullSecrets[0].Name != "ghcr" {
 		t.Errorf("job %+v", r.job.ObjectMeta)
 	}
-	ic := r.pt.Template.Spec.InitContainers[0]
+	ic := r.pod.Spec.InitContainers[1]
 	if *ic.SecurityContext.RunAsUser != 107 || *ic.SecurityContext.RunAsGroup != 108 {
 		t.Errorf("restore runs as %d:%d", *ic.SecurityContext.RunAsUser, *ic.SecurityContext.RunAsGroup)
 	}
@@ -697,7 +696,7 @@ func TestRenderParts(t *testing.T) {
 		t.Fatal(err)
 	}
 	docs := splitDocs(t, b)
-	if len(docs) != 2 || !strings.Contains(docs[0], "kind: PodTemplate") || !strings.Contains(docs[1], "kind: Job") {
+	if len(docs) != 2 || !strings.Contains(docs[0], "kind: Pod\n") || !strings.Contains(docs[1], "kind: Job") {
 		t.Errorf("restore+job parts:\n%s", b)
 	}
 	if _, err := RenderParts(Options{}, "controller"); err == nil {
@@ -729,6 +728,17 @@ func TestValidate(t *testing.T) {
 		"state dir holds disk":   {RestoreDiskPath: "/vm/state/disk/overlay.qcow2"},
 		"disk at the root":       {RestoreDiskPath: "/overlay.qcow2"},
 		"image with white space": {Image: "vmsnap latest"},
+		"markers in the state":   {RestoreMarkerDir: "/vm/state/markers"},
+		"socket in the disk dir": {QMPSocket: "/vm/disk/qmp.sock"},
+		"shell character":        {RestoreStateDir: "/vm/state;rm"},
+		"same marker volume":     {RestoreMarkerVolume: DefaultRestoreRunVolume},
+		"bad on-restart":         {OnRestart: "reload"},
+		"bad CA ConfigMap":       {RegistryCAConfigMap: "CA Map"},
+		"repository with scheme": {AllowRepositories: []string{"https://reg.example/vms"}},
+		"repository, no path":    {AllowRepositories: []string{"reg.example"}},
+		"bad admin namespace":    {AdminNamespaces: []string{"Ops"}},
+		"layout root in state":   {LayoutRoot: "/var/lib/vmsnap/layouts"},
+		"negative timeout":       {OperationTimeout: -1},
 	} {
 		if err := o.Validate(); err == nil {
 			t.Errorf("%s: valid", name)

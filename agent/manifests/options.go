@@ -22,6 +22,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -56,12 +57,28 @@ const (
 	DefaultRestoreStateVolume = "vmsnap-state"
 	DefaultRestoreDiskVolume  = "vm-disk"
 	DefaultRestoreStateLimit  = "8Gi"
+	// DefaultRestoreMarkerDir holds the restored pod's markers: the init
+	// container's (restore --marker-dir) and the launcher's (launch
+	// --marker-dir), on an emptyDir of the pod.
+	DefaultRestoreMarkerDir    = "/vm/markers"
+	DefaultRestoreMarkerVolume = "vmsnap-markers"
+	// DefaultRestoreRunVolume is the emptyDir holding QMPSocket's directory.
+	DefaultRestoreRunVolume = "vm-run"
+	// DefaultBaseDir is where the QEMU image holds the overlay's backing
+	// file, which an init container copies beside the restored overlay.
+	DefaultBaseDir = "/vm/base"
+	// DefaultOnRestart: a restarted QEMU container boots cold from its disk.
+	DefaultOnRestart = "cold"
 
 	// SocketName is the agent's API socket inside SocketDir.
 	SocketName = "agent.sock"
 	// DefaultQMPSocket is where the examples put the QEMU container's
 	// monitor socket.
 	DefaultQMPSocket = "/vm/run/qmp.sock"
+	// RegistryCADir is where the RegistryCAConfigMap is mounted; its key
+	// RegistryCAKey is passed as --ca-file.
+	RegistryCADir = "/etc/vmsnap/ca"
+	RegistryCAKey = "ca.pem"
 	// RegistryConfigDir is where the registry credentials secret is mounted
 	// (DOCKER_CONFIG): it holds config.json, the secret's .dockerconfigjson.
 	RegistryConfigDir = "/etc/vmsnap/registry"
@@ -104,6 +121,28 @@ type Options struct {
 	// "vmsnap-registry"). The agent reads it in Namespace; the restore init
 	// container in the restored pod's namespace.
 	PullSecret string
+	// RegistryCAConfigMap names a ConfigMap whose key ca.pem holds the CA
+	// certificate(s) of a registry with a private CA. It is mounted in the
+	// agent (Namespace) and in the restore init container (the restored
+	// pod's namespace: create it there too), passed as --ca-file. Empty:
+	// the system's roots.
+	RegistryCAConfigMap string
+
+	// The agent's policy (vmsnap agent flags), passed through:
+	// AllowRepositories are the registry targets (HOST[:PORT]/PREFIX) the
+	// agent may push to and pull from (--allow-repository); with none, every
+	// registry target is refused. AdminNamespaces may act on any VM
+	// (--admin-namespace); Namespace, where the checkpoint Jobs run, is
+	// always one. LayoutRoot is the host directory under which oci: layouts
+	// are allowed (--layout-root, mounted at the same path; empty: none).
+	// OperationTimeout bounds each operation (--operation-timeout; zero:
+	// the agent's default). MaxWorkers caps a request's workers
+	// (--max-workers; zero: the agent's default).
+	AllowRepositories []string
+	AdminNamespaces   []string
+	LayoutRoot        string
+	OperationTimeout  time.Duration
+	MaxWorkers        int
 
 	// Host paths of the agent, each mounted at the same path in its
 	// container so that paths containerd reports are valid there as is.
@@ -147,6 +186,26 @@ type Options struct {
 	// RestoreDiskVolume: normally the QEMU container's own disk volume.
 	RestoreDiskPath   string
 	RestoreDiskVolume string
+	// RestoreMarkerDir is the restored pod's marker directory, on
+	// RestoreMarkerVolume, a disk-backed emptyDir: it lives as long as the
+	// pod (container restarts and sandbox recreation included) and no
+	// longer, which is what "one restore per pod" needs.
+	RestoreMarkerDir    string
+	RestoreMarkerVolume string
+	// RestoreRunVolume is the emptyDir at QMPSocket's directory.
+	RestoreRunVolume string
+	// OnRestart is what the restored pod's QEMU does when its container
+	// restarts after the snapshot was loaded: "cold" (boot from the disk as
+	// it is now) or "fail" (vmsnap launch --on-restart).
+	OnRestart string
+	// RestoreViaAgent renders the restored pod for a restore through the
+	// agent: the init container restores the disk alone, and QEMU starts
+	// with vmsnap launch --defer (-incoming defer) for the agent to load
+	// the state (vmsnap restore --agent ... --pod-uid NEW_POD_UID).
+	RestoreViaAgent bool
+	// BaseDir is the directory of the QEMU image that holds the overlay's
+	// backing file; an init container copies it beside the restored overlay.
+	BaseDir string
 
 	// Resources of each container; a zero value means the defaults below
 	// (DefaultAgentResources and so on).
@@ -205,6 +264,11 @@ func (o Options) withDefaults() Options {
 	}
 	def(&o.RestoreDiskPath, DefaultRestoreDiskPath)
 	def(&o.RestoreDiskVolume, DefaultRestoreDiskVolume)
+	def(&o.RestoreMarkerDir, DefaultRestoreMarkerDir)
+	def(&o.RestoreMarkerVolume, DefaultRestoreMarkerVolume)
+	def(&o.RestoreRunVolume, DefaultRestoreRunVolume)
+	def(&o.OnRestart, DefaultOnRestart)
+	def(&o.BaseDir, DefaultBaseDir)
 	if isZeroResources(o.AgentResources) {
 		o.AgentResources = DefaultAgentResources()
 	}
@@ -259,6 +323,9 @@ var (
 	dnsLabel     = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
 	labelKeyName = regexp.MustCompile(`^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$`)
 	capName      = regexp.MustCompile(`^[A-Z][A-Z0-9_]*$`)
+	// shellSafe paths go unquoted into QEMU's exec: command line (vmsnap
+	// launch refuses others).
+	shellSafe = regexp.MustCompile(`^[A-Za-z0-9_./+:@=-]+$`)
 )
 
 // Validate reports options that would render unusable or less safe
@@ -270,14 +337,37 @@ func (o Options) Validate() error {
 
 	for _, n := range []struct{ what, v string }{
 		{"Namespace", o.Namespace}, {"Name", o.Name}, {"RestoreStateVolume", o.RestoreStateVolume},
-		{"RestoreDiskVolume", o.RestoreDiskVolume},
+		{"RestoreDiskVolume", o.RestoreDiskVolume}, {"RestoreMarkerVolume", o.RestoreMarkerVolume},
+		{"RestoreRunVolume", o.RestoreRunVolume},
 	} {
 		if len(n.v) > 63 || !dnsLabel.MatchString(n.v) {
 			bad("%s %q is not a DNS label", n.what, n.v)
 		}
 	}
-	if o.RestoreStateVolume == o.RestoreDiskVolume {
-		bad("RestoreStateVolume and RestoreDiskVolume are both %q", o.RestoreStateVolume)
+	vols := []string{o.RestoreStateVolume, o.RestoreDiskVolume, o.RestoreMarkerVolume, o.RestoreRunVolume, VolumeRegistry, VolumeRegistryCA}
+	for i, v := range vols {
+		if slices.Contains(vols[:i], v) {
+			bad("the restored pod's volume name %q is used twice", v)
+		}
+	}
+	if o.OnRestart != "cold" && o.OnRestart != "fail" {
+		bad("OnRestart %q is not cold or fail", o.OnRestart)
+	}
+	if o.RegistryCAConfigMap != "" && (len(o.RegistryCAConfigMap) > 253 || !dnsLabel.MatchString(strings.ReplaceAll(o.RegistryCAConfigMap, ".", "-"))) {
+		bad("RegistryCAConfigMap %q is not a ConfigMap name", o.RegistryCAConfigMap)
+	}
+	for _, r := range o.AllowRepositories {
+		if r == "" || strings.ContainsAny(r, " \t\n@") || strings.Contains(r, "://") || !strings.Contains(r, "/") {
+			bad("AllowRepositories: %q is not HOST[:PORT]/PREFIX", r)
+		}
+	}
+	for _, n := range o.AdminNamespaces {
+		if len(n) > 63 || !dnsLabel.MatchString(n) {
+			bad("AdminNamespaces: %q is not a namespace name", n)
+		}
+	}
+	if o.OperationTimeout < 0 || o.MaxWorkers < 0 {
+		bad("OperationTimeout and MaxWorkers must not be negative")
 	}
 	if len(o.Name) > 40 {
 		bad("Name %q is too long to prefix object names", o.Name)
@@ -337,6 +427,9 @@ func (o Options) Validate() error {
 		{"SocketDir", o.SocketDir}, {"StateDir", o.StateDir},
 		{"ContainerdSocket", o.ContainerdSocket}, {"ContainerdRoot", o.ContainerdRoot}, {"KubeletPodsDir", o.KubeletPodsDir},
 	}
+	if o.LayoutRoot != "" {
+		hostPaths = append(hostPaths, struct{ what, p string }{"LayoutRoot", o.LayoutRoot})
+	}
 	for i, a := range hostPaths {
 		if !cleanAbs(a.p) || a.p == "/" {
 			bad("%s %q must be a clean absolute path below /", a.what, a.p)
@@ -348,22 +441,26 @@ func (o Options) Validate() error {
 			}
 		}
 	}
-	for _, p := range []struct{ what, p string }{
-		{"RestoreStateDir", o.RestoreStateDir}, {"RestoreDiskPath", o.RestoreDiskPath},
-	} {
-		if !cleanAbs(p.p) || p.p == "/" {
-			bad("%s %q must be a clean absolute path below /", p.what, p.p)
+	podPaths := []struct{ what, p string }{
+		{"RestoreStateDir", o.RestoreStateDir}, {"directory of RestoreDiskPath", path.Dir(o.RestoreDiskPath)},
+		{"RestoreMarkerDir", o.RestoreMarkerDir}, {"directory of QMPSocket", path.Dir(o.QMPSocket)}, {"BaseDir", o.BaseDir},
+		{"registry paths", "/etc/vmsnap"},
+	}
+	for i, a := range podPaths {
+		if !cleanAbs(a.p) || a.p == "/" || !shellSafe.MatchString(a.p) {
+			bad("%s %q must be a clean absolute path below / of letters, digits and _./+:@=-", a.what, a.p)
+			continue
+		}
+		for _, b := range podPaths[:i] {
+			if within(a.p, b.p) || within(b.p, a.p) {
+				bad("%s %q and %s %q overlap: they are different volumes", a.what, a.p, b.what, b.p)
+			}
 		}
 	}
-	if within(o.RestoreStateDir, path.Dir(o.RestoreDiskPath)) || within(path.Dir(o.RestoreDiskPath), o.RestoreStateDir) {
-		bad("RestoreStateDir %q and the directory of RestoreDiskPath %q overlap: they are different volumes",
-			o.RestoreStateDir, o.RestoreDiskPath)
-	}
-	if path.Dir(o.RestoreDiskPath) == "/" {
-		bad("RestoreDiskPath %q must be in a directory (its volume's mount point)", o.RestoreDiskPath)
-	}
-	if strings.HasPrefix(RegistryConfigDir, o.RestoreStateDir+"/") || strings.HasPrefix(RegistryConfigDir, path.Dir(o.RestoreDiskPath)+"/") {
-		bad("restore paths must not contain %s", RegistryConfigDir)
+	for _, f := range []struct{ what, p string }{{"RestoreDiskPath", o.RestoreDiskPath}, {"QMPSocket", o.QMPSocket}} {
+		if !cleanAbs(f.p) || path.Dir(f.p) == "/" || !shellSafe.MatchString(f.p) {
+			bad("%s %q must be a clean absolute path in a directory (its volume's mount point), of letters, digits and _./+:@=-", f.what, f.p)
+		}
 	}
 	if len(errs) > 0 {
 		return fmt.Errorf("manifests: invalid options: %s", strings.Join(errs, "; "))

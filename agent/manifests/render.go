@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	corev1 "k8s.io/api/core/v1"
+	"path"
 	"strings"
 
 	"sigs.k8s.io/yaml"
@@ -18,7 +20,9 @@ const (
 	PartAgent Part = "agent"
 	// PartJob is the checkpoint Job template, for a controller to fill in.
 	PartJob Part = "job"
-	// PartRestore is the restore init container, shown in a PodTemplate.
+	// PartRestore is a restored pod: the restore init container and QEMU
+	// started by vmsnap launch.
+	// It is a Pod with placeholders, to fill in and apply.
 	PartRestore Part = "restore"
 )
 
@@ -73,6 +77,9 @@ type document struct {
 	header []string
 	obj    any
 	notes  []note
+	// flow placeholders are list values of their own: "key:" followed by
+	// the one item "- ${X}" is written "key: ${X}", for a JSON array.
+	flow []string
 }
 
 // A note explains the one line of a document that target picks: either
@@ -100,6 +107,11 @@ func (d document) render() ([]byte, error) {
 		return nil, fmt.Errorf("manifests: marshalling %T: %w", d.obj, err)
 	}
 	lines := strings.Split(strings.TrimSuffix(string(body), "\n"), "\n")
+	for _, f := range d.flow {
+		if lines, err = inlineFlow(lines, f); err != nil {
+			return nil, err
+		}
+	}
 	above := make(map[int][]string, len(d.notes))
 	for _, n := range d.notes {
 		at := -1
@@ -119,7 +131,9 @@ func (d document) render() ([]byte, error) {
 	}
 	var out strings.Builder
 	for _, h := range d.header {
-		out.WriteString(strings.TrimRight("# "+h, " ") + "\n")
+		for _, l := range strings.Split(h, "\n") {
+			out.WriteString(strings.TrimRight("# "+l, " ") + "\n")
+		}
 	}
 	for i, l := range lines {
 		for _, c := range above[i] {
@@ -128,6 +142,24 @@ func (d document) render() ([]byte, error) {
 		out.WriteString(l + "\n")
 	}
 	return []byte(out.String()), nil
+}
+
+// inlineFlow turns the one "key:" + "- X" pair into "key: X".
+func inlineFlow(lines []string, x string) ([]string, error) {
+	at := -1
+	for i := 1; i < len(lines); i++ {
+		if strings.TrimSpace(lines[i]) == "- "+x && strings.HasSuffix(lines[i-1], ":") {
+			if at >= 0 {
+				return nil, fmt.Errorf("manifests: %s is a list of its own twice", x)
+			}
+			at = i
+		}
+	}
+	if at < 0 {
+		return nil, fmt.Errorf("manifests: %s is not a list of its own", x)
+	}
+	out := append(append([]string(nil), lines[:at-1]...), lines[at-1]+" "+x)
+	return append(out, lines[at+1:]...), nil
 }
 
 // marshal writes obj as YAML without its status, which is the cluster's to
@@ -162,9 +194,12 @@ func comment(indent, text string, width int) []string {
 func namespaceDoc(o Options) document {
 	return document{
 		header: []string{
-			"vmsnap: the agent's namespace. Pod Security is enforced at the privileged level only",
-			"because the agent and the checkpoint Jobs mount host paths, which baseline forbids;",
-			"warn and audit stay at baseline, which everything else here meets.",
+			"vmsnap: the namespace of the agent and of the checkpoint Jobs. Pod Security is privileged",
+			"(enforce, warn and audit alike) because the agent mounts host paths and shares the host's",
+			"PID namespace, and every Job mounts the agent's socket directory: all outside baseline,",
+			"so a baseline warning would fire on every Job and mean nothing. Only these run here. The",
+			"agent lists this namespace as an --admin-namespace: Jobs from here act on tenants' VMs.",
+			"Tenants' namespaces stay restricted: the restored pod (--part restore) meets it.",
 		},
 		obj: Namespace(o),
 	}
@@ -192,7 +227,7 @@ func daemonSetDoc(o Options) document {
 		"  " + o.ContainerdSocket + " (Socket)",
 		"    The node's containerd: find a pod's QEMU container by pod UID and container name, read",
 		"    its mounts, hear when it is deleted. Whoever can use this socket is root on the node:",
-		"    the price of finding VMs without host PID, ptrace or access to the Kubernetes API.",
+		"    the price of finding VMs without ptrace or access to the Kubernetes API.",
 		"  " + o.ContainerdRoot + " (Directory, read-only)",
 		"    containerd's root: a disk overlay in a QEMU container's writable layer is read in the",
 		"    snapshot directory that holds that layer. Nothing is written there.",
@@ -211,8 +246,11 @@ func daemonSetDoc(o Options) document {
 		"  runAsUser 0 with every capability dropped but " + caps + ": the VMs' sockets and",
 		"    files belong to their pods' users, and connect() on a unix socket needs write",
 		"    permission on it. Without DAC_OVERRIDE, root is refused both, like any user.",
+		"  hostPID: the agent identifies each caller by the pid its socket reports (SO_PEERCRED),",
+		"    which it maps to the caller's container, and so namespace, through containerd: pids",
+		"    of the node. It does not enter or trace any process.",
 		"  Not privileged, no privilege escalation, read-only root filesystem, seccomp",
-		"    RuntimeDefault, no host network, PID or IPC namespace, no service account token.",
+		"    RuntimeDefault, no host network or IPC namespace, no service account token.",
 		"  Not needed: SYS_ADMIN (the kubelet does the mounts), SYS_PTRACE (QEMU is reached over",
 		"    QMP, not by entering its namespaces), CHOWN and FOWNER (the agent changes no one",
 		"    else's files), DAC_READ_SEARCH (DAC_OVERRIDE covers it), SETUID, SETGID, KILL,",
@@ -221,6 +259,10 @@ func daemonSetDoc(o Options) document {
 		"Registry credentials: Secret " + o.PullSecret + " (kubernetes.io/dockerconfigjson), its",
 		"  .dockerconfigjson mounted read-only as " + RegistryConfigDir + "/config.json; DOCKER_CONFIG",
 		"  points there. The agent pushes snapshots with them.",
+		"Policy (vmsnap agent --help): --allow-repository HOST[:PORT]/PREFIX names each registry",
+		"  target the agent may use; with none, every registry target is refused. --admin-namespace",
+		"  " + o.Namespace + " lets the checkpoint Jobs act on any VM; callers elsewhere act on their own",
+		"  namespace's VMs only.",
 		"Probes exec `vmsnap agent health --socket PATH`, which asks the agent's /healthz over the",
 		"  socket and fails unless it answers: an HTTP probe cannot reach a unix socket.",
 	}
@@ -240,8 +282,22 @@ func daemonSetDoc(o Options) document {
 		{"allowPrivilegeEscalation: false", "no_new_privs: nothing it runs can gain capabilities."},
 		{"readOnlyRootFilesystem: true", "It writes only to its state and socket directories."},
 		{"secretName: " + o.PullSecret, "Registry credentials (.dockerconfigjson -> config.json), read-only; DOCKER_CONFIG points here."},
-		{"defaultMode:", "0400: root's only."},
+		{"defaultMode: 256", "0400: root's only."},
 		{"livenessProbe:", "exec, since an HTTP probe cannot reach a unix socket: `vmsnap agent health` asks /healthz."},
+		{"hostPID: true", "Callers are identified by their pid (SO_PEERCRED) -> container -> namespace, via containerd: host pids."},
+		{"- " + o.Namespace, "--admin-namespace: callers here act on any VM; " + o.Namespace + " runs the checkpoint Jobs."},
+	}
+	if len(o.AllowRepositories) == 0 {
+		h = append(h, "Note: no --allow-repository given, so this agent refuses every registry target: add one",
+			"  per registry prefix (vmsnap manifests --allow-repository HOST[:PORT]/PREFIX).")
+	} else {
+		notes = append(notes, note{"- " + o.AllowRepositories[0], "--allow-repository: the only registry targets the agent uses; with none, all are refused."})
+	}
+	if o.LayoutRoot != "" {
+		notes = append(notes, note{"path: " + o.LayoutRoot, "oci: layouts over the API only below this directory (--layout-root)."})
+	}
+	if o.RegistryCAConfigMap != "" {
+		notes = append(notes, note{"name: " + o.RegistryCAConfigMap, "The registry's private CA (ca.pem), passed as --ca-file."})
 	}
 	for _, c := range o.AgentExtraCapabilities {
 		notes = append(notes, note{"- " + string(c), "Added by the operator (AgentExtraCapabilities)."})
@@ -253,9 +309,10 @@ func jobDoc(o Options) document {
 	t := TemplateCheckpoint
 	h := []string{
 		"vmsnap checkpoint Job: a TEMPLATE, not to be applied as is. A controller fills it in",
-		"(CheckpointJob in Go; or envsubst) and creates it on the source pod's node. Placeholders:",
+		"(CheckpointJob in Go; or envsubst with the names listed) and creates it in " + o.Namespace + ",",
+		"on the source pod's node. Placeholders:",
 	}
-	h = append(h, wrapWords("  ", placeholders(t.Node, t.PodUID, t.Container, t.QMP, t.Disk, t.Image, t.DiskImage), 90)...)
+	h = append(h, placeholderLines(placeholders(t.Node, t.PodUID, t.Container, t.QMP, t.Disk, t.Image, t.DiskImage))...)
 	h = append(h,
 		"",
 		"It asks the agent on its node to checkpoint the VM of pod $SOURCE_POD_UID (by UID, never",
@@ -267,6 +324,9 @@ func jobDoc(o Options) document {
 		fmt.Sprintf("Privileges: none. Non-root (%d), supplementary group %d to connect to the", o.JobUser, o.SocketGroup),
 		"  0660 socket, every capability dropped, read-only root filesystem, no privilege",
 		"  escalation, seccomp RuntimeDefault.",
+		"Namespace: "+o.Namespace+", the agent's, whose Pod Security level is privileged because of",
+		"  the hostPath above (baseline forbids any hostPath); the agent lists it as an",
+		"  --admin-namespace, so the Job may checkpoint a VM in a tenant's namespace.",
 	)
 	notes := []note{
 		{"backoffLimit:", "Never retried: on failure the VM was continued; whether to try again is the controller's call."},
@@ -281,49 +341,103 @@ func jobDoc(o Options) document {
 	return document{header: h, obj: JobTemplate(o), notes: notes}
 }
 
-func restoreDoc(o Options) document {
-	t := TemplateRestore
-	h := []string{
-		"vmsnap restore: the init container to add to the restored pod, shown in a PodTemplate",
-		"(documentation: a PodTemplate runs nothing). In Go: RestoreInit and AddRestore; or",
-		"envsubst. Placeholders:",
+// placeholderLines documents each placeholder with its meaning.
+func placeholderLines(names []string) []string {
+	var lines []string
+	const col = "  " + "                  " // the meanings' column
+	for _, n := range names {
+		w := wrapWords(col, strings.Fields(Placeholders[n]), 96)
+		w[0] = fmt.Sprintf("  %-17s %s", n, strings.TrimPrefix(w[0], col))
+		lines = append(lines, w...)
 	}
-	h = append(h, wrapWords("  ", placeholders(t.Image, t.DiskImage, "${QEMU_IMAGE}"), 90)...)
+	return lines
+}
+
+func restoreDoc(o Options) document {
+	pod := RestorePod(o)
+	var vals []string
+	for _, c := range append(append([]corev1.Container(nil), pod.Spec.InitContainers...), pod.Spec.Containers...) {
+		vals = append(append(vals, c.Image), append(c.Command, c.Args...)...)
+	}
+	h := []string{
+		"vmsnap restore: a pod restored from a checkpoint, a TEMPLATE. Fill in the placeholders",
+		"(envsubst with the names listed, or RestoreInit and AddRestore in Go) and apply it. Placeholders:",
+	}
+	h = append(h, placeholderLines(placeholders(append([]string{pod.Name, pod.Namespace}, vals...)...))...)
 	h = append(h,
 		"",
-		"Before QEMU starts, the init container pulls the snapshot by digest, verifies every",
-		"byte, puts the disk overlay at "+o.RestoreDiskPath+" (its backing file must be",
-		"there already, from the image or an earlier init container) and stages the VM state",
-		"in "+o.RestoreStateDir+". QEMU then starts with the source VM's exact options plus either",
-		"  -incoming \"exec:vmsnap stream --dir "+o.RestoreStateDir+" --qmp "+o.QMPSocket+"\"",
-		"    as shown: QEMU reads the staged state (its image needs /bin/sh and vmsnap), and",
-		"    vmsnap stream continues the VM over QEMU's monitor once it is loaded; or",
-		"  -incoming defer",
-		"    and the agent on the node checks the waiting QEMU against the recorded VM before it",
-		"    streams the state in over QMP, asked by `vmsnap restore --agent unix://PATH ...`",
-		"    (a Job like the checkpoint one). The init container then restores the disk only:",
-		"    RestoreInit with no state Image.",
+		"Three containers, each non-root ("+fmt.Sprintf("%d:%d", o.RestoreUser, o.RestoreGroup)+": make it QEMU's user), read-only root",
+		"  filesystem, every capability dropped, no privilege escalation, seccomp RuntimeDefault,",
+		"  no hostPath: the restricted Pod Security Standard, met in a tenant's namespace.",
+		"  "+BackingContainerName+" copies the overlay's backing file from "+o.BaseDir+" in the QEMU image",
+		"    to the disk volume, beside the overlay, where QEMU resolves its relative name.",
+	)
+	h = append(h, restoreSteps(o)...)
+	h = append(h,
+		"One restore per snapshot, per pod: a snapshot's memory is loaded at most once.",
+		"  A restarted qemu container (crash, OOM kill, guest poweroff, failed probe) finds the",
+		"  launcher's marker in "+o.RestoreMarkerDir+" and (--on-restart "+o.OnRestart+") "+onRestartMeaning(o.OnRestart)+".",
+		"  A re-run of the init containers (the pod's sandbox recreated, after a node reboot) finds",
+		"  the restore's marker there and leaves the overlay the guest has written to as it is.",
+		"  The markers are on an emptyDir, on disk: it lives exactly as long as the pod (container",
+		"  restarts and sandbox recreation included). Not beside the overlay on a PVC: that outlives",
+		"  the pod, and a new pod restoring the same snapshot onto it must restore again.",
 		"",
-		fmt.Sprintf("Init container: non-root (%d:%d; make it QEMU's user, so that QEMU can open", o.RestoreUser, o.RestoreGroup),
-		"  what it writes), read-only root filesystem, every capability dropped, no privilege",
-		"  escalation, seccomp RuntimeDefault, CPU, memory and ephemeral-storage requests and",
-		"  limits. Writable: its two volumes only.",
-		"Registry credentials: Secret "+o.PullSecret+" (kubernetes.io/dockerconfigjson) in the",
-		"  pod's namespace, its .dockerconfigjson mounted read-only as",
-		"  "+RegistryConfigDir+"/config.json; DOCKER_CONFIG points there.",
-		"Its ephemeral-storage limit is large on purpose: when the pod's other containers set",
-		"  none, the kubelet takes it as the pod's limit and counts every disk-backed emptyDir",
-		"  (the staged state, the disk overlay) against it.",
+		"Registry credentials: Secret "+o.PullSecret+" (kubernetes.io/dockerconfigjson) in the pod's",
+		"  namespace, mounted read-only as "+RegistryConfigDir+"/config.json; DOCKER_CONFIG points there.",
+		"The ephemeral-storage limit of the restore init container is large on purpose: when the",
+		"  pod's other containers set none, the kubelet takes it as the pod's limit and counts every",
+		"  disk-backed emptyDir (the staged state, the disk overlay) against it.",
 	)
 	notes := []note{
 		{"- name: DOCKER_CONFIG", "Registry credentials: a directory with config.json, from the mounted pull secret."},
 		{"secretName: " + o.PullSecret, "The pull secret, read-only; .dockerconfigjson becomes config.json."},
-		{"defaultMode:", "0444: secret files belong to root and this container is not root; only it mounts them."},
-		{"sizeLimit:", "The staged VM state (compressed); the pod is evicted past this."},
-		{"- -incoming", "After the source VM's exact options. Or `-incoming defer` and a restore through the agent."},
-		{"initContainers:", "Pulls and verifies the snapshot before QEMU starts; add it with AddRestore."},
+		{"defaultMode: 292", "0444: secret files belong to root and these containers are not; only this one mounts them."},
+		{"- launch", "Starts QEMU once with -incoming, and cold (or not at all: --on-restart fail) on a restart."},
+		{"- args: " + QEMUArgsPlaceholder, "The source VM's exact options, a JSON array; -incoming is the launcher's to add."},
+		{"- mountPath: " + path.Dir(o.QMPSocket), "QEMU's QMP socket directory: the root filesystem is read-only."},
+		{"name: " + BackingContainerName, "The overlay's backing file, copied beside it unless there already."},
 	}
-	return document{header: h, obj: RestoreExample(o), notes: notes}
+	if o.RegistryCAConfigMap != "" {
+		notes = append(notes, note{"name: " + o.RegistryCAConfigMap, "The registry's private CA (ca.pem), passed as --ca-file; create it in the pod's namespace."})
+	}
+	if !o.RestoreViaAgent {
+		notes = append(notes, note{"sizeLimit: " + o.RestoreStateSizeLimit.String(), "The staged VM state (compressed); the pod is evicted past this."})
+	}
+	return document{header: h, obj: pod, notes: notes, flow: []string{QEMUArgsPlaceholder}}
+}
+
+// restoreSteps explains what the restored pod's last two containers do.
+func restoreSteps(o Options) []string {
+	if o.RestoreViaAgent {
+		return []string{
+			"  " + RestoreContainerName + " pulls the disk overlay by digest, verifies every byte and puts it",
+			"    at " + o.RestoreDiskPath + ". The VM state is the agent's to load (RestoreViaAgent).",
+			"  qemu runs `vmsnap launch --defer`, which execs QEMU with the source VM's exact options",
+			"    (${QEMU_ARGS}) and, on its first start only, -incoming defer. Then a controller asks",
+			"    the agent on the node: vmsnap restore --agent unix://" + AgentSocket(o) + " --pod-uid UID",
+			"    --container qemu --qmp " + o.QMPSocket + " --image STATE@DIGEST; the agent checks QEMU",
+			"    against the recorded VM, then loads the state (include -qmp unix:" + o.QMPSocket + ",server=on,wait=off).",
+			"",
+		}
+	}
+	return []string{
+		"  " + RestoreContainerName + " pulls the snapshot by digest, verifies every byte, puts the overlay at",
+		"    " + o.RestoreDiskPath + " and stages the VM state in " + o.RestoreStateDir + ".",
+		"  qemu runs `vmsnap launch`, which execs QEMU with the source VM's exact options",
+		"    (${QEMU_ARGS}) and, on its first start only, -incoming \"exec:vmsnap stream --dir",
+		"    " + o.RestoreStateDir + " --qmp " + o.QMPSocket + "\": QEMU loads the staged state, and vmsnap",
+		"    continues the VM over that monitor (include -qmp unix:" + o.QMPSocket + ",server=on,wait=off).",
+		"    For a restore through the agent instead: vmsnap manifests --restore-via-agent.",
+		"",
+	}
+}
+
+func onRestartMeaning(mode string) string {
+	if mode == "fail" {
+		return "fails, saying why:\n  QEMU does not start"
+	}
+	return "boots QEMU cold,\n  from the disk as it is now, as after a crash"
 }
 
 // wrapWords lays words out in lines of at most width, each after indent.

@@ -6,6 +6,7 @@ import (
 	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -15,16 +16,18 @@ const RestoreContainerName = "vmsnap-restore"
 // Restore names the snapshot a restored pod starts from, by digest: the
 // init container refuses a tag. At least one of the two is needed.
 type Restore struct {
-	// Image is the VM state, REF@sha256:..., staged for IncomingExec.
-	// Empty: the agent loads the state into a QEMU started with
-	// IncomingDefer, and the init container restores the disk only.
+	// Image is the VM state, REF@sha256:..., staged for vmsnap launch
+	// --state-dir. Empty: the agent loads the state into a QEMU started
+	// with -incoming defer (vmsnap launch --defer), and the init container
+	// restores the disk only.
 	Image string
 	// DiskImage is the disk overlay, REF@sha256:...; empty: no disk.
 	DiskImage string
 }
 
 // RestoreArgs is the init container's command line: pull and verify the
-// disk overlay into place and the VM state into the state volume.
+// disk overlay into place and the VM state into the state volume, once per
+// pod (--marker-dir).
 func RestoreArgs(o Options, r Restore) []string {
 	o = o.withDefaults()
 	args := []string{"vmsnap", "restore"}
@@ -39,37 +42,55 @@ func RestoreArgs(o Options, r Restore) []string {
 		// rather than be evicted half-way.
 		args = append(args, "--to-dir", o.RestoreStateDir, "--max-bytes", strconv.FormatInt(o.RestoreStateSizeLimit.Value(), 10))
 	}
+	args = append(args, "--marker-dir", o.RestoreMarkerDir)
+	if o.RegistryCAConfigMap != "" {
+		args = append(args, "--ca-file", RegistryCADir+"/"+RegistryCAKey)
+	}
 	return args
 }
 
-// IncomingExec are the QEMU arguments that load the state the init
-// container staged, through `vmsnap stream` (the QEMU image needs /bin/sh
-// and vmsnap for it). Add them to the source VM's exact options. vmsnap
-// stream continues the VM over QEMU's monitor (QMPSocket) once it is loaded:
-// the stream records the stopped VM of the checkpoint.
-func IncomingExec(o Options) []string {
+// LaunchCommand is the QEMU container's command: vmsnap launch, which
+// starts QEMU (the command's last word; its options go in the container's
+// args) so that the snapshot is loaded once per pod. With a state Image,
+// QEMU loads the state the init container staged through vmsnap stream;
+// without one, QEMU waits with -incoming defer for the agent to load it.
+// On a restart of the container, it boots cold from the disk or fails, as
+// OnRestart says. The QEMU image needs vmsnap and /bin/sh.
+func LaunchCommand(o Options, r Restore) []string {
 	o = o.withDefaults()
-	return []string{"-incoming", "exec:vmsnap stream --dir " + o.RestoreStateDir + " --qmp " + o.QMPSocket}
+	cmd := []string{"vmsnap", "launch"}
+	if r.Image != "" {
+		cmd = append(cmd, "--state-dir", o.RestoreStateDir, "--qmp", o.QMPSocket)
+	} else {
+		cmd = append(cmd, "--defer")
+	}
+	return append(cmd, "--marker-dir", o.RestoreMarkerDir, "--on-restart", o.OnRestart, "--", "qemu-system-x86_64")
 }
 
-// IncomingDefer are the QEMU arguments for a restore driven by the agent:
-// QEMU waits, the agent checks it matches the recorded VM, then streams the
-// state in over QMP. The init container then only needs to put the disk in
-// place (the state volume goes unused).
-func IncomingDefer() []string { return []string{"-incoming", "defer"} }
-
-// StateMount mounts the staged state, read-only, in the QEMU container that
-// loads it with IncomingExec.
-func StateMount(o Options) corev1.VolumeMount {
+// QEMUMounts are the volume mounts of the QEMU container: the disk, the
+// state (read-only; with a state Image), the QMP socket's directory and the
+// markers. With the read-only root file system, these are all it may write.
+func QEMUMounts(o Options, r Restore) []corev1.VolumeMount {
 	o = o.withDefaults()
-	return corev1.VolumeMount{Name: o.RestoreStateVolume, MountPath: o.RestoreStateDir, ReadOnly: true}
+	m := []corev1.VolumeMount{diskMount(o)}
+	if r.Image != "" {
+		m = append(m, corev1.VolumeMount{Name: o.RestoreStateVolume, MountPath: o.RestoreStateDir, ReadOnly: true})
+	}
+	return append(m,
+		corev1.VolumeMount{Name: o.RestoreRunVolume, MountPath: path.Dir(o.QMPSocket)},
+		markerMount(o))
 }
 
-// DiskMount mounts the disk volume, where the overlay is, at the directory of
-// RestoreDiskPath.
-func DiskMount(o Options) corev1.VolumeMount {
-	o = o.withDefaults()
+func diskMount(o Options) corev1.VolumeMount {
 	return corev1.VolumeMount{Name: o.RestoreDiskVolume, MountPath: path.Dir(o.RestoreDiskPath)}
+}
+
+func markerMount(o Options) corev1.VolumeMount {
+	return corev1.VolumeMount{Name: o.RestoreMarkerVolume, MountPath: o.RestoreMarkerDir}
+}
+
+func emptyDir(name string, limit *resource.Quantity) corev1.Volume {
+	return corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{SizeLimit: limit}}}
 }
 
 // RestoreInitContainer is the restore init container with placeholders for
@@ -82,32 +103,38 @@ func RestoreInitContainer(o Options) (corev1.Container, []corev1.Volume) {
 // the restored pod before QEMU starts, and the volumes it mounts: the
 // staged state (an emptyDir with a size limit; with r.Image), the disk
 // volume (with r.DiskImage; an emptyDir here, but a pod's own volume of that
-// name takes its place, see AddRestore) and the registry credentials (the
-// PullSecret, which must exist in the pod's namespace).
+// name takes its place, see AddRestore), the markers (a disk-backed
+// emptyDir), the registry credentials (the PullSecret, which must exist in
+// the pod's namespace) and, with RegistryCAConfigMap, the registry's CA.
 //
-// It runs as RestoreUser, non-root, with nothing writable but those two
-// volumes, no capabilities and the runtime's seccomp profile.
+// It runs as RestoreUser, non-root, with nothing writable but its
+// emptyDirs and the disk volume, no capabilities and the runtime's seccomp
+// profile: admissible in a namespace that enforces the restricted Pod
+// Security Standard.
 func RestoreInit(o Options, r Restore) (corev1.Container, []corev1.Volume) {
 	o = o.withDefaults()
 	var mounts []corev1.VolumeMount
 	var vols []corev1.Volume
 	if r.Image != "" {
 		mounts = append(mounts, corev1.VolumeMount{Name: o.RestoreStateVolume, MountPath: o.RestoreStateDir})
-		vols = append(vols, corev1.Volume{Name: o.RestoreStateVolume, VolumeSource: corev1.VolumeSource{
-			EmptyDir: &corev1.EmptyDirVolumeSource{SizeLimit: ptr(o.RestoreStateSizeLimit)},
-		}})
+		vols = append(vols, emptyDir(o.RestoreStateVolume, ptr(o.RestoreStateSizeLimit)))
 	}
 	if r.DiskImage != "" {
-		mounts = append(mounts, DiskMount(o))
-		vols = append(vols, corev1.Volume{Name: o.RestoreDiskVolume, VolumeSource: corev1.VolumeSource{
-			EmptyDir: &corev1.EmptyDirVolumeSource{},
-		}})
+		mounts = append(mounts, diskMount(o))
+		vols = append(vols, emptyDir(o.RestoreDiskVolume, nil))
 	}
-	mounts = append(mounts, registryMount())
+	// Markers are a few hundred bytes; disk-backed (not medium: Memory), so
+	// that a node reboot, which recreates the sandbox, keeps them.
+	mounts = append(mounts, markerMount(o), registryMount())
+	vols = append(vols, emptyDir(o.RestoreMarkerVolume, ptr(resource.MustParse("1Mi"))))
 	// 0444: a secret volume's files belong to root (and to the pod's
 	// fsGroup, which is not ours to set), and the init container is not
 	// root. Only containers that mount this volume see it.
 	vols = append(vols, registryVolume(o, 0o444))
+	if o.RegistryCAConfigMap != "" {
+		mounts = append(mounts, registryCAMount())
+		vols = append(vols, registryCAVolume(o))
+	}
 	c := corev1.Container{
 		Name:                     RestoreContainerName,
 		Image:                    o.Image,
@@ -121,6 +148,35 @@ func RestoreInit(o Options, r Restore) (corev1.Container, []corev1.Volume) {
 	}
 	return c, vols
 }
+
+// BackingInit is an init container that copies the overlay's backing file,
+// named backing (relative, as the checkpoint result's disk.backingFile
+// says), from BaseDir in the QEMU image to the disk volume beside the
+// overlay, where QEMU looks for it. It copies to a temporary name and
+// renames, and leaves a backing file already there (a pod's own disk
+// volume, or an earlier run) alone. It runs before the restore init
+// container, which checks that the backing file is there.
+func BackingInit(o Options, qemuImage, backing string) corev1.Container {
+	o = o.withDefaults()
+	dst := path.Join(path.Dir(o.RestoreDiskPath), backing)
+	return corev1.Container{
+		Name:  BackingContainerName,
+		Image: qemuImage,
+		// Positional parameters rather than shell variables: envsubst
+		// leaves $1 and $2 alone.
+		Command: []string{"/bin/sh", "-c", `set -e; [ -e "$2" ] || { cp -- "$1" "$2.vmsnap-tmp"; mv -- "$2.vmsnap-tmp" "$2"; }`,
+			"copy-backing-file", path.Join(o.BaseDir, backing), dst},
+		// As small as the Job's: cp needs little, and the copy lands on
+		// the disk volume, counted against the pod, not this container.
+		Resources:                DefaultJobResources(),
+		VolumeMounts:             []corev1.VolumeMount{diskMount(o)},
+		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+		SecurityContext:          securityContext(o.RestoreUser, o.RestoreGroup),
+	}
+}
+
+// BackingContainerName is the name of BackingInit's container.
+const BackingContainerName = "vm-backing-file"
 
 // AddRestore adds the restore init container to a pod spec, after any
 // init containers it has (they may prepare the disk volume, such as the
@@ -144,44 +200,66 @@ func AddRestore(spec *corev1.PodSpec, c corev1.Container, vols []corev1.Volume) 
 	for _, v := range vols {
 		if !have[v.Name] {
 			spec.Volumes = append(spec.Volumes, v)
+			have[v.Name] = true
 		}
 	}
 	spec.InitContainers = append(spec.InitContainers, c)
 	return nil
 }
 
-// RestoreExample is a PodTemplate showing a restored pod: the init
-// container, then QEMU started with IncomingExec. It is documentation (a
-// PodTemplate runs nothing), with placeholders for the QEMU image.
-func RestoreExample(o Options) *corev1.PodTemplate {
+// RestoreTemplate is TemplateRestore, or with RestoreViaAgent its disk
+// alone: the agent loads the state.
+func RestoreTemplate(o Options) Restore {
+	if o.RestoreViaAgent {
+		return Restore{DiskImage: TemplateRestore.DiskImage}
+	}
+	return TemplateRestore
+}
+
+// QEMUArgsPlaceholder stands for the source VM's exact QEMU options in
+// RestorePod. Render writes it as the whole value of the QEMU container's
+// args (args: ${QEMU_ARGS}), to be filled with a JSON array of strings.
+const QEMUArgsPlaceholder = "${QEMU_ARGS}"
+
+// RestorePod is a restored pod with placeholders (TemplateRestore,
+// ${QEMU_IMAGE}, ${BACKING_FILE}, QEMUArgsPlaceholder, ${POD_NAME},
+// ${NAMESPACE}): the backing file's init container, the restore init
+// container, then QEMU started by vmsnap launch, every container as
+// RestoreUser with a read-only root file system and a volume for each path
+// it writes.
+func RestorePod(o Options) *corev1.Pod {
 	o = o.withDefaults()
-	ic, vols := RestoreInitContainer(o)
+	r := RestoreTemplate(o)
+	ic, vols := RestoreInit(o, r)
 	spec := corev1.PodSpec{
 		AutomountServiceAccountToken: ptr(false),
+		EnableServiceLinks:           ptr(false),
 		SecurityContext:              podSecurityContext(),
+		InitContainers:               []corev1.Container{BackingInit(o, "${QEMU_IMAGE}", "${BACKING_FILE}")},
 		Containers: []corev1.Container{{
-			Name:         "qemu",
-			Image:        "${QEMU_IMAGE}",
-			Command:      []string{"qemu-system-x86_64"},
-			Args:         IncomingExec(o),
-			VolumeMounts: []corev1.VolumeMount{DiskMount(o), StateMount(o)},
-			// The same user as the init container, so that QEMU can open
-			// the overlay and the state it wrote.
+			Name:            "qemu",
+			Image:           "${QEMU_IMAGE}",
+			ImagePullPolicy: o.ImagePullPolicy,
+			Command:         LaunchCommand(o, r),
+			Args:            []string{QEMUArgsPlaceholder},
+			VolumeMounts:    QEMUMounts(o, r),
+			// vmsnap launch's message (--on-restart fail) in the pod's status.
+			TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+			// The same user as the init containers, so that QEMU can open
+			// the overlay and the state they wrote.
 			SecurityContext: securityContext(o.RestoreUser, o.RestoreGroup),
 		}},
+		Volumes: []corev1.Volume{emptyDir(o.RestoreRunVolume, ptr(resource.MustParse("1Mi")))},
 	}
 	if err := AddRestore(&spec, ic, vols); err != nil {
 		panic(err) // cannot happen: the spec is ours
 	}
-	return &corev1.PodTemplate{
-		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "PodTemplate"},
+	return &corev1.Pod{
+		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Pod"},
 		ObjectMeta: metav1.ObjectMeta{
-			Name: o.Name + "-restore-example", Namespace: o.Namespace,
+			Name: "${POD_NAME}", Namespace: "${NAMESPACE}",
 			Labels: labels(o, ComponentRestore),
 		},
-		Template: corev1.PodTemplateSpec{
-			ObjectMeta: metav1.ObjectMeta{Labels: labels(o, ComponentRestore)},
-			Spec:       spec,
-		},
+		Spec: spec,
 	}
 }

@@ -29,7 +29,7 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 API on a unix socket (mode 0660; give access to a group with --socket-group)
 through which Jobs and controllers checkpoint and restore VMs on this node:
 
-  POST   /v1/checkpoints        {"vm":{"podUID","container","qmp","disk"},"image","diskImage","mode"}
+  POST   /v1/checkpoints        {"vm":{"podUID","container","qmp","disk"},"image","diskImage","mode","keep"}
   POST   /v1/restores           {"vm":{"podUID","container","qmp"},"image":"REF@sha256:...","paused"}
   GET    /v1/operations[/ID]    DELETE /v1/operations/ID cancels
   GET    /v1/events[?operation=ID]   server-sent events of operation changes
@@ -43,6 +43,15 @@ journaled in --state-dir: after a crash the agent continues any VM an
 unfinished checkpoint had stopped. When a VM's container is deleted or
 replaced, its operations are cancelled and forgotten.
 
+Bounds on what a caller or a VM's QEMU can make the agent spend: a request's
+"workers" may not exceed --max-workers and its "chunkSize" 16 MiB (larger
+is refused with INVALID_INPUT); every operation ends after --operation-timeout
+(counted from its acceptance, waiting for a slot included), failing and
+putting its VM back as on any failure; a QMP message over 16 MiB ends the
+connection with QMP_ERROR; a migration stream or mapped-ram staging file
+larger than the VM's memory allows is aborted with QMP_ERROR, the VM
+continued and the staging file freed.
+
 Registry credentials come from $DOCKER_CONFIG or --registry-config (a mounted
 dockerconfigjson secret), never from flags.`,
 		Args: cobra.NoArgs,
@@ -54,9 +63,16 @@ dockerconfigjson secret), never from flags.`,
 	c.Flags().StringVar(&cfg.SocketGroup, "socket-group", "", "group (name or GID) that may use the socket (default: the agent's own group)")
 	c.Flags().StringVar(&cfg.StateDir, "state-dir", "/var/lib/vmsnap", "journal of unfinished operations; must survive restarts of the agent")
 	c.Flags().IntVar(&cfg.MaxConcurrent, "max-concurrent", 2, "operations running at once on this node; more wait as pending")
+	// Bounds on one operation (see the Long help).
+	c.Flags().IntVar(&cfg.MaxWorkers, "max-workers", agent.DefaultMaxWorkers(),
+		fmt.Sprintf("most workers a request may ask for: twice the CPUs by default, at most %d (each holds up to about 50 MiB)", agent.HardMaxWorkers))
+	c.Flags().DurationVar(&cfg.OperationTimeout, "operation-timeout", agent.DefaultOperationTimeout,
+		"longest an operation may take, from its acceptance; then it fails with the code of what it waited for and its VM is put back")
+
 	c.Flags().StringVar(&ctrdAddress, "containerd-address", "/run/containerd/containerd.sock", "the node's containerd socket")
 	c.Flags().StringVar(&ctrdNS, "containerd-namespace", "k8s.io", "containerd namespace of the kubelet's containers")
 	c.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error (JSON logs on stderr)")
+	c.Flags().IntVar(&cfg.Keep, "keep", 0, "after each successful checkpoint whose request has no \"keep\", keep the `N` newest checkpoints of its state repository and delete the older ones (as vmsnap prune; 0: never prune)")
 	reg.add(c)
 	c.AddCommand(newAgentHealthCmd())
 	return c

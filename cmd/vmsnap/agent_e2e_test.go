@@ -5,6 +5,7 @@ package main
 // the agent as its own process (so it can be killed); the Job client.
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"os"
@@ -64,14 +65,16 @@ type agentProc struct {
 	done     chan struct{}
 }
 
-func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket string) *agentProc {
+// startAgentProc starts `vmsnap agent` on socket, with extra flags after
+// the test's own.
+func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket string, extra ...string) *agentProc {
 	t.Helper()
 	log, err := os.CreateTemp(t.TempDir(), "agent-*.log")
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(binary(t), "agent", "--socket", socket, "--state-dir", stateDir,
-		"--containerd-address", ctrd.Address, "--containerd-namespace", testcontainerd.Namespace, "--log-level", "debug")
+	cmd := exec.Command(binary(t), append([]string{"agent", "--socket", socket, "--state-dir", stateDir,
+		"--containerd-address", ctrd.Address, "--containerd-namespace", testcontainerd.Namespace, "--log-level", "debug"}, extra...)...)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -532,4 +535,49 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 		t.Fatalf("restore: %+v", rs)
 	}
 	assertResumed(t, dst.vm, before, resume, resume)
+}
+
+// TestAgentE2EQMPSocketBeyondAddressLimit: the pod's volume is at a host
+// path longer than a unix socket address holds (a node with a long kubelet
+// root, or a long volume name): the agent checkpoints the real guest
+// through its socket's descriptor, and the image names no host path.
+func TestAgentE2EQMPSocketBeyondAddressLimit(t *testing.T) {
+	ctrd := testcontainerd.Start(t)
+	testguest.Assets(t)
+	dir := testguest.FreeShortDir(t)
+	volume := filepath.Join(dir, "var", "lib", "kubelet", "pods", testcontainerd.NewPodUID(), "volumes", "kubernetes.io~empty-dir", "qmp-sock")
+	if err := os.MkdirAll(volume, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// QEMU runs on the host here, and cannot bind so long a path itself: it
+	// binds a short one, and the listening socket moves into the volume.
+	monitor := filepath.Join(dir, "test-mon.sock")
+	vm := testguest.Start(t, testguest.Options{Dir: dir, ExtraArgs: []string{"-qmp", "unix:" + monitor + ",server=on,wait=off"}})
+	uid := testcontainerd.NewPodUID()
+	c := ctrd.Create(t, testcontainerd.PodContainer{PodUID: uid, Name: "qemu", HostDir: volume})
+	sockPath := filepath.Join(volume, "qmp.sock")
+	if err := os.Rename(vm.QMPPath(), sockPath); err != nil {
+		t.Fatal(err)
+	}
+	if len(sockPath) <= 107 {
+		t.Fatalf("the socket's host path is %d bytes: not beyond the limit", len(sockPath))
+	}
+	src := &podVM{vm: vm, uid: uid, container: c, dir: volume, monitor: monitor}
+	if _, err := vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter >= 1 }); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
+	startAgentProc(t, ctrd, t.TempDir(), sock)
+	store := filepath.Join(t.TempDir(), "store")
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--agent", "unix://"+sock, "--pod-uid", uid, "--container", "qemu",
+		"--qmp", testcontainerd.DefaultMountPath+"/qmp.sock", "--image", "oci:"+store+":vm", "--mode", "pause")
+	if cp.VMRunning || src.status(t) == "running" || cp.VMState.RawBytes == 0 {
+		t.Fatalf("checkpoint through a %d-byte socket path: %+v (VM %s)", len(sockPath), cp, src.status(t))
+	}
+	blobs, _ := filepath.Glob(filepath.Join(store, "blobs", "sha256", "*"))
+	for _, b := range append(blobs, filepath.Join(store, "index.json")) {
+		if data, err := os.ReadFile(b); err != nil || bytes.Contains(data, []byte(dir)) {
+			t.Fatalf("%s holds the host path %s (%v)", b, dir, err)
+		}
+	}
 }

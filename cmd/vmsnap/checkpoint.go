@@ -57,6 +57,7 @@ type checkpointFlags struct {
 	qmp, image, disk, diskImage, mode string
 	rootfsImage                       string
 	format, stagingDir                string
+	keep                              int
 	timeout                           time.Duration
 	stream                            streamFlags
 	registry                          registryFlags
@@ -107,7 +108,12 @@ checkpoint; the agent pushes with its own registry credentials.
 With --rootfs-image, the agent also captures the QEMU container's writable
 layer. A --disk in that layer (not on a volume) then rides in the rootfs
 image, at its path, and needs no --disk-image (given anyway, it is stored
-there too); the result's disk.inRootfs says so.`,
+there too); the result's disk.inRootfs says so.
+
+With --keep N, once the checkpoint is committed, the state image's repository
+keeps its N newest checkpoints and the older ones are deleted, as vmsnap
+prune --keep N does; the result's "pruned" says what went. A failed prune
+does not fail the checkpoint: "pruned.error" says why.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			return coded(runCheckpoint(c.Context(), out, f))
@@ -121,6 +127,7 @@ there too); the result's disk.inRootfs says so.`,
 	c.Flags().StringVar(&f.mode, "mode", string(vmstate.ModeSnapshot), "pause, snapshot or live (see above)")
 	c.Flags().StringVar(&f.format, "format", string(vmstate.FormatAuto), "auto, stream or mapped-ram (see above)")
 	c.Flags().StringVar(&f.stagingDir, "staging-dir", "", "where a mapped-ram checkpoint has QEMU write the state before it is stored (default $TMPDIR; sparse, about the guest's used memory)")
+	c.Flags().IntVar(&f.keep, "keep", 0, "after the checkpoint, keep the `N` newest checkpoints of the --image repository and delete the older ones (see vmsnap prune; 0: prune nothing, through --agent: the agent's --keep)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
 	f.stream.add(c)
 	f.registry.add(c)
@@ -132,6 +139,9 @@ there too); the result's disk.inRootfs says so.`,
 func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) error {
 	if f.qmp == "" || f.image == "" {
 		return errcode.New(errcode.Usage, "checkpoint needs --qmp SOCK and --image REF")
+	}
+	if f.keep < 0 {
+		return errcode.New(errcode.Usage, "--keep %d: give the number of checkpoints to keep, or 0 to prune nothing", f.keep)
 	}
 	if err := f.agent.check(); err != nil {
 		return err
@@ -154,7 +164,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		o, err := viaAgent(ctx, out, f.agent.address, func(c *agent.Client) (api.Operation, error) {
 			return c.Checkpoint(ctx, api.CheckpointRequest{
 				VM: f.agent.vm(f.qmp, f.disk), Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: string(mode),
-				ChunkSize: f.stream.chunkSize, Workers: f.stream.workers,
+				ChunkSize: f.stream.chunkSize, Workers: f.stream.workers, Keep: f.keep,
 			})
 		})
 		if err != nil {
@@ -169,7 +179,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		res, err = agent.Checkpoint(ctx, agent.CheckpointSpec{
 			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, Mode: mode,
 			Stream: f.stream.options(), Store: f.registry.options(), Progress: p.update,
-			Format: format, StagingDir: f.stagingDir,
+			Format: format, StagingDir: f.stagingDir, Keep: f.keep,
 		})
 		p.finish()
 		if err != nil {
@@ -208,6 +218,9 @@ func printCheckpoint(w io.Writer, r *api.CheckpointResult) {
 		state = "stopped"
 	}
 	fmt.Fprintf(w, "the VM is %s (mode %s)\n", state, r.Mode)
+	if r.Pruned != nil {
+		printPrune(w, r.Pruned)
+	}
 }
 
 // viaAgent starts an operation on the node agent and follows it to its

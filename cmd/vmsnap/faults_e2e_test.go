@@ -149,9 +149,13 @@ type faultProxy struct {
 	// stallReadsAfter, when above 0: the blob GETs after that many
 	// forwarded ones are accepted and never answered.
 	stallReadsAfter atomic.Int32
-	stalls          atomic.Int32
-	stalled         chan struct{} // closed at the first stall
-	stallOnce       sync.Once
+	// stallDeletesAfter, when above 0: the manifest DELETEs after that
+	// many forwarded ones are accepted and never answered.
+	stallDeletesAfter atomic.Int32
+	deletes           atomic.Int32 // manifest DELETEs forwarded
+	stalls            atomic.Int32
+	stalled           chan struct{} // closed at the first stall
+	stallOnce         sync.Once
 
 	uploadStarts atomic.Int32 // POST .../blobs/uploads/ (each try of an upload starts one)
 	patches      atomic.Int32 // upload data requests forwarded
@@ -236,6 +240,11 @@ func startFaultProxy(t *testing.T, reg *testregistry.Registry) *faultProxy {
 				stall(w, r)
 			}
 			p.blobReads.Add(1)
+		case r.Method == http.MethodDelete:
+			if n := p.stallDeletesAfter.Load(); n > 0 && p.deletes.Load() >= n {
+				stall(w, r)
+			}
+			p.deletes.Add(1)
 		}
 		rp.ServeHTTP(w, r)
 	}))

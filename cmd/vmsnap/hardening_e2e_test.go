@@ -161,6 +161,13 @@ func TestHardeningRestoreInitContainer(t *testing.T) {
 		t.Fatalf("the read-only snapshot layout changed during the restore")
 	}
 
+	// 3b. The init container runs again in the same pod (its sandbox was
+	// recreated): the marker of the first run keeps the overlay, which the
+	// guest may have written to since, and the staged state as they are.
+	start = time.Now()
+	hardRerunKeepsOverlay(t, ctrd, restoreImage, spec, pv, cp.VMState.Digest)
+	timings.add("init container re-run: finds its marker, replaces nothing", start)
+
 	// 4. QEMU on the host loads the staged state through `vmsnap stream`
 	// and runs the restored overlay: the guest carries on.
 	start = time.Now()
@@ -267,6 +274,45 @@ func TestHardeningRestoreInitContainer(t *testing.T) {
 		}
 		t.Logf("vmsnap stream --dir of the refused staging: %v: %s", err, strings.TrimSpace(stderr.String()))
 	})
+}
+
+// hardRerunKeepsOverlay runs the init container a second time on the same
+// pod volumes and checks that nothing was replaced and that its log says
+// so.
+func hardRerunKeepsOverlay(t *testing.T, ctrd *testcontainerd.Daemon, img client.Image, spec hardSpec, pv *hardPodVolumes, stateDigest string) {
+	t.Helper()
+	overlay := filepath.Join(pv.disk, "overlay.qcow2")
+	marker := filepath.Join(pv.markers, "restored-sha256-"+strings.TrimPrefix(stateDigest, "sha256:"))
+	if _, err := os.Stat(marker); err != nil {
+		t.Fatalf("the first run left no marker: %v", err)
+	}
+	// A replacement would be a new file renamed into place: a new inode.
+	before, sum := hardStat(t, overlay), hardFileSum(t, overlay)
+	stateBefore := hardTreeSums(t, pv.state)
+	res := hardRun(t, ctrd, img, spec, nil, nil)
+	if res.code != 0 {
+		t.Fatalf("the re-run failed (exit %d):\n%s", res.code, res.out)
+	}
+	if !strings.Contains(res.out, "already done in this pod (marker "+manifests.DefaultRestoreMarkerDir+"/") {
+		t.Fatalf("the re-run's log does not say the restore was done already:\n%s", res.out)
+	}
+	after := hardStat(t, overlay)
+	if after.Ino != before.Ino || after.Mtim != before.Mtim || hardFileSum(t, overlay) != sum {
+		t.Fatalf("the re-run replaced the overlay: inode %d -> %d, mtime %v -> %v", before.Ino, after.Ino, before.Mtim, after.Mtim)
+	}
+	if !reflect.DeepEqual(hardTreeSums(t, pv.state), stateBefore) {
+		t.Fatal("the re-run changed the staged state")
+	}
+	t.Logf("re-run kept the overlay (inode %d, mtime and content unchanged): %s", after.Ino, strings.TrimSpace(res.out))
+}
+
+func hardStat(t *testing.T, p string) syscall.Stat_t {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Stat(p, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st
 }
 
 // hardWaitLoaded waits for a QEMU started with -incoming exec: to finish
@@ -649,8 +695,8 @@ func hardNoRootfsWrites(t *testing.T, r hardResult) {
 // The pod's volumes on the host.
 
 type hardPodVolumes struct {
-	root, state, disk, registry, termLog string
-	byName                               map[string]string
+	root, state, disk, markers, registry, termLog string
+	byName                                        map[string]string
 }
 
 // hardNewPodVolumes makes host directories for the init container's
@@ -662,15 +708,15 @@ func hardNewPodVolumes(t *testing.T, o manifests.Options, srcDir string, uid, gi
 	t.Helper()
 	root := testguest.FreeShortDir(t)
 	v := &hardPodVolumes{
-		root: root, state: filepath.Join(root, "state"), disk: filepath.Join(root, "disk"),
+		root: root, state: filepath.Join(root, "state"), disk: filepath.Join(root, "disk"), markers: filepath.Join(root, "markers"),
 		registry: filepath.Join(root, "registry"), termLog: filepath.Join(root, "termination-log"),
 	}
-	for _, d := range []string{v.state, v.disk, v.registry} {
+	for _, d := range []string{v.state, v.disk, v.markers, v.registry} {
 		if err := os.Mkdir(d, 0o755); err != nil {
 			t.Fatal(err)
 		}
 	}
-	for _, d := range []string{v.state, v.disk} {
+	for _, d := range []string{v.state, v.disk, v.markers} {
 		if err := os.Chown(d, int(uid), int(gid)); err != nil {
 			t.Fatal(err)
 		}
@@ -686,9 +732,10 @@ func hardNewPodVolumes(t *testing.T, o manifests.Options, srcDir string, uid, gi
 		t.Fatal(err)
 	}
 	v.byName = map[string]string{
-		hardDefaults(o).RestoreStateVolume: v.state,
-		hardDefaults(o).RestoreDiskVolume:  v.disk,
-		manifests.VolumeRegistry:           v.registry,
+		hardDefaults(o).RestoreStateVolume:   v.state,
+		hardDefaults(o).RestoreDiskVolume:    v.disk,
+		manifests.DefaultRestoreMarkerVolume: v.markers,
+		manifests.VolumeRegistry:             v.registry,
 	}
 	return v
 }

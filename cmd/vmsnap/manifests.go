@@ -17,10 +17,22 @@ func newManifestsCmd(out *globalOutput) *cobra.Command {
 
   agent    Namespace, ServiceAccount and the node agent's DaemonSet (apply it)
   job      the checkpoint Job template a controller fills in (${PLACEHOLDERS})
-  restore  the restore init container, shown in a PodTemplate with the QEMU
-           container that loads the staged state
+  restore  a restored pod (a template): the restore init container and QEMU
+           started by vmsnap launch, which loads the snapshot once per pod
 
-Every host path and privilege carries a comment saying why it is needed.
+Every host path and privilege carries a comment saying why it is needed, and
+each template lists its ${PLACEHOLDERS} and their meaning at its top.
+
+Node paths differ between distributions; the defaults are kubeadm's:
+  k3s:      --containerd-socket /run/k3s/containerd/containerd.sock \
+            --containerd-root /var/lib/rancher/k3s/agent/containerd
+  microk8s: --containerd-socket /var/snap/microk8s/common/run/containerd.sock \
+            --containerd-root /var/snap/microk8s/common/var/lib/containerd \
+            --kubelet-pods-dir /var/snap/microk8s/common/var/lib/kubelet/pods
+  a kubelet with --root-dir DIR: --kubelet-pods-dir DIR/pods
+
+A registry with a private CA: kubectl create configmap NAME --from-file=ca.pem
+in the agent's namespace and in each restored pod's, then --registry-ca-configmap NAME.
 Workloads run with read-only root filesystems, no privilege escalation,
 seccomp RuntimeDefault and dropped capabilities; the Job and the init
 container run as non-root. Registry credentials come from a mounted
@@ -56,5 +68,17 @@ kubernetes.io/dockerconfigjson secret (--pull-secret).`,
 	c.Flags().StringVar(&o.PullSecret, "pull-secret", "", "dockerconfigjson Secret with the registry credentials (default vmsnap-registry)")
 	c.Flags().Int64Var(&o.RestoreUser, "restore-user", 0, "UID of the restore init container: make it QEMU's (default 65532)")
 	c.Flags().Int64Var(&o.RestoreGroup, "restore-group", 0, "GID of the restore init container (default 65532)")
+	c.Flags().StringVar(&o.ContainerdSocket, "containerd-socket", "", "the node's containerd socket (default "+manifests.DefaultContainerdSocket+")")
+	c.Flags().StringVar(&o.ContainerdRoot, "containerd-root", "", "containerd's root directory on the node (default "+manifests.DefaultContainerdRoot+")")
+	c.Flags().StringVar(&o.KubeletPodsDir, "kubelet-pods-dir", "", "the kubelet's pods directory, ROOT_DIR/pods (default "+manifests.DefaultKubeletPodsDir+")")
+	c.Flags().StringVar(&o.RegistryCAConfigMap, "registry-ca-configmap", "", "ConfigMap whose ca.pem is the registry's CA, for the agent and the restore (--ca-file)")
+	c.Flags().StringArrayVar(&o.AllowRepositories, "allow-repository", nil, "agent: a registry target HOST[:PORT]/PREFIX it may use (repeatable; with none, every registry target is refused)")
+	c.Flags().StringArrayVar(&o.AdminNamespaces, "admin-namespace", nil, "agent: a namespace whose callers may act on any VM, besides --namespace (repeatable)")
+	c.Flags().StringVar(&o.LayoutRoot, "layout-root", "", "agent: host directory under which oci: layouts are allowed over the API (default: none)")
+	c.Flags().DurationVar(&o.OperationTimeout, "operation-timeout", 0, "agent: bound on each operation (default: the agent's)")
+	c.Flags().IntVar(&o.MaxWorkers, "max-workers", 0, "agent: cap on a request's workers (default: the agent's)")
+	c.Flags().StringVar(&o.OnRestart, "on-restart", "", "restore: when the restored QEMU container restarts, cold (boot from its disk; default) or fail")
+	c.Flags().BoolVar(&o.RestoreViaAgent, "restore-via-agent", false, "restore: the init container restores the disk alone and QEMU waits (-incoming defer) for the agent to load the state")
+	c.Flags().StringVar(&o.BaseDir, "base-dir", "", "restore: the QEMU image's directory holding the overlay's backing file (default "+manifests.DefaultBaseDir+")")
 	return c
 }

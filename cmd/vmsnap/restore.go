@@ -15,7 +15,7 @@ import (
 
 type restoreFlags struct {
 	qmp, image, disk, diskImage, toDir string
-	stagingDir                         string
+	stagingDir, markerDir              string
 	paused, allowTag                   bool
 	maxBytes                           int64
 	timeout                            time.Duration
@@ -52,7 +52,14 @@ state in the pod's volume, verified, within --max-bytes:
        vmsnap restore --image REF@sha256:... --to-dir /vm/state \
            [--disk-image REF@sha256:... --disk /vm/disk/overlay.qcow2]
 and the QEMU container then starts with
-       -incoming "exec:vmsnap stream --dir /vm/state"
+       vmsnap launch --state-dir /vm/state --qmp /vm/run/qmp.sock \
+           --marker-dir /vm/markers -- qemu-system-x86_64 ...
+which adds -incoming "exec:vmsnap stream --dir /vm/state --qmp /vm/run/qmp.sock"
+on its first start only (see vmsnap launch --help).
+With --marker-dir (a writable emptyDir of the pod), a re-run of the init
+container (the pod's sandbox was recreated, after a node reboot for example)
+finds the marker of its earlier successful run and leaves the overlay and the
+staged state as they are: the guest has written to that overlay since.
 Alternatively QEMU starts with -incoming defer and the node agent loads the
 state (which checks compatibility first):
        vmsnap restore --agent unix:///run/vmsnap/agent.sock --pod-uid UID \
@@ -76,6 +83,7 @@ checkpoint (--registry-config, --ca-file, --insecure-registry).`,
 	c.Flags().Int64Var(&f.maxBytes, "max-bytes", 0, "with --to-dir: refuse an image larger than this many bytes (0: no limit)")
 	c.Flags().BoolVar(&f.paused, "paused", false, "leave the VM stopped once loaded (start QEMU with -S so it never runs)")
 	c.Flags().StringVar(&f.stagingDir, "staging-dir", "", "with --qmp: where a mapped-ram snapshot is staged, verified, for QEMU to load (default $TMPDIR)")
+	c.Flags().StringVar(&f.markerDir, "marker-dir", "", "restore once per pod: skip (and say so) when this directory holds the marker of an earlier successful run of the same restore; write it on success")
 	c.Flags().BoolVar(&f.allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up after this long")
 	f.stream.add(c)
@@ -107,6 +115,10 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		return errcode.New(errcode.Usage, "nothing to restore: give --disk-image and --disk, or --qmp and --image, or --image and --to-dir (see vmsnap restore --help)")
 	case f.agent.address != "" && (f.qmp == "" || diskForm || f.toDir != ""):
 		return errcode.New(errcode.Usage, "through --agent, restore loads VM state into a waiting QEMU: give --qmp (the path in the container) and --image only")
+	case f.markerDir != "" && (f.qmp != "" || f.agent.address != ""):
+		return errcode.New(errcode.Usage, "--marker-dir goes with a restore before QEMU starts (--disk-image, --to-dir); vmsnap launch marks the load")
+	case f.markerDir != "" && f.allowTag:
+		return errcode.New(errcode.Usage, "--marker-dir keys its marker by the images' digests: give REF@sha256:... references, without --allow-tag")
 	case f.stagingDir != "" && (f.qmp == "" || f.agent.address != ""):
 		return errcode.New(errcode.Usage, "--staging-dir is where a local restore into a waiting QEMU (--qmp) stages a mapped-ram snapshot")
 	}
@@ -126,6 +138,10 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		return nil
 	}
 
+	mark, done, err := restoredBefore(out, f)
+	if err != nil || done {
+		return err
+	}
 	res := &api.RestoreResult{}
 	p := newPhasedProgress(out.stderr)
 	defer p.finish()
@@ -159,6 +175,11 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		res.VMState = r.VMState
 	}
 	p.finish()
+	if mark != nil {
+		if err := mark.write(res); err != nil {
+			return err
+		}
+	}
 	report(out, res, func(w io.Writer) { printRestore(w, res) })
 	return nil
 }
@@ -168,7 +189,10 @@ func printRestore(w io.Writer, r *api.RestoreResult) {
 		fmt.Fprintf(w, "disk overlay restored to %s (%s, verified) in %.2fs\n", d.Path, humanBytes(d.Bytes), d.DurationsMs["total"]/1000)
 	}
 	if s := r.Staged; s != nil {
-		fmt.Fprintf(w, "VM state staged in %s (%s, verified): start QEMU with -incoming \"exec:vmsnap stream --dir %s\"\n", s.Dir, humanBytes(s.Bytes), s.Dir)
+		fmt.Fprintf(w, "VM state staged in %s (%s, verified): start QEMU with vmsnap launch --state-dir %s --qmp SOCK --marker-dir DIR -- QEMU ARGS...\n", s.Dir, humanBytes(s.Bytes), s.Dir)
+	}
+	if r.AlreadyRestored != "" {
+		fmt.Fprintf(w, "already restored in this pod (marker %s): nothing replaced\n", r.AlreadyRestored)
 	}
 	if s := r.VMState; s != nil {
 		state := "running"

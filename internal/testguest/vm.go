@@ -29,6 +29,10 @@ type Options struct {
 	KernelArgs []string // appended to the kernel command line (e.g. "vmsnap.marker=new")
 	Dir        string   // where the QMP socket, serial log and stderr go (default FreeShortDir)
 	QEMURoot   string   // an unpacked QEMU tree to run (QEMU10's) instead of the system's QEMU
+	// Launcher runs QEMU through a command that execs it (vmsnap launch
+	// ... --): Launcher, then QEMU's path and arguments. The launcher must
+	// exec QEMU, so that the process Start watches is QEMU's.
+	Launcher []string
 }
 
 // Defaults of Options.
@@ -164,6 +168,10 @@ func Start(t testing.TB, opts Options) *VM {
 		t.Fatal(err)
 	}
 	cmd := exec.Command(qemu, args...)
+	if len(opts.Launcher) > 0 {
+		cmd = exec.Command(opts.Launcher[0], append(append(opts.Launcher[1:len(opts.Launcher):len(opts.Launcher)], qemu), args...)...)
+		vm.args = append(append([]string(nil), opts.Launcher...), vm.args...)
+	}
 	cmd.Dir = dir
 	cmd.Stdout = stderr
 	cmd.Stderr = stderr

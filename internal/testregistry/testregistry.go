@@ -80,14 +80,31 @@ type Registry struct {
 	done chan struct{}
 }
 
-// Start runs a registry on 127.0.0.1 for t, stopped when t ends.
-func Start(t testing.TB) *Registry { t.Helper(); return StartOn(t, "127.0.0.1") }
+// Option changes how Start configures the registry.
+type Option func(*options)
 
-// StartOn runs a registry for t listening on ip, a local address: the
-// gateway address of a test cluster's pod bridge, where pods reach it
-// (its certificate names ip and 127.0.0.1). It is stopped when t ends.
-func StartOn(t testing.TB, ip string) *Registry {
+type options struct {
+	deletesDisabled bool
+	ip              string
+}
+
+// WithDeletesDisabled runs the registry as distribution runs by default:
+// storage.delete.enabled false, so that it refuses every delete (405
+// UNSUPPORTED). Without it, deletes are enabled.
+func WithDeletesDisabled() Option { return func(o *options) { o.deletesDisabled = true } }
+
+// OnAddress makes the registry listen on ip, a local address, instead of
+// 127.0.0.1: the gateway address of a test cluster's pod bridge, where pods
+// reach it. Its certificate names ip as well as 127.0.0.1.
+func OnAddress(ip string) Option { return func(o *options) { o.ip = ip } }
+
+// Start runs a registry for t, stopped when t ends.
+func Start(t testing.TB, opts ...Option) *Registry {
 	t.Helper()
+	o := options{ip: "127.0.0.1"}
+	for _, opt := range opts {
+		opt(&o)
+	}
 	requireTools(t)
 	dir := t.TempDir()
 	r := &Registry{
@@ -97,13 +114,13 @@ func StartOn(t testing.TB, ip string) *Registry {
 		ConfigDir:  filepath.Join(dir, "docker"),
 		logPath:    filepath.Join(dir, "registry.log"),
 	}
-	r.Host = net.JoinHostPort(ip, freePort(t, ip))
+	r.Host = net.JoinHostPort(o.ip, freePort(t, o.ip))
 	for _, d := range []string{r.StorageDir, r.CertDir, r.ConfigDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			t.Fatal(err)
 		}
 	}
-	certFile, keyFile := r.makeCerts(t, net.ParseIP(ip))
+	certFile, keyFile := r.makeCerts(t, net.ParseIP(o.ip))
 	htpasswdFile := filepath.Join(dir, "htpasswd")
 	// The password goes in on stdin, never in argv.
 	cmd := exec.Command(HtpasswdBinary, "-iBc", htpasswdFile, r.User)
@@ -127,7 +144,7 @@ storage:
   filesystem:
     rootdirectory: %s
   delete:
-    enabled: true
+    enabled: %t
   maintenance:
     uploadpurging:
       enabled: false
@@ -143,7 +160,7 @@ auth:
   htpasswd:
     realm: vmsnap-test
     path: %s
-`, r.StorageDir, r.Host, randomString(t, 16), certFile, keyFile, htpasswdFile)
+`, r.StorageDir, !o.deletesDisabled, r.Host, randomString(t, 16), certFile, keyFile, htpasswdFile)
 	if err := os.WriteFile(r.config, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}

@@ -34,9 +34,20 @@ type fileMigration struct {
 	// FileSize and FileAllocated are the size and allocated bytes of the
 	// file of the last outgoing file migration, once it completed.
 	FileSize, FileAllocated int64
-	errorDesc               string     // of the last failed file migration
-	holdFDs                 bool       // HoldRemovedFDs
-	held                    []*os.File // removed from their fdsets, still open
+	// LieGrow makes a migration into a file write without end (1 MiB
+	// blocks of data, one after another) until it is cancelled, a write
+	// fails or lieGrowLimit is reached, as a QEMU under someone else's
+	// control could. FileMaxSize and FileMaxAllocated are the most the
+	// file held meanwhile.
+	LieGrow                       bool
+	FileMaxSize, FileMaxAllocated int64
+	// LieSparseSize, if not 0, makes a migration into a file write the
+	// state and then extend the file to this size (a hole) before it
+	// reports completion.
+	LieSparseSize int64
+	errorDesc     string     // of the last failed file migration
+	holdFDs       bool       // HoldRemovedFDs
+	held          []*os.File // removed from their fdsets, still open
 }
 
 // EnableMappedRAM makes the fake offer the mapped-ram and multifd
@@ -164,6 +175,13 @@ func (f *FakeQEMU) handleFile(cmd Command, files []*os.File) (any, *qmp.Error, b
 			return nil, gerr("Migration is not finalized yet"), true
 		}
 		return nil, nil, false
+	case "migrate_cancel":
+		if f.migration == "active" && f.LieGrow {
+			f.migration = "cancelled" // the writer sees it and stops
+			f.status = "paused"
+			return nil, nil, true
+		}
+		return nil, nil, false
 	case "query-migrate":
 		if f.migration == "failed" && f.errorDesc != "" {
 			return map[string]any{"status": f.migration, "error-desc": f.errorDesc}, nil, true
@@ -206,6 +224,10 @@ func (f *FakeQEMU) migrateFileOut(file *os.File, mapped bool) {
 	state, failDesc := f.State, f.FileErrorDesc
 	f.mu.Unlock()
 	var err error
+	if f.LieGrow {
+		f.growWithoutEnd(file)
+		return
+	}
 	if failDesc != "" {
 		_, _ = file.WriteAt(state[:len(state)/2], 0)
 	} else if mapped {
@@ -218,7 +240,7 @@ func (f *FakeQEMU) migrateFileOut(file *os.File, mapped bool) {
 			}
 		}
 		if err == nil {
-			err = file.Truncate(int64(len(state)))
+			err = file.Truncate(max(int64(len(state)), f.LieSparseSize))
 		}
 	} else {
 		_, err = file.WriteAt(state, 0)
@@ -249,6 +271,39 @@ func (f *FakeQEMU) migrateFileOut(file *os.File, mapped bool) {
 	f.mu.Lock()
 	f.status = "postmigrate"
 	f.mu.Unlock()
+}
+
+// lieGrowLimit stops LieGrow's writer if nothing else does, so that a
+// test whose bound fails does not fill the disk.
+const lieGrowLimit = 4 << 30
+
+// growWithoutEnd is LieGrow's migration: it writes until the migration is
+// cancelled (then it ends as QEMU does, with a "cancelled" event) or a
+// write fails.
+func (f *FakeQEMU) growWithoutEnd(file *os.File) {
+	block := bytes.Repeat([]byte{0xa5}, 1<<20)
+	for off := int64(0); off < lieGrowLimit; off += int64(len(block)) {
+		f.mu.Lock()
+		cancelled := f.migration != "active"
+		f.mu.Unlock()
+		if cancelled {
+			f.event("cancelled")
+			return
+		}
+		if _, err := file.WriteAt(block, off); err != nil {
+			break
+		}
+		if fi, err := file.Stat(); err == nil {
+			f.mu.Lock()
+			f.FileMaxSize = max(f.FileMaxSize, fi.Size())
+			f.FileMaxAllocated = max(f.FileMaxAllocated, allocated(fi))
+			f.mu.Unlock()
+		}
+	}
+	f.mu.Lock()
+	f.status, f.migration, f.errorDesc = "paused", "failed", "the fake stopped writing"
+	f.mu.Unlock()
+	f.event("failed")
 }
 
 // finalizeDelay is how long an outgoing file migration stays in the

@@ -36,6 +36,9 @@ type FakeQEMU struct {
 	// FailMigrate, if set, makes an outgoing migration write this many
 	// bytes and then fail.
 	FailMigrate int
+	// LieStream makes an outgoing migration into a descriptor write State
+	// and then zeros without end, until a write fails.
+	LieStream bool
 	// RefuseMigrate makes the migrate command itself fail.
 	RefuseMigrate bool
 	done          sync.WaitGroup
@@ -272,6 +275,12 @@ func (f *FakeQEMU) migrateOut(fd *os.File) {
 		n = f.FailMigrate
 	}
 	_, err := fd.Write(f.State[:n])
+	if err == nil && f.LieStream {
+		zeros := make([]byte, 1<<20)
+		for err == nil {
+			_, err = fd.Write(zeros)
+		}
+	}
 	fd.Close()
 	f.mu.Lock()
 	if err != nil || f.FailMigrate > 0 {

@@ -1,0 +1,152 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testregistry"
+	"github.com/vmsnap/vmsnap/ociimage"
+)
+
+func registryOpts(reg *testregistry.Registry) []ociimage.Option {
+	return []ociimage.Option{ociimage.WithRegistryConfig(reg.ConfigDir), ociimage.WithCAFile(reg.CAFile)}
+}
+
+// TestPruneRegistry: four checkpoints (state and disk in one repository of
+// Debian's docker-registry, TLS and htpasswd, deletes enabled), prune
+// --keep 2: the kept ones restore exactly; the others' manifests and disk
+// images answer 404, their referrers fallback tags are gone, the kept ones'
+// stay.
+func TestPruneRegistry(t *testing.T) {
+	reg := testregistry.Start(t)
+	opts := registryOpts(reg)
+	image := reg.Host + "/vms/vm1"
+	overlay, cps := fourCheckpoints(t, image, opts)
+	fallback := func(d string) string { return strings.Replace(d, ":", "-", 1) }
+	tags := reg.Tags(t, "vms/vm1")
+	for _, cp := range cps {
+		if !slices.Contains(tags, fallback(cp.res.Disk.Digest)) {
+			t.Fatalf("no referrers fallback tag for disk %s in %v: the test needs them", cp.res.Disk.Digest, tags)
+		}
+	}
+
+	dry, err := Prune(context.Background(), PruneSpec{Repo: image, Keep: 2, Store: opts, DryRun: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dry.Removed) != 2 || manifestGone(t, image, cps[0].res.VMState.Digest, opts) || !slices.Equal(reg.Tags(t, "vms/vm1"), tags) {
+		t.Fatalf("the dry run removed something, or finds %d to remove", len(dry.Removed))
+	}
+
+	res, err := Prune(context.Background(), PruneSpec{Repo: image, Keep: 2, Store: opts})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantKept := []string{cps[3].res.VMState.Digest, cps[2].res.VMState.Digest}
+	if !slices.Equal(digests(res.Kept), wantKept) || !slices.Equal(digests(res.Removed), []string{cps[1].res.VMState.Digest, cps[0].res.VMState.Digest}) {
+		t.Fatalf("kept %v removed %v", digests(res.Kept), digests(res.Removed))
+	}
+	for _, cp := range cps[:2] {
+		for _, d := range []string{cp.res.VMState.Digest, cp.res.Disk.Digest} {
+			if !manifestGone(t, image, d, opts) {
+				t.Fatalf("manifest %s of a removed checkpoint is still in the registry", d)
+			}
+		}
+	}
+	after := reg.Tags(t, "vms/vm1")
+	for _, cp := range cps[:2] {
+		if slices.Contains(after, fallback(cp.res.Disk.Digest)) || !slices.Contains(res.RemovedTags, fallback(cp.res.Disk.Digest)) {
+			t.Fatalf("the fallback tag of removed disk %s: tags %v, removed %v", cp.res.Disk.Digest, after, res.RemovedTags)
+		}
+	}
+	for _, cp := range cps[2:] {
+		if !slices.Contains(after, fallback(cp.res.Disk.Digest)) {
+			t.Fatalf("the fallback tag of kept disk %s is gone: %v", cp.res.Disk.Digest, after)
+		}
+		restoresExactly(t, overlay, cp, opts)
+	}
+	if !slices.Contains(after, "vm") || !slices.Contains(after, "vm-disk") {
+		t.Fatalf("the tags of the kept checkpoint are gone: %v", after)
+	}
+}
+
+// TestPruneRegistryThatRefusesDeletes: distribution's default config
+// refuses deletes; prune says so, with what to change, and deletes nothing.
+func TestPruneRegistryThatRefusesDeletes(t *testing.T) {
+	reg := testregistry.Start(t, testregistry.WithDeletesDisabled())
+	opts := registryOpts(reg)
+	image := reg.Host + "/vms/vm1"
+	_, cps := fourCheckpoints(t, image, opts)
+	_, err := Prune(context.Background(), PruneSpec{Repo: image, Keep: 2, Store: opts})
+	if errcode.Of(err) != errcode.RegistryError || !errors.Is(err, ociimage.ErrDeletesDisabled) ||
+		!strings.Contains(err.Error(), "this registry does not allow deletes: enable storage.delete in its config") {
+		t.Fatalf("prune on a registry without deletes: %v (%s)", err, errcode.Of(err))
+	}
+	for _, cp := range cps {
+		for _, d := range []string{cp.res.VMState.Digest, cp.res.Disk.Digest} {
+			if manifestGone(t, image, d, opts) {
+				t.Fatalf("manifest %s is gone", d)
+			}
+		}
+	}
+	// A registry that is down is another failure, not this one.
+	reg.Stop()
+	_, err = Prune(context.Background(), PruneSpec{Repo: image, Keep: 2, Store: append(opts, ociimage.WithRetry(1, 0))})
+	if err == nil || errors.Is(err, ociimage.ErrDeletesDisabled) || strings.Contains(err.Error(), "does not allow deletes") {
+		t.Fatalf("prune against a stopped registry: %v", err)
+	}
+}
+
+// TestPruneRegistryInterruptedAtEveryStep: on a real registry, a prune
+// stopped before each of its deletions in turn leaves both kept
+// checkpoints restorable, and a second prune removes everything the first
+// did not reach.
+func TestPruneRegistryInterruptedAtEveryStep(t *testing.T) {
+	reg := testregistry.Start(t)
+	opts := registryOpts(reg)
+	interrupted := errors.New("interrupted")
+	for stop := 1; ; stop++ {
+		image := reg.Host + "/vms/vm" + string(rune('a'+stop))
+		overlay, cps := fourCheckpoints(t, image, opts)
+		n := 0
+		pruneStep = func(string) error {
+			if n++; n == stop {
+				return interrupted
+			}
+			return nil
+		}
+		_, err := Prune(context.Background(), PruneSpec{Repo: image, Keep: 2, Store: opts})
+		pruneStep = nil
+		if err == nil {
+			if stop < 5 {
+				t.Fatalf("the prune had only %d steps", stop-1)
+			}
+			break
+		}
+		if !errors.Is(err, interrupted) {
+			t.Fatalf("step %d: %v", stop, err)
+		}
+		for _, cp := range cps[2:] {
+			restoresExactly(t, overlay, cp, opts)
+		}
+		res, err := Prune(context.Background(), PruneSpec{Repo: image, Keep: 2, Store: opts})
+		if err != nil || len(res.Kept) != 2 {
+			t.Fatalf("prune after an interruption at step %d: %+v, %v", stop, res, err)
+		}
+		tags := reg.Tags(t, strings.TrimPrefix(image, reg.Host+"/"))
+		for _, cp := range cps[:2] {
+			for _, d := range []string{cp.res.VMState.Digest, cp.res.Disk.Digest} {
+				if !manifestGone(t, image, d, opts) {
+					t.Fatalf("after an interruption at step %d and a second prune, %s is still there", stop, d)
+				}
+			}
+			if slices.Contains(tags, strings.Replace(cp.res.Disk.Digest, ":", "-", 1)) {
+				t.Fatalf("after an interruption at step %d and a second prune, the fallback tag of %s is still there", stop, cp.res.Disk.Digest)
+			}
+		}
+	}
+}
