@@ -161,7 +161,7 @@ maxPods: 50
 nodeStatusReportFrequency: 10s
 syncFrequency: 5s
 fileCheckFrequency: 5s
-`, "/"+filepath.Base(c.Dir), c.Containerd.Address, c.NodeIP, ports[0], ports[1],
+`, c.cgroupRoot(), c.Containerd.Address, c.NodeIP, ports[0], ports[1],
 		filepath.Join(c.Dir, "pod-logs"), c.CAFile)
 	cfgPath := filepath.Join(c.Dir, "kubelet.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {

@@ -153,38 +153,7 @@ func Start(t testing.TB) *Cluster {
 	}
 	c := &Cluster{Dir: dir, bin: bin, KubeletRoot: filepath.Join(dir, "kubelet"),
 		NodeName: "vmsnap-node-" + randomHex(3), Bridge: "vmsnapbr" + randomHex(3)}
-	staleCgroups := reapStale(t, dir)
-	if c.PodSubnet, err = pickSubnet(); err != nil {
-		t.Fatal(err)
-	}
-	c.NodeIP = c.PodSubnet + "1"
-
-	// Saved before anything changes the host, put back after everything
-	// stopped: registered first, it runs last.
-	host, err := snapshotHost()
-	if err != nil {
-		t.Fatalf("testcluster: %v", err)
-	}
-	host.Bridge, host.Cgroup = c.Bridge, "/"+filepath.Base(dir)
-	if err := host.save(filepath.Join(dir, "host.json")); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := host.restore(); err != nil {
-			t.Errorf("testcluster: restoring the host: %v", err)
-		}
-		removeContainerLogLinks(dir)
-		for _, err := range testcontainerd.UnmountAll(dir) {
-			t.Logf("testcluster: %v", err)
-		}
-		os.RemoveAll(dir)
-	})
-	if err := createCgroups(host.Cgroup); err != nil {
-		t.Fatalf("testcluster: cgroups: %v", err)
-	}
-	if err := createBridge(c.Bridge, c.NodeIP+"/24"); err != nil {
-		t.Fatalf("testcluster: %v", err)
-	}
+	staleCgroups := c.prepareHost(t)
 	c.startContainerd(t)
 	// Stale runs' containers are gone now (StartCRI reaped them): their
 	// cgroups can go too.
@@ -204,6 +173,51 @@ func Start(t testing.TB) *Cluster {
 	return c
 }
 
+// prepareHost cleans up after runs that died, saves the host settings the
+// cluster may change (put back when t ends, after everything stopped: this
+// cleanup is registered first) and makes the pods' bridge and the kubelet's
+// cgroups. It returns the stale runs' cgroups, to be removed once their
+// containers are gone.
+func (c *Cluster) prepareHost(t testing.TB) (staleCgroups []string) {
+	t.Helper()
+	dir := c.Dir
+	staleCgroups = reapStale(t, dir)
+	var err error
+	if c.PodSubnet, err = pickSubnet(); err != nil {
+		t.Fatal(err)
+	}
+	c.NodeIP = c.PodSubnet + "1"
+	host, err := snapshotHost()
+	if err != nil {
+		t.Fatalf("testcluster: %v", err)
+	}
+	host.Bridge, host.Cgroup = c.Bridge, c.cgroupRoot()
+	if err := host.save(filepath.Join(dir, "host.json")); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := host.restore(); err != nil {
+			t.Errorf("testcluster: restoring the host: %v", err)
+		}
+		removeContainerLogLinks(dir)
+		for _, err := range testcontainerd.UnmountAll(dir) {
+			t.Logf("testcluster: %v", err)
+		}
+		os.RemoveAll(dir)
+	})
+	if err := createCgroups(host.Cgroup); err != nil {
+		t.Fatalf("testcluster: cgroups: %v", err)
+	}
+	if err := createBridge(c.Bridge, c.NodeIP+"/24"); err != nil {
+		t.Fatalf("testcluster: %v", err)
+	}
+	return staleCgroups
+}
+
+// cgroupRoot is the kubelet's cgroupRoot: named after the cluster's
+// directory, in every hierarchy.
+func (c *Cluster) cgroupRoot() string { return "/" + filepath.Base(c.Dir) }
+
 // startContainerd runs containerd with its CRI plugin configured for this
 // cluster's kubelet, and imports the pause image.
 func (c *Cluster) startContainerd(t testing.TB) {
@@ -213,12 +227,13 @@ func (c *Cluster) startContainerd(t testing.TB) {
 		t.Fatal(err)
 	}
 	// The pods' network: a bridge of their own (made in advance, see
-	// createBridge), addresses from host-local, masquerading out.
+	// createBridge) and addresses from host-local. Pods reach the node's
+	// address and each other, nothing outside: no masquerading.
 	conf := fmt.Sprintf(`{
   "cniVersion": "0.4.0",
   "name": "vmsnap-test",
   "plugins": [
-    {"type": "bridge", "bridge": %q, "isGateway": true, "ipMasq": true, "hairpinMode": true,
+    {"type": "bridge", "bridge": %q, "isGateway": true, "hairpinMode": true,
      "ipam": {"type": "host-local", "ranges": [[{"subnet": "%s0/24", "gateway": "%s"}]],
               "routes": [{"dst": "0.0.0.0/0"}], "dataDir": %q}},
     {"type": "loopback"}

@@ -6,7 +6,9 @@ import (
 	"net"
 	"net/http"
 	"os/exec"
+	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -24,8 +26,27 @@ const busyboxImage = "vmsnap.test/busybox:1"
 // exec'd into and reaches the node's address; a hardened pod is admitted
 // under the restricted Pod Security level and runs with its seccomp filter
 // and without capabilities; a Job completes with its termination message.
+// Around it: a run that died without its cleanup is cleaned up by Start, and
+// the host is left as it was found (iptables, sysctls, links, cgroups).
 func TestCluster(t *testing.T) {
-	c := Start(t)
+	Require(t)
+	before := hostFingerprint(t)
+	stale := plantStaleRun(t)
+	t.Run("Cluster", func(t *testing.T) {
+		c := Start(t)
+		for _, gone := range stale {
+			if _, err := os.Stat(gone); !os.IsNotExist(err) {
+				t.Errorf("Start left %s of a dead run behind (%v)", gone, err)
+			}
+		}
+		testCluster(t, c)
+	})
+	if after := hostFingerprint(t); after != before {
+		t.Errorf("the host changed:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+}
+
+func testCluster(t *testing.T, c *Cluster) {
 	tarball, err := testcontainerd.BuildImageTar(busyboxImage,
 		[]testcontainerd.File{{Path: "/bin/busybox", HostPath: "/bin/busybox"}},
 		testcontainerd.ImageConfig{Entrypoint: []string{"/bin/busybox"}, Env: []string{"PATH=/bin"}})
@@ -36,10 +57,86 @@ func TestCluster(t *testing.T) {
 	if out := c.Kubectl(t, nil, "get", "node", c.NodeName, "-o", "jsonpath={.status.nodeInfo.kubeletVersion}"); out != Version {
 		t.Errorf("kubectl: kubelet version %q, want %s", out, Version)
 	}
-
 	t.Run("Pod", func(t *testing.T) { testPlainPod(t, c) })
 	t.Run("HardenedPod", func(t *testing.T) { testHardenedPod(t, c) })
 	t.Run("Job", func(t *testing.T) { testJob(t, c) })
+}
+
+// plantStaleRun makes what a test binary killed with its cluster running
+// leaves: the cluster's directory (unlocked: the host lock is free), its
+// bridge and its cgroups. It returns what Start must remove.
+func plantStaleRun(t *testing.T) []string {
+	dir, err := os.MkdirTemp("/tmp", dirPrefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &hostState{Bridge: "vmsnapbrdead", Cgroup: "/" + filepath.Base(dir)}
+	if err := h.save(filepath.Join(dir, "host.json")); err != nil {
+		t.Fatal(err)
+	}
+	if err := createBridge(h.Bridge, "10.99.99.1/24"); err != nil {
+		t.Fatal(err)
+	}
+	if err := createCgroups(h.Cgroup); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(cgroupHierarchies()[0], h.Cgroup, "kubepods"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.restore(); os.RemoveAll(dir) }) // in case Start did not
+	return []string{dir, "/sys/class/net/" + h.Bridge, filepath.Join(cgroupHierarchies()[0], h.Cgroup)}
+}
+
+// hostFingerprint is what the cluster may change on the host: the iptables
+// rules and chains (counters aside; a table with nothing in it counts as
+// absent), the sysctls, the network links and the cgroups at the top of
+// each hierarchy.
+func hostFingerprint(t *testing.T) string {
+	var b strings.Builder
+	for _, c := range iptablesCommands {
+		out, err := exec.Command(c + "-save").Output()
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.WriteString(normalizeIPTables(string(out)))
+	}
+	for _, s := range touchedSysctls {
+		v, _ := os.ReadFile("/proc/sys/" + s)
+		fmt.Fprintf(&b, "%s=%s", s, v)
+	}
+	links, _ := os.ReadDir("/sys/class/net")
+	for _, l := range links {
+		fmt.Fprintln(&b, "link", l.Name())
+	}
+	for _, h := range cgroupHierarchies() {
+		dirs, _ := filepath.Glob(filepath.Join(h, dirPrefix+"*"))
+		fmt.Fprintln(&b, "cgroups", dirs)
+	}
+	return b.String()
+}
+
+var chainCounters = regexp.MustCompile(` \[\d+:\d+\]$`)
+
+func normalizeIPTables(save string) string {
+	var out strings.Builder
+	for _, table := range strings.Split(save, "COMMIT") {
+		var lines []string
+		interesting := false
+		for _, l := range strings.Split(table, "\n") {
+			if l == "" || strings.HasPrefix(l, "#") {
+				continue
+			}
+			l = chainCounters.ReplaceAllString(l, "")
+			if strings.HasPrefix(l, "-") || (strings.HasPrefix(l, ":") && !strings.HasSuffix(l, " ACCEPT")) {
+				interesting = true
+			}
+			lines = append(lines, l)
+		}
+		if interesting {
+			out.WriteString(strings.Join(lines, "\n") + "\n")
+		}
+	}
+	return out.String()
 }
 
 func testPlainPod(t *testing.T, c *Cluster) {
