@@ -454,19 +454,26 @@ func (c *Cluster) Kubectl(t testing.TB, stdin []byte, args ...string) string {
 
 // KubectlErr is Kubectl returning the error (with kubectl's stderr).
 func (c *Cluster) KubectlErr(stdin []byte, args ...string) (string, error) {
+	out, stderr, err := c.KubectlOutput(stdin, args...)
+	if err != nil {
+		return out, fmt.Errorf("%v: %s", err, strings.TrimSpace(stderr))
+	}
+	return out, nil
+}
+
+// KubectlOutput runs kubectl and returns its standard output and error
+// apart: a command that succeeds may still warn on stderr.
+func (c *Cluster) KubectlOutput(stdin []byte, args ...string) (stdout, stderr string, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, filepath.Join(c.bin, "kubectl"), append([]string{"--kubeconfig", c.Kubeconfig}, args...)...)
 	if stdin != nil {
 		cmd.Stdin = strings.NewReader(string(stdin))
 	}
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
+	var errb strings.Builder
+	cmd.Stderr = &errb
 	out, err := cmd.Output()
-	if err != nil {
-		return string(out), fmt.Errorf("%v: %s", err, strings.TrimSpace(stderr.String()))
-	}
-	return string(out), nil
+	return string(out), errb.String(), err
 }
 
 // reapStale cleans up after runs that died without their cleanup: with
