@@ -78,7 +78,7 @@ FUZZ_TARGETS := \
 	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest \
 	./vmstate:FuzzDecodeStream ./vmstate:FuzzValidateLayers ./vmstate:FuzzRecord \
 	./qmp:FuzzClientReplies \
-	./agent:FuzzCheckpointRequest \
+	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
 	./rootfs:FuzzReadHeader
 .PHONY: fuzz

@@ -54,6 +54,17 @@ type Config struct {
 	Store         []ociimage.Option // registry credentials, CA, ...
 	Logger        *slog.Logger
 
+	// Authorization (caller.go, policy.go).
+	// AdminNamespaces are pod namespaces whose callers may act on any VM
+	// and see every operation (a platform controller's).
+	AdminNamespaces []string
+	// AllowRepositories are the HOST[:PORT]/PREFIX a request's registry
+	// references must be under; none: every registry reference is refused.
+	AllowRepositories []string
+	// LayoutRoot is the directory a request's oci: layouts must be under;
+	// "": every layout is refused.
+	LayoutRoot string
+
 	// Bounds on one operation.
 
 	// MaxWorkers bounds a request's workers (default DefaultMaxWorkers(),
@@ -95,6 +106,7 @@ type Server struct {
 	metrics *metrics
 	journal *journal
 	slots   chan struct{}
+	policy  *imagePolicy
 
 	ready   chan struct{} // closed once the resolver's watch runs
 	readyMu sync.Once
@@ -129,6 +141,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	policy, err := newImagePolicy(cfg.AllowRepositories, cfg.LayoutRoot, cfg.StateDir)
+	if err != nil {
+		return nil, err
+	}
 	s := &Server{
 		cfg:     cfg,
 		log:     cfg.Logger,
@@ -137,6 +153,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		metrics: newMetrics(),
 		journal: j,
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
+		policy:  policy,
 		ready:   make(chan struct{}),
 	}
 	s.recover(ctx)
@@ -173,11 +190,13 @@ func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
 		Handler:           s.Handler(),
 		ReadHeaderTimeout: 10 * time.Second,
 		BaseContext:       func(net.Listener) context.Context { return ctx },
+		ConnContext:       connContext, // requests find their caller (caller.go)
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	s.log.Info("agent listening", "socket", ln.Addr().String(), "stateDir", s.cfg.StateDir, "maxConcurrent", s.cfg.MaxConcurrent,
-		"maxWorkers", s.cfg.MaxWorkers, "operationTimeout", s.cfg.OperationTimeout.String())
+		"maxWorkers", s.cfg.MaxWorkers, "operationTimeout", s.cfg.OperationTimeout.String(),
+		"adminNamespaces", s.cfg.AdminNamespaces, "allowRepositories", s.cfg.AllowRepositories, "layoutRoot", s.cfg.LayoutRoot)
 	select {
 	case err := <-errc:
 		return errcode.Wrap(errcode.Internal, err, "serving the agent API")

@@ -112,6 +112,11 @@ func startAgentConfig(t *testing.T, cfg Config) *testAgent {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	cfg.Socket = filepath.Join(dir, "agent.sock")
+	if cfg.LayoutRoot == "" {
+		// The tests' layouts are t.TempDir()s: siblings under the test's
+		// own temporary directory, as the state directory is.
+		cfg.LayoutRoot = filepath.Dir(t.TempDir())
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
@@ -249,7 +254,7 @@ func TestAgentRefusesUnknownVMAtOnce(t *testing.T) {
 	for _, uid := range []string{"", "6f1c2a4e-9999-4c0e-9a51-0123456789ab"} {
 		start := time.Now()
 		_, err := a.client.Checkpoint(context.Background(), api.CheckpointRequest{
-			VM: api.VMRef{PodUID: uid, Container: "qemu", QMPPath: "/q"}, Image: "oci:/tmp/x:t",
+			VM: api.VMRef{PodUID: uid, Container: "qemu", QMPPath: "/q"}, Image: "oci:" + t.TempDir() + ":t",
 		})
 		if errcode.Of(err) != errcode.VMNotFound {
 			t.Fatalf("uid %q: err = %v, want VM_NOT_FOUND", uid, err)
@@ -322,7 +327,7 @@ func TestAgentForgetsDeletedVM(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	if _, err := a.client.Checkpoint(context.Background(), api.CheckpointRequest{
-		VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/q"}, Image: "oci:/tmp/x:t",
+		VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/q"}, Image: "oci:" + t.TempDir() + ":t",
 	}); errcode.Of(err) != errcode.VMNotFound {
 		t.Fatalf("a new request for the deleted VM: %v, want VM_NOT_FOUND", err)
 	}
@@ -495,7 +500,7 @@ func TestWaitPastTheCallersDeadlineReportsTheOperationsEnd(t *testing.T) {
 	res := newStaticResolver()
 	res.add(uid1, q.Path())
 	a := startAgentConfig(t, Config{StateDir: t.TempDir(), Resolver: res, MaxConcurrent: 1,
-		Store: []ociimage.Option{ociimage.WithInsecureRegistry(host)}})
+		Store: []ociimage.Option{ociimage.WithInsecureRegistry(host)}, AllowRepositories: []string{host + "/vm"}})
 	defer a.stop()
 	op, err := a.client.Checkpoint(context.Background(), api.CheckpointRequest{
 		VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock"}, Image: host + "/vm:snap", Mode: "snapshot",

@@ -17,16 +17,17 @@ type broker struct {
 }
 
 type subscriber struct {
-	c      chan api.Event
-	filter string // operation id, or "" for all
+	c       chan api.Event
+	filter  string                   // operation id, or "" for all
+	visible func(api.Operation) bool // what its caller may see
 }
 
 const subscriberBuffer = 256
 
 func newBroker() *broker { return &broker{subs: map[*subscriber]struct{}{}} }
 
-func (b *broker) subscribe(filter string) *subscriber {
-	s := &subscriber{c: make(chan api.Event, subscriberBuffer), filter: filter}
+func (b *broker) subscribe(filter string, visible func(api.Operation) bool) *subscriber {
+	s := &subscriber{c: make(chan api.Event, subscriberBuffer), filter: filter, visible: visible}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
@@ -51,7 +52,7 @@ func (b *broker) publish(o api.Operation) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for s := range b.subs {
-		if s.filter != "" && s.filter != o.ID {
+		if s.filter != "" && s.filter != o.ID || !s.visible(o) {
 			continue
 		}
 		select {

@@ -300,10 +300,11 @@ func TestAgentQMPSwappedAfterResolve(t *testing.T) {
 			t.Cleanup(func() { unix.Unmount(own, unix.MNT_DETACH) })
 		}},
 	} {
+		// Under the agent's layout root: the parent test's temporary directory.
+		store := filepath.Join(t.TempDir(), "store")
 		t.Run(tc.name, func(t *testing.T) {
 			a, b := newTenant(t, d, "", "tenant-a"), newTenant(t, d, "", "tenant-b")
 			agent.SetAfterResolve(t, func() { tc.swap(t, a.sock, b.sock) })
-			store := t.TempDir()
 			op, err := checkpoint(t, c, api.CheckpointRequest{VM: api.VMRef{PodUID: a.uid, Container: "qemu", QMPPath: "/run/vm/qmp.sock"},
 				Image: "oci:" + store + ":vm", Mode: "pause"})
 			if err != nil || op.State != api.StateSucceeded {

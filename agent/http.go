@@ -30,47 +30,55 @@ const maxRequestBody = 64 << 10
 //	GET    /healthz, /readyz, /metrics
 //
 // Errors are {"error": api.Error} with a status derived from the code.
+// Every /v1 request is made by a Caller (caller.go), who sees and touches
+// only its own namespace's VMs and operations unless it is an admin.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/checkpoints", func(w http.ResponseWriter, r *http.Request) {
+	v1 := func(pattern string, h http.HandlerFunc) { mux.HandleFunc(pattern, s.identified(h)) }
+	v1("POST /v1/checkpoints", func(w http.ResponseWriter, r *http.Request) {
 		var req api.CheckpointRequest
 		if !decode(w, r, &req) {
 			return
 		}
-		s.log.Info("checkpoint requested", "pod", req.VM.PodUID, "container", req.VM.Container, "image", req.Image, "mode", req.Mode)
+		c, _ := callerFrom(r.Context())
+		s.log.Info("checkpoint requested", "pod", req.VM.PodUID, "container", req.VM.Container, "image", req.Image, "mode", req.Mode, "caller", c.String())
 		respond(w, http.StatusAccepted)(s.StartCheckpoint(r.Context(), req))
 	})
-	mux.HandleFunc("POST /v1/restores", func(w http.ResponseWriter, r *http.Request) {
+	v1("POST /v1/restores", func(w http.ResponseWriter, r *http.Request) {
 		var req api.RestoreRequest
 		if !decode(w, r, &req) {
 			return
 		}
-		s.log.Info("restore requested", "pod", req.VM.PodUID, "container", req.VM.Container, "image", req.Image)
+		c, _ := callerFrom(r.Context())
+		s.log.Info("restore requested", "pod", req.VM.PodUID, "container", req.VM.Container, "image", req.Image, "caller", c.String())
 		respond(w, http.StatusAccepted)(s.StartRestore(r.Context(), req))
 	})
-	mux.HandleFunc("GET /v1/operations", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, map[string][]api.Operation{"operations": s.ops.list()})
+	v1("GET /v1/operations", func(w http.ResponseWriter, r *http.Request) {
+		c, _ := callerFrom(r.Context())
+		writeJSON(w, http.StatusOK, map[string][]api.Operation{"operations": s.ops.list(c.sees)})
 	})
-	mux.HandleFunc("GET /v1/operations/{id}", func(w http.ResponseWriter, r *http.Request) {
-		o, err := s.ops.get(r.PathValue("id"))
+	v1("GET /v1/operations/{id}", func(w http.ResponseWriter, r *http.Request) {
+		o, err := s.visibleOp(r.Context(), r.PathValue("id"))
 		if err != nil {
 			writeError(w, err)
 			return
 		}
 		writeJSON(w, http.StatusOK, o.snapshot())
 	})
-	mux.HandleFunc("DELETE /v1/operations/{id}", func(w http.ResponseWriter, r *http.Request) {
-		o, err := s.ops.get(r.PathValue("id"))
+	v1("DELETE /v1/operations/{id}", func(w http.ResponseWriter, r *http.Request) {
+		o, err := s.visibleOp(r.Context(), r.PathValue("id"))
 		if err != nil {
 			writeError(w, err)
 			return
 		}
 		if o.cancel != nil {
+			c, _ := callerFrom(r.Context())
+			s.log.Info("operation cancelled by a caller", "op", o.id, "caller", c.String())
 			o.cancel(errcode.New(errcode.Internal, "cancelled by a caller"))
 		}
 		writeJSON(w, http.StatusAccepted, o.snapshot())
 	})
-	mux.HandleFunc("GET /v1/events", s.serveEvents)
+	v1("GET /v1/events", s.serveEvents)
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, "ok") })
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
 		select {
@@ -104,23 +112,24 @@ func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errcode.New(errcode.Internal, "streaming unsupported"))
 		return
 	}
+	c, _ := callerFrom(r.Context())
 	filter := r.URL.Query().Get("operation")
 	var initial []api.Operation
 	if filter != "" {
-		o, err := s.ops.get(filter)
+		o, err := s.visibleOp(r.Context(), filter)
 		if err != nil {
 			writeError(w, err)
 			return
 		}
-		sub := s.events.subscribe(filter)
+		sub := s.events.subscribe(filter, c.sees)
 		defer s.events.unsubscribe(sub)
 		initial = append(initial, o.snapshot())
 		s.stream(w, r, flusher, sub, initial)
 		return
 	}
-	sub := s.events.subscribe("")
+	sub := s.events.subscribe("", c.sees)
 	defer s.events.unsubscribe(sub)
-	s.stream(w, r, flusher, sub, s.ops.list())
+	s.stream(w, r, flusher, sub, s.ops.list(c.sees))
 }
 
 func (s *Server) stream(w http.ResponseWriter, r *http.Request, flusher http.Flusher, sub *subscriber, initial []api.Operation) {
@@ -206,6 +215,8 @@ func HTTPStatus(c errcode.Code) int {
 		return http.StatusBadRequest
 	case errcode.VMNotFound:
 		return http.StatusNotFound
+	case errcode.Forbidden:
+		return http.StatusForbidden
 	case errcode.Busy, errcode.CompatMismatch:
 		return http.StatusConflict
 	case errcode.AuthFailed, errcode.RegistryError, errcode.QMPError, errcode.DigestMismatch:

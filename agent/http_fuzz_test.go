@@ -26,13 +26,21 @@ import (
 func fuzzServer(tb testing.TB) *Server {
 	tb.Helper()
 	s, err := New(context.Background(), Config{
-		StateDir: tb.TempDir(), Resolver: newStaticResolver(),
+		StateDir: tb.TempDir(), Resolver: newStaticResolver(), LayoutRoot: "/tmp",
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 	})
 	if err != nil {
 		tb.Fatal(err)
 	}
 	return s
+}
+
+// asAdmin serves h as an admin caller's connection would be (the fuzz
+// tests call the handler directly, without a socket and its peer).
+func asAdmin(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.ServeHTTP(w, r.WithContext(withCaller(r.Context(), Caller{Admin: true})))
+	})
 }
 
 // checkAPIResponse fails unless rec is a 2xx, or a 4xx whose body is one
@@ -82,7 +90,7 @@ func FuzzCheckpointRequest(f *testing.F) {
 	f.Add(uint8(3), "../../etc/passwd", []byte(nil))
 	f.Add(uint8(4), "%zz", []byte(nil))
 	s := fuzzServer(f)
-	h := s.Handler()
+	h := asAdmin(s.Handler())
 	f.Fuzz(func(t *testing.T, kind uint8, id string, body []byte) {
 		var req *http.Request
 		switch kind % 5 {
@@ -125,7 +133,7 @@ func TestAPIRefusesHostileRequests(t *testing.T) {
 		return `{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t","mode":"` + strings.Repeat("p", n) + `"}`
 	}
 	s := fuzzServer(t)
-	h := s.Handler()
+	h := asAdmin(s.Handler())
 	for _, tc := range []struct {
 		name, method, path, body string
 		code                     errcode.Code

@@ -156,11 +156,29 @@ func (t *table) finish(o *op) {
 
 // remove forgets an operation; asking for it later gets why.
 func (t *table) remove(o *op, why error) {
+	ns := namespaceOf(o.snapshot())
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	delete(t.byID, o.id)
 	t.order = slices.DeleteFunc(t.order, func(id string) bool { return id == o.id })
-	t.removed[o.id] = why
+	t.removed[o.id] = &forgotten{error: why, ns: ns}
+}
+
+// forgotten is the answer about a removed operation: why, and the
+// namespace of its VM (who may hear why).
+type forgotten struct {
+	error
+	ns string
+}
+
+func (f *forgotten) Unwrap() error { return f.error }
+
+// namespaceOf is the pod namespace of an operation's VM ("" if unknown).
+func namespaceOf(d api.Operation) string {
+	if d.Target == nil {
+		return ""
+	}
+	return d.Target.Namespace
 }
 
 func (t *table) get(id string) (*op, error) {
@@ -172,10 +190,11 @@ func (t *table) get(id string) (*op, error) {
 	if why, ok := t.removed[id]; ok {
 		return nil, why
 	}
-	return nil, errcode.New(errcode.InvalidInput, "no operation %s on this node", id)
+	return nil, noOperation(id)
 }
 
-func (t *table) list() []api.Operation {
+// list returns the operations visible passes, oldest first.
+func (t *table) list(visible func(api.Operation) bool) []api.Operation {
 	t.mu.Lock()
 	ops := make([]*op, 0, len(t.order))
 	for _, id := range t.order {
@@ -184,7 +203,9 @@ func (t *table) list() []api.Operation {
 	t.mu.Unlock()
 	out := make([]api.Operation, 0, len(ops))
 	for _, o := range ops {
-		out = append(out, o.snapshot())
+		if d := o.snapshot(); visible(d) {
+			out = append(out, d)
+		}
 	}
 	return out
 }

@@ -139,7 +139,7 @@ func (l *credListener) Accept() (net.Conn, error) {
 		accepted := time.Now()
 		p, err := peerOf(c, accepted)
 		if err == nil && l.policy.allows(p) {
-			return c, nil
+			return newCallerConn(c, p, accepted), nil
 		}
 		l.refuse(c, p, err)
 	}
@@ -310,17 +310,26 @@ func procGroups(p peer, accepted time.Time) ([]uint32, error) {
 	if err != nil {
 		return nil, err
 	}
-	// The process must have existed when the connection was accepted; one
-	// tick (10 ms at USER_HZ 100) of slack for the rounding of both clocks.
+	if err := startedBefore(p.pid, started, accepted); err != nil {
+		return nil, err
+	}
+	return groups, nil
+}
+
+// startedBefore fails unless a process that started at started (since
+// boot) existed when the connection was accepted: one that took the pid
+// afterwards is not the caller. One tick (10 ms at USER_HZ 100) of slack
+// for the rounding of both clocks.
+func startedBefore(pid int32, started time.Duration, accepted time.Time) error {
 	var now unix.Timespec
 	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &now); err != nil {
-		return nil, err
+		return err
 	}
 	acceptedBoot := time.Duration(now.Nano()) - time.Since(accepted)
 	if started > acceptedBoot+10*time.Millisecond {
-		return nil, fmt.Errorf("pid %d started after the connection was accepted: the pid was reused", p.pid)
+		return fmt.Errorf("pid %d started after the connection was accepted: the pid was reused", pid)
 	}
-	return groups, nil
+	return nil
 }
 
 // clockTicks is USER_HZ, the unit of /proc/PID/stat's start time: 100 on

@@ -42,6 +42,9 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
 	}
+	if err := s.checkImages(req.Image, req.DiskImage, req.RootfsImage); err != nil {
+		return api.Operation{}, err
+	}
 	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
@@ -107,6 +110,9 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if req.VM.DiskPath != "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "the agent restores VM state only: put the disk overlay in place before QEMU starts (the restore init container does)")
 	}
+	if err := s.checkImages(req.Image); err != nil {
+		return api.Operation{}, err
+	}
 	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
@@ -147,12 +153,31 @@ func (s *Server) checkStream(workers, chunkSize int) error {
 	return nil
 }
 
+// checkImages refuses, before the VM is touched, a request that names an
+// image the agent's policy does not allow (policy.go): the image, then the
+// disk image, then the rootfs image.
+func (s *Server) checkImages(image string, more ...string) error {
+	names := []string{"image", "disk image", "rootfs image"}
+	for i, ref := range append([]string{image}, more...) {
+		if err := s.policy.check(names[i], ref); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // afterResolve runs in a checkpoint between resolving the VM and using
 // what was resolved: tests swap the VM's files there.
 var afterResolve = func() {}
 
-// resolve finds the VM and opens its files; the caller owns them.
+// resolve finds the VM and opens its files; the caller owns them. It is
+// FORBIDDEN unless the VM is in the request's caller's namespace or the
+// caller is an admin (caller.go).
 func (s *Server) resolve(ctx context.Context, vm api.VMRef) (*Resolved, error) {
+	caller, err := requestCaller(ctx)
+	if err != nil {
+		return nil, err
+	}
 	if vm.PodUID == "" {
 		return nil, errcode.New(errcode.VMNotFound, "no pod UID given: name the VM's pod by its UID (the Job's SOURCE_POD_UID)")
 	}
@@ -161,7 +186,15 @@ func (s *Server) resolve(ctx context.Context, vm api.VMRef) (*Resolved, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	return s.cfg.Resolver.Resolve(ctx, vm)
+	r, err := s.cfg.Resolver.Resolve(ctx, vm)
+	if err != nil {
+		return nil, err
+	}
+	if err := caller.mayActOn(r.Namespace); err != nil {
+		r.Close()
+		return nil, err
+	}
+	return r, nil
 }
 
 // start registers o and runs work in the background once a slot is free.

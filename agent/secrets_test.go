@@ -56,7 +56,7 @@ func TestAgentNeverShowsRegistryCredentials(t *testing.T) {
 			res.add(uid1, vm.Path())
 			log := &syncBuffer{}
 			a := startAgentConfig(t, Config{
-				StateDir: t.TempDir(), Resolver: res, MaxConcurrent: 1,
+				StateDir: t.TempDir(), Resolver: res, MaxConcurrent: 1, AllowRepositories: []string{reg.Host + "/vms"},
 				Store:  []ociimage.Option{ociimage.WithRegistryConfig(tc.config), ociimage.WithCAFile(reg.CAFile)},
 				Logger: slog.New(slog.NewJSONHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug})),
 			})

@@ -212,6 +212,9 @@ type Target struct {
 	// layer (DiskPath is then inside the snapshot containerd keeps that
 	// layer in), not on a volume.
 	DiskInRootfs bool `json:"diskInRootfs,omitempty"`
+	// Namespace is the pod's namespace (its container's
+	// io.kubernetes.pod.namespace label): who may act on the VM.
+	Namespace string `json:"namespace,omitempty"`
 }
 
 // CheckpointRequest asks the agent to checkpoint a VM on its node.

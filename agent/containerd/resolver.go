@@ -61,6 +61,8 @@ const (
 	// The labels the CRI plugin puts on every container of a pod.
 	LabelPodUID        = "io.kubernetes.pod.uid"
 	LabelContainerName = "io.kubernetes.container.name"
+	LabelPodNamespace  = "io.kubernetes.pod.namespace"
+	LabelPodName       = "io.kubernetes.pod.name"
 	// LabelKind is "sandbox" on a pod's pause container, which is skipped.
 	LabelKind = "io.cri-containerd.kind"
 )
@@ -192,6 +194,10 @@ func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (*agent.Resolve
 	if err != nil {
 		return nil, err
 	}
+	// Map no path of a VM the caller may not touch (see agent.CheckCaller).
+	if err := agent.CheckCaller(ctx, c.Labels[LabelPodNamespace]); err != nil {
+		return nil, err
+	}
 	var spec specs.Spec
 	if c.Spec == nil {
 		return nil, errcode.New(errcode.Internal, "container %s has no OCI spec", c.ID)
@@ -199,7 +205,7 @@ func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (*agent.Resolve
 	if err := json.Unmarshal(c.Spec.GetValue(), &spec); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "container %s: reading its OCI spec", c.ID)
 	}
-	t := agent.Target{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID}
+	t := agent.Target{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID, Namespace: c.Labels[LabelPodNamespace]}
 	var h agent.Handles
 	if t.QMPPath, h.QMP, err = hostPath(spec.Mounts, "QMP socket", qmpIn, fs.ModeSocket); err != nil {
 		return nil, err

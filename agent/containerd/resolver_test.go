@@ -129,7 +129,7 @@ func TestResolveMapsPathsToVolume(t *testing.T) {
 	}
 	t.Logf("resolved in %v: %+v", took, tg)
 	want := agent.Target{
-		PodUID: e.uid, Container: "qemu", ContainerID: e.c.ID,
+		PodUID: e.uid, Container: "qemu", ContainerID: e.c.ID, Namespace: "default",
 		QMPPath:  filepath.Join(e.c.HostDir, "qmp.sock"),
 		DiskPath: filepath.Join(e.c.HostDir, "disk.qcow2"),
 	}

@@ -53,7 +53,17 @@ larger than the VM's memory allows is aborted with QMP_ERROR, the VM
 continued and the staging file freed.
 
 Registry credentials come from $DOCKER_CONFIG or --registry-config (a mounted
-dockerconfigjson secret), never from flags.`,
+dockerconfigjson secret), never from flags.
+
+Who may do what (the README's "Security model"): a caller is placed by its
+peer credentials. A process in a pod's container acts only on VMs in that
+pod's namespace and sees and cancels only their operations; a process in a
+namespace named with --admin-namespace, or on the node outside any
+container, acts on every VM (the agent needs hostPID to see callers'
+processes). Whoever calls, every image a request names must be under one of
+--allow-repository HOST[:PORT]/PREFIX (none given: no registry at all), and
+every oci: layout under --layout-root (none given: no layout at all);
+anything else is FORBIDDEN (exit status 12) before the VM is touched.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, logLevel, reg))
@@ -73,6 +83,14 @@ dockerconfigjson secret), never from flags.`,
 	c.Flags().StringVar(&ctrdNS, "containerd-namespace", "k8s.io", "containerd namespace of the kubelet's containers")
 	c.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error (JSON logs on stderr)")
 	c.Flags().IntVar(&cfg.Keep, "keep", 0, "after each successful checkpoint whose request has no \"keep\", keep the `N` newest checkpoints of its state repository and delete the older ones (as vmsnap prune; 0: never prune)")
+	// Authorization: who may act on which VM, and where images may go.
+	c.Flags().StringArrayVar(&cfg.AdminNamespaces, "admin-namespace", nil,
+		"pod namespace whose callers may act on any VM and see every operation, such as a platform controller's (repeatable)")
+	c.Flags().StringArrayVar(&cfg.AllowRepositories, "allow-repository", nil,
+		"HOST[:PORT]/PREFIX a request's registry images must be under: the host and port exactly, the repository PREFIX or below it "+
+			"on a '/' boundary (repeatable; none: every registry image is refused)")
+	c.Flags().StringVar(&cfg.LayoutRoot, "layout-root", "",
+		"directory a request's oci: layouts must be under, with no symbolic link below it and never overlapping --state-dir (none: every oci: layout is refused)")
 	reg.add(c)
 	c.AddCommand(newAgentHealthCmd())
 	return c

@@ -34,7 +34,8 @@ var vmsnapBinary struct {
 	err  error
 }
 
-// binary builds vmsnap once per test run.
+// binary builds vmsnap once per test run, static (no cgo), so that it
+// also runs inside the tests' busybox containers, which have no libc.
 func binary(t *testing.T) string {
 	t.Helper()
 	vmsnapBinary.once.Do(func() {
@@ -44,7 +45,9 @@ func binary(t *testing.T) string {
 			return
 		}
 		vmsnapBinary.path = filepath.Join(dir, "vmsnap")
-		out, err := exec.Command("go", "build", "-o", vmsnapBinary.path, ".").CombinedOutput()
+		build := exec.Command("go", "build", "-o", vmsnapBinary.path, ".")
+		build.Env = append(os.Environ(), "CGO_ENABLED=0")
+		out, err := build.CombinedOutput()
 		if err != nil {
 			vmsnapBinary.err = &exec.ExitError{}
 			t.Logf("go build: %s", out)
@@ -66,7 +69,8 @@ type agentProc struct {
 }
 
 // startAgentProc starts `vmsnap agent` on socket, with extra flags after
-// the test's own.
+// the test's own (its policy: --layout-root, --allow-repository,
+// --admin-namespace; its bounds).
 func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket string, extra ...string) *agentProc {
 	t.Helper()
 	log, err := os.CreateTemp(t.TempDir(), "agent-*.log")
@@ -107,6 +111,11 @@ func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket 
 	}
 	return p
 }
+
+// tempRoot is the directory of the test's t.TempDir()s: the layout root
+// of an agent whose tests keep their layouts in them (the state directory,
+// a sibling, stays out of every layout).
+func tempRoot(t *testing.T) string { return filepath.Dir(t.TempDir()) }
 
 func (p *agentProc) kill() {
 	_ = p.cmd.Process.Kill()
@@ -195,7 +204,7 @@ func TestAgentE2EJobCheckpointAndAgentRestore(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
-	startAgentProc(t, ctrd, t.TempDir(), sock)
+	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
 	store := filepath.Join(t.TempDir(), "store")
 	termLog := filepath.Join(t.TempDir(), "termination-log")
 
@@ -247,7 +256,7 @@ func TestAgentE2EBusyAndDeletedContainer(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
-	startAgentProc(t, ctrd, t.TempDir(), sock)
+	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
 	c, _ := agent.NewClient("unix://" + sock)
 	ctx := context.Background()
 	req := api.CheckpointRequest{VM: api.VMRef{PodUID: src.uid, Container: "qemu", QMPPath: src.qmpInPod()},
@@ -314,7 +323,7 @@ func TestAgentE2EKilledAgentContinuesVMOnRestart(t *testing.T) {
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
 	stateDir := t.TempDir()
-	p := startAgentProc(t, ctrd, stateDir, sock)
+	p := startAgentProc(t, ctrd, stateDir, sock, "--layout-root", tempRoot(t))
 	c, _ := agent.NewClient("unix://" + sock)
 	op, err := c.Checkpoint(context.Background(), api.CheckpointRequest{
 		VM:    api.VMRef{PodUID: src.uid, Container: "qemu", QMPPath: src.qmpInPod()},
@@ -337,7 +346,7 @@ func TestAgentE2EKilledAgentContinuesVMOnRestart(t *testing.T) {
 		t.Fatalf("the VM runs after the agent died mid-checkpoint (%s): the kill came too late to test anything", st)
 	}
 	// The restarted agent finds the journal and continues the VM.
-	startAgentProc(t, ctrd, stateDir, sock)
+	startAgentProc(t, ctrd, stateDir, sock, "--layout-root", tempRoot(t))
 	waitRunning(t, src)
 	o, err := c.Get(context.Background(), op.ID)
 	if err != nil || o.State != api.StateFailed || !strings.Contains(o.Error.Message, "continued") {
@@ -406,7 +415,7 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
-	startAgentProc(t, ctrd, t.TempDir(), sock)
+	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
 	stateStore, imageStore := filepath.Join(t.TempDir(), "state"), filepath.Join(t.TempDir(), "images")
 	args := []string{"checkpoint", "--agent", "unix://" + sock, "--pod-uid", src.uid, "--container", "qemu",
 		"--qmp", src.qmpInPod(), "--disk", testcontainerd.DefaultMountPath + "/overlay.qcow2",
@@ -481,7 +490,7 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
-	startAgentProc(t, ctrd, t.TempDir(), sock)
+	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
 	stateStore, imageStore := filepath.Join(t.TempDir(), "state"), filepath.Join(t.TempDir(), "images")
 	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--agent", "unix://"+sock, "--pod-uid", src.uid, "--container", "qemu",
 		"--qmp", src.qmpInPod(), "--disk", inPod, "--image", "oci:"+stateStore+":vm",
@@ -567,7 +576,7 @@ func TestAgentE2EQMPSocketBeyondAddressLimit(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
-	startAgentProc(t, ctrd, t.TempDir(), sock)
+	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
 	store := filepath.Join(t.TempDir(), "store")
 	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--agent", "unix://"+sock, "--pod-uid", uid, "--container", "qemu",
 		"--qmp", testcontainerd.DefaultMountPath+"/qmp.sock", "--image", "oci:"+store+":vm", "--mode", "pause")

@@ -100,7 +100,7 @@ func TestAgentE2EHostileQEMU(t *testing.T) {
 	hugeVM, silentVM, muteVM := hostilePod(t, ctrd, huge), hostilePod(t, ctrd, silent), hostilePod(t, ctrd, mute)
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
 	const timeout = 3 * time.Second
-	p := startAgentProc(t, ctrd, t.TempDir(), sock, "--operation-timeout", timeout.String())
+	p := startAgentProc(t, ctrd, t.TempDir(), sock, "--operation-timeout", timeout.String(), "--layout-root", tempRoot(t))
 	c, err := agent.NewClient("unix://" + sock)
 	if err != nil {
 		t.Fatal(err)

@@ -96,8 +96,8 @@ func TestExitStatusesAreDistinct(t *testing.T) {
 		}
 		seen[s] = c
 	}
-	if len(seen) != 11 {
-		t.Fatalf("%d codes, the contract has 11", len(seen))
+	if len(seen) != 12 || errcode.Forbidden.ExitStatus() != 12 {
+		t.Fatalf("%d codes, the contract has 12 (FORBIDDEN is %d, want 12)", len(seen), errcode.Forbidden.ExitStatus())
 	}
 }
 

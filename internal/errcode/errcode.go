@@ -43,11 +43,15 @@ const (
 	Busy           Code = "BUSY"            // another operation holds the VM
 	InvalidInput   Code = "INVALID_INPUT"   // malformed image, header, record or request
 	Internal       Code = "INTERNAL"        // a bug or an unexpected local failure
+	// Forbidden: the node agent's policy does not let this caller do this
+	// (another namespace's VM, a repository outside the allow list, a
+	// layout outside the layout root).
+	Forbidden Code = "FORBIDDEN"
 )
 
 // Codes lists every code in the order of their exit statuses.
 var Codes = []Code{Internal, Usage, VMNotFound, QMPError, CompatMismatch, DigestMismatch,
-	TagNotAllowed, AuthFailed, RegistryError, Busy, InvalidInput}
+	TagNotAllowed, AuthFailed, RegistryError, Busy, InvalidInput, Forbidden}
 
 // ExitStatus is the process exit status for a failure with this code.
 // 0 is success; INTERNAL is 1, the codes that follow count up from 2.
