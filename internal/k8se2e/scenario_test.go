@@ -50,7 +50,6 @@ type scenario struct {
 	sourceLast              testguest.Status // the source guest's last status before the checkpoint
 	stateDigest, diskDigest string
 	restored                *corev1.Pod
-	restoredFirst           testguest.Status
 	viaAgent                *corev1.Pod
 }
 
@@ -423,7 +422,7 @@ func (s *scenario) restore(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	s.restored = s.applyRestorePod(t, ctx, "restored")
-	s.restoredFirst = s.carriesOn(t, ctx, s.restored)
+	s.carriesOn(t, ctx, s.restored)
 }
 
 // applyRestorePod applies the restore template (with extra `vmsnap
@@ -464,7 +463,7 @@ func (s *scenario) qemuRestart(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	before := restarts(s.restored, "qemu")
-	killTask(t, ctx, s, s.containerTask(t, ctx, s.restored, "qemu"))
+	s.killTask(t, ctx, s.containerTask(t, ctx, s.restored, "qemu"))
 	p := s.c.WaitPod(t, ctx, s.vmNS, s.restored.Name, func(p *corev1.Pod) bool {
 		return restarts(p, "qemu") > before && ready(p, "qemu")
 	})
@@ -527,7 +526,7 @@ func (s *scenario) initRerun(t *testing.T) {
 		t.Fatal(err)
 	}
 	initBefore, qemuBefore := restarts(p, initContainer), restarts(p, "qemu")
-	killTask(t, ctx, s, s.containerTask(t, ctx, p, ""))
+	s.killTask(t, ctx, s.containerTask(t, ctx, p, ""))
 	p = s.c.WaitPod(t, ctx, s.vmNS, s.restored.Name, func(p *corev1.Pod) bool {
 		return restarts(p, initContainer) > initBefore && restarts(p, "qemu") > qemuBefore && ready(p, "qemu")
 	})
@@ -635,7 +634,8 @@ func (s *scenario) containerTask(t *testing.T, ctx context.Context, pod *corev1.
 	return nil
 }
 
-func killTask(t *testing.T, ctx context.Context, s *scenario, task client.Task) {
+// killTask kills a container's process, as a crash or the OOM killer would.
+func (s *scenario) killTask(t *testing.T, ctx context.Context, task client.Task) {
 	t.Helper()
 	if err := task.Kill(s.c.Containerd.Context(ctx), syscall.SIGKILL); err != nil {
 		t.Fatal(err)
