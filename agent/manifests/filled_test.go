@@ -314,7 +314,7 @@ func TestAgentOptionsPassedThrough(t *testing.T) {
 		t.Errorf("CA mount %+v", m)
 	}
 	doc := r.doc(t, "DaemonSet")
-	for _, line := range []string{"- 10.0.0.5:5000/vms", "- vmsnap-system", "path: /srv/vmsnap-layouts", "name: registry-ca"} {
+	for _, line := range []string{"- 10.0.0.5:5000/vms", "- vmsnap-system", "path: /srv/vmsnap-layouts", "- configMap:"} {
 		commentAbove(t, doc, line)
 	}
 	// With no --allow-repository the header says every registry is refused.

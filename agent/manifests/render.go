@@ -297,7 +297,7 @@ func daemonSetDoc(o Options) document {
 		notes = append(notes, note{"path: " + o.LayoutRoot, "oci: layouts over the API only below this directory (--layout-root)."})
 	}
 	if o.RegistryCAConfigMap != "" {
-		notes = append(notes, note{"name: " + o.RegistryCAConfigMap, "The registry's private CA (ca.pem), passed as --ca-file."})
+		notes = append(notes, note{"- configMap:", "The registry's private CA (ca.pem) from ConfigMap " + o.RegistryCAConfigMap + ", passed as --ca-file."})
 	}
 	for _, c := range o.AgentExtraCapabilities {
 		notes = append(notes, note{"- " + string(c), "Added by the operator (AgentExtraCapabilities)."})
@@ -399,7 +399,7 @@ func restoreDoc(o Options) document {
 		{"name: " + BackingContainerName, "The overlay's backing file, copied beside it unless there already."},
 	}
 	if o.RegistryCAConfigMap != "" {
-		notes = append(notes, note{"name: " + o.RegistryCAConfigMap, "The registry's private CA (ca.pem), passed as --ca-file; create it in the pod's namespace."})
+		notes = append(notes, note{"- configMap:", "The registry's private CA (ca.pem) from ConfigMap " + o.RegistryCAConfigMap + ", passed as --ca-file; create it in the pod's namespace."})
 	}
 	if !o.RestoreViaAgent {
 		notes = append(notes, note{"sizeLimit: " + o.RestoreStateSizeLimit.String(), "The staged VM state (compressed); the pod is evicted past this."})
