@@ -30,10 +30,17 @@ const busyboxImage = "vmsnap.test/busybox:1"
 // the host is left as it was found (iptables, sysctls, links, cgroups).
 func TestCluster(t *testing.T) {
 	Require(t)
+	// Hold the host lock across both looks at the host: another package's
+	// cluster (the scenario's) may run meanwhile under go test ./...
+	unlock, err := flock(hostLock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
 	before := hostFingerprint(t)
 	stale := plantStaleRun(t)
 	t.Run("Cluster", func(t *testing.T) {
-		c := Start(t)
+		c := start(t, false)
 		for _, gone := range stale {
 			if _, err := os.Stat(gone); !os.IsNotExist(err) {
 				t.Errorf("Start left %s of a dead run behind (%v)", gone, err)
