@@ -26,7 +26,7 @@ import (
 func fuzzServer(tb testing.TB) *Server {
 	tb.Helper()
 	s, err := New(context.Background(), Config{
-		StateDir: tb.TempDir(), Resolver: newStaticResolver(), LayoutRoot: "/tmp",
+		StateDir: tb.TempDir(), Resolver: newStaticResolver(), LayoutRoot: tb.TempDir(),
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 	})
 	if err != nil {
