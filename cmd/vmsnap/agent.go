@@ -63,7 +63,15 @@ container, acts on every VM (the agent needs hostPID to see callers'
 processes). Whoever calls, every image a request names must be under one of
 --allow-repository HOST[:PORT]/PREFIX (none given: no registry at all), and
 every oci: layout under --layout-root (none given: no layout at all);
-anything else is FORBIDDEN (exit status 12) before the VM is touched.`,
+anything else is FORBIDDEN (exit status 12) before the VM is touched.
+
+Per tenant: a PREFIX component {namespace} is the caller's pod namespace, so
+--allow-repository reg:5000/vms/{namespace} lets a caller in tenant-a use
+reg:5000/vms/tenant-a/... and nothing of tenant-b's; admins match it with
+any namespace. A caller in a pod has only LAYOUT_ROOT/NAMESPACE of the
+layout root (admins the whole root). Plain entries are shared by every
+caller. Every directory from --layout-root down must be the agent's alone
+(its owner, not writable by group or others).`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, logLevel, reg))
@@ -88,9 +96,10 @@ anything else is FORBIDDEN (exit status 12) before the VM is touched.`,
 		"pod namespace whose callers may act on any VM and see every operation, such as a platform controller's (repeatable)")
 	c.Flags().StringArrayVar(&cfg.AllowRepositories, "allow-repository", nil,
 		"HOST[:PORT]/PREFIX a request's registry images must be under: the host and port exactly, the repository PREFIX or below it "+
-			"on a '/' boundary (repeatable; none: every registry image is refused)")
+			"on a '/' boundary; a component {namespace} is the caller's namespace (repeatable; none: every registry image is refused)")
 	c.Flags().StringVar(&cfg.LayoutRoot, "layout-root", "",
-		"directory a request's oci: layouts must be under, with no symbolic link below it and never overlapping --state-dir (none: every oci: layout is refused)")
+		"directory a request's oci: layouts must be under (a caller in a pod: under DIR/NAMESPACE), only the agent may write below it, "+
+			"with no symbolic link below it and never overlapping --state-dir (none: every oci: layout is refused)")
 	reg.add(c)
 	c.AddCommand(newAgentHealthCmd())
 	return c
