@@ -19,6 +19,7 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 		cfg         agent.Config
 		ctrdAddress string
 		ctrdNS      string
+		podsDir     string
 		logLevel    string
 		reg         registryFlags
 	)
@@ -74,7 +75,7 @@ caller. Every directory from --layout-root down must be the agent's alone
 (its owner, not writable by group or others).`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
-			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, logLevel, reg))
+			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, podsDir, logLevel, reg))
 		},
 	}
 	c.Flags().StringVar(&cfg.Socket, "socket", "/run/vmsnap/agent.sock", "unix socket of the API")
@@ -89,6 +90,8 @@ caller. Every directory from --layout-root down must be the agent's alone
 
 	c.Flags().StringVar(&ctrdAddress, "containerd-address", "/run/containerd/containerd.sock", "the node's containerd socket")
 	c.Flags().StringVar(&ctrdNS, "containerd-namespace", "k8s.io", "containerd namespace of the kubelet's containers")
+	c.Flags().StringVar(&podsDir, "kubelet-pods-dir", "/var/lib/kubelet/pods",
+		"the kubelet's pods directory: a VM's QMP socket and disk are opened only on volumes below DIR/POD_UID (not on hostPath volumes); \"\": on any volume")
 	c.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error (JSON logs on stderr)")
 	c.Flags().IntVar(&cfg.Keep, "keep", 0, "after each successful checkpoint whose request has no \"keep\", keep the `N` newest checkpoints of its state repository and delete the older ones (as vmsnap prune; 0: never prune)")
 	// Authorization: who may act on which VM, and where images may go.
@@ -105,13 +108,17 @@ caller. Every directory from --layout-root down must be the agent's alone
 	return c
 }
 
-func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, logLevel string, reg registryFlags) error {
+func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDir, logLevel string, reg registryFlags) error {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(logLevel)); err != nil {
 		return errcode.New(errcode.Usage, "--log-level %q: use debug, info, warn or error", logLevel)
 	}
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
-	res, err := containerd.New(ctx, ctrdAddress, ctrdNS, containerd.WithLogger(log))
+	opts := []containerd.Option{containerd.WithLogger(log)}
+	if podsDir != "" {
+		opts = append(opts, containerd.WithPodsDir(podsDir))
+	}
+	res, err := containerd.New(ctx, ctrdAddress, ctrdNS, opts...)
 	if err != nil {
 		return err
 	}
