@@ -193,8 +193,8 @@ func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
 		// must not hold the agent's descriptors by opening connections and
 		// leaving them (an event stream is a request, and stays).
 		IdleTimeout: 2 * time.Minute,
-		BaseContext:       func(net.Listener) context.Context { return ctx },
-		ConnContext:       connContext, // requests find their caller (caller.go)
+		BaseContext: func(net.Listener) context.Context { return ctx },
+		ConnContext: connContext, // requests find their caller (caller.go)
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
