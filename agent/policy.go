@@ -151,6 +151,9 @@ func newImagePolicy(allow []string, layoutRoot, stateDir string) (*imagePolicy, 
 	} else if err := agentOnlyDir(pol.layoutRoot, fi); err != nil {
 		return nil, errcode.Wrap(errcode.Usage, err, "--layout-root %s", layoutRoot)
 	}
+	if err := safeAncestors(pol.layoutRoot); err != nil {
+		return nil, errcode.Wrap(errcode.Usage, err, "--layout-root %s", layoutRoot)
+	}
 	if within(pol.layoutRoot, pol.stateDir) {
 		return nil, errcode.New(errcode.Usage, "--layout-root %s is inside --state-dir %s: the agent's journal is no place for images; choose another directory", layoutRoot, stateDir)
 	}
@@ -263,6 +266,26 @@ func (pol *imagePolicy) checkLayout(c Caller, what, dir string) error {
 		}
 	}
 	return nil
+}
+
+// safeAncestors refuses a directory above the layout root that someone
+// besides root and the agent's user could change entries of (a sticky one,
+// such as /tmp, lets no one rename what is not theirs): its owner could
+// swap the root for a link between a check and an open.
+func safeAncestors(root string) error {
+	for dir := filepath.Dir(root); ; dir = filepath.Dir(dir) {
+		fi, err := os.Stat(dir)
+		if err != nil {
+			return err
+		}
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		if !ok || st.Uid != 0 && int(st.Uid) != os.Geteuid() || fi.Mode().Perm()&0o022 != 0 && fi.Mode()&fs.ModeSticky == 0 {
+			return fmt.Errorf("%s (mode %v) above it may be changed by someone besides root and the agent: choose a layout root whose parents only root writes", dir, fi.Mode())
+		}
+		if dir == "/" {
+			return nil
+		}
+	}
 }
 
 // agentOnlyDir refuses what is not a directory only the agent's user may

@@ -168,3 +168,28 @@ func TestLayoutRootRefusesDirectoriesOthersMayChange(t *testing.T) {
 		t.Errorf("a layout root made world-writable after startup: %v, want FORBIDDEN", err)
 	}
 }
+
+// A layout root below a directory others may change is refused at startup:
+// they could swap the root itself for a link.
+func TestLayoutRootRefusesUnsafeParents(t *testing.T) {
+	parent := filepath.Join(t.TempDir(), "shared")
+	root := filepath.Join(parent, "layouts")
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := newImagePolicy(nil, root, t.TempDir()); err != nil {
+		t.Fatalf("a root whose parents only root or the agent writes: %v", err)
+	}
+	if err := os.Chmod(parent, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := newImagePolicy(nil, root, t.TempDir()); errcode.Of(err) != errcode.Usage || !strings.Contains(err.Error(), parent) {
+		t.Errorf("a root below a world-writable directory: %v, want USAGE naming it", err)
+	}
+	if err := os.Chmod(parent, 0o777|os.ModeSticky); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := newImagePolicy(nil, root, t.TempDir()); err != nil {
+		t.Errorf("a root below a sticky directory (as /tmp): %v", err)
+	}
+}
