@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"os"
 	"runtime"
@@ -40,34 +39,6 @@ import (
 // left behind, even if vmsnap is killed, and truncated through vmsnap's own
 // descriptor once QEMU is done with them, since QEMU may keep its copy open
 // (stagingFile.free).
-
-// Format is how a VM state image holds the VM's state.
-type Format string
-
-const (
-	// FormatAuto picks mapped-ram in snapshot mode where the source QEMU
-	// has it and the staging directory has room, else the stream. It is an
-	// option, never recorded.
-	FormatAuto Format = "auto"
-	// FormatStream is QEMU's sequential migration stream, as QEMU writes it
-	// into a pipe. Configs leave it out (an empty format is a stream), so
-	// that their JSON is what it was before formats existed.
-	FormatStream Format = "stream"
-	// FormatMappedRAM is QEMU's mapped-ram file (QEMU 9.0 or later): the
-	// image's chunks, in order, are that file's bytes.
-	FormatMappedRAM Format = "mapped-ram"
-)
-
-// ParseFormat accepts the format names of the command line ("" is auto).
-func ParseFormat(s string) (Format, error) {
-	switch f := Format(s); f {
-	case "":
-		return FormatAuto, nil
-	case FormatAuto, FormatStream, FormatMappedRAM:
-		return f, nil
-	}
-	return "", errcode.New(errcode.Usage, "unknown state format %q: use auto, stream or mapped-ram", s)
-}
 
 // capMappedRAM and capMultifd are QEMU's names of the migration capabilities.
 const (
@@ -432,48 +403,6 @@ func waitFinalized(ctx context.Context, mon Executor) error {
 	}
 }
 
-// pushStateManifest stores the state manifest with its annotations (the
-// Checkpoint's and the link's) and runs the Commit hook: the tail of a
-// checkpoint, as Checkpoint does it.
-func pushStateManifest(ctx context.Context, repo ociimage.Repository, opts CheckpointOptions, res *CheckpointResult, link Link) error {
-	record := res.Config.Record
-	annotations := map[string]string{
-		ociimage.AnnotationMode:        string(opts.Mode),
-		ociimage.AnnotationQEMUVersion: record.QEMUVersion,
-		ociimage.AnnotationMachine:     record.Machine,
-		ociimage.AnnotationMemory:      strconv.FormatInt(record.MemoryBytes, 10),
-		ociimage.AnnotationRawBytes:    strconv.FormatInt(res.Stream.RawBytes, 10),
-		ociimage.AnnotationCreated:     res.Config.Created.Format(time.RFC3339),
-	}
-	for k, v := range opts.Annotations {
-		annotations[k] = v
-	}
-	for k, v := range link.Annotations {
-		annotations[k] = v
-	}
-	pushStart := time.Now()
-	var err error
-	res.Manifest, err = ociimage.PushArtifact(ctx, repo, ociimage.Artifact{
-		ArtifactType:    ociimage.ArtifactTypeVMState,
-		ConfigMediaType: ociimage.MediaTypeVMStateConfig,
-		Config:          res.Config,
-		Layers:          res.Stream.Layers,
-		Annotations:     annotations,
-		Subject:         link.Subject,
-	})
-	if err != nil {
-		return errcode.Ensure(errcode.RegistryError, err, "storing the state manifest")
-	}
-	if opts.Commit != nil {
-		if err = opts.Commit(ctx, res.Manifest); err != nil {
-			return errcode.Ensure(errcode.RegistryError, err, "moving the checkpoint's tags")
-		}
-	}
-	res.Durations.Push = time.Since(pushStart)
-	res.Image = repo.Reference().WithDigest(res.Manifest.Digest)
-	return nil
-}
-
 // fileExtent returns a file's size and the bytes allocated to it.
 func fileExtent(f *os.File) (size, allocated int64, err error) {
 	fi, err := f.Stat()
@@ -589,47 +518,6 @@ func (w *sparseWriter) Write(p []byte) (int, error) {
 	}
 	w.off += int64(len(p))
 	return len(p), nil
-}
-
-// checkRestorable is Restore's compatibility check: CheckCompatible, plus,
-// for a mapped-ram image, the target's mapped-ram capability, so that a
-// QEMU that cannot load the file is refused with every difference at once
-// and before anything is fed. A stream image costs no QMP command more.
-func checkRestorable(ctx context.Context, mon Executor, cfg Config, target Record) error {
-	diffs := Compare(cfg.Record, target)
-	format := ""
-	if cfg.Format == FormatMappedRAM {
-		caps, err := migrationCapabilities(ctx, mon)
-		if err != nil {
-			return err
-		}
-		if _, ok := caps[capMappedRAM]; !ok {
-			format = fmt.Sprintf("the snapshot is in QEMU's mapped-ram format (QEMU 9.0 or later), which this QEMU %s cannot load; ", target.QEMUVersion)
-			diffs = append(diffs, fmt.Sprintf("migration format: snapshot is %s (saved by QEMU %s), target QEMU %s lacks the mapped-ram migration capability", FormatMappedRAM, cfg.Record.QEMUVersion, target.QEMUVersion))
-		}
-	}
-	if len(diffs) == 0 {
-		return nil
-	}
-	return errcode.WithDetails(errcode.CompatMismatch, diffs,
-		"the waiting QEMU cannot load this snapshot (%d difference(s)): %sstart it with the same machine, CPU, memory and devices as the source", len(diffs), format)
-}
-
-// checkFormat refuses a config whose format this vmsnap does not know.
-func (c Config) checkFormat() error {
-	switch c.Format {
-	case "", FormatStream:
-		if c.DataBytes != 0 {
-			return errcode.New(errcode.InvalidInput, "the image's config declares %d bytes of staged data for a stream", c.DataBytes)
-		}
-		return nil
-	case FormatMappedRAM:
-		if c.DataBytes < 0 || c.DataBytes > c.RawBytes {
-			return errcode.New(errcode.InvalidInput, "the image's config declares %d bytes of data in a %d-byte mapped-ram file", c.DataBytes, c.RawBytes)
-		}
-		return nil
-	}
-	return errcode.New(errcode.InvalidInput, "the image holds VM state in format %q, which this vmsnap does not know (a newer vmsnap wrote it?)", c.Format)
 }
 
 // restoreMappedRAM is Restore's mapped-ram path, from Restore, which has
