@@ -69,7 +69,7 @@ type Config struct {
 
 	// MaxWorkers bounds a request's workers (default DefaultMaxWorkers(),
 	// at most HardMaxWorkers): each one holds chunk buffers (see
-	// vmstate.StreamOptions.EncodeMemory), so a caller must not pick how
+	// chunk.StreamOptions.EncodeMemory), so a caller must not pick how
 	// much of the agent's memory one operation takes. A request above it
 	// is refused (INVALID_INPUT), not clamped, so the caller knows.
 	MaxWorkers int

@@ -17,6 +17,7 @@ import (
 	"github.com/vmsnap/vmsnap/qmp"
 	"github.com/vmsnap/vmsnap/rootfs"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // The operations below are what a checkpoint or a restore is, whoever asks:
@@ -37,7 +38,7 @@ func (p Progress) bytes(phase string) func(int64) {
 	return func(n int64) { p(phase, n) }
 }
 
-func (p Progress) stream(phase string, o vmstate.StreamOptions) vmstate.StreamOptions {
+func (p Progress) stream(phase string, o chunk.StreamOptions) chunk.StreamOptions {
 	o.Progress = p.bytes(phase)
 	return o
 }
@@ -75,7 +76,7 @@ type CheckpointSpec struct {
 	RootfsImage   string
 	CaptureRootfs func(ctx context.Context, repo ociimage.Repository, progress func(layerBytes int64)) (*rootfs.LayerResult, error)
 	Mode          vmstate.Mode
-	Stream        vmstate.StreamOptions
+	Stream        chunk.StreamOptions
 	Store         []ociimage.Option
 	Progress      Progress
 	// Format and StagingDir: vmstate.CheckpointOptions's (auto and $TMPDIR
@@ -477,7 +478,7 @@ type RestoreSpec struct {
 	Image    string // REF@sha256:...
 	AllowTag bool
 	Paused   bool
-	Stream   vmstate.StreamOptions
+	Stream   chunk.StreamOptions
 	Store    []ociimage.Option
 	Progress Progress
 	// StagingDir is where a mapped-ram image is staged (default $TMPDIR).
@@ -523,7 +524,7 @@ type DiskRestoreSpec struct {
 	Image    string // REF@sha256:...
 	Path     string
 	AllowTag bool
-	Stream   vmstate.StreamOptions
+	Stream   chunk.StreamOptions
 	Store    []ociimage.Option
 	Progress Progress
 }
@@ -626,7 +627,7 @@ func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
 
 // StreamStaged writes the raw VM state staged in dir to w, verifying every
 // chunk again (the volume may have been tampered with since).
-func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (int, error) }, o vmstate.StreamOptions) error {
+func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (int, error) }, o chunk.StreamOptions) error {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
 		return errcode.Wrap(errcode.Usage, err, "--dir %s", dir)
@@ -643,6 +644,6 @@ func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (i
 		return errcode.New(errcode.CompatMismatch,
 			"the staged image is in the mapped-ram format, which QEMU loads from a file, not from a stream: restore it with vmsnap restore --qmp into a QEMU 9.0 or later waiting with -incoming defer")
 	}
-	_, err = vmstate.DecodeStream(ctx, m.Layers, repo, w, o)
+	_, err = chunk.DecodeStream(ctx, m.Layers, repo, w, o)
 	return err
 }

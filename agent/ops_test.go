@@ -20,6 +20,7 @@ import (
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/rootfs"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // checkpointToLayout stores a fake VM's state in a layout and returns the
@@ -29,7 +30,7 @@ func checkpointToLayout(t *testing.T, state []byte) (string, string) {
 	vm := qmptest.NewFakeQEMU(t, "running", state)
 	store := t.TempDir()
 	res, err := Checkpoint(context.Background(), CheckpointSpec{
-		QMPPath: vm.Path(), Image: "oci:" + store + ":vm", Stream: vmstate.StreamOptions{ChunkSize: 256 << 10},
+		QMPPath: vm.Path(), Image: "oci:" + store + ":vm", Stream: chunk.StreamOptions{ChunkSize: 256 << 10},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -49,7 +50,7 @@ func TestStageThenStreamGivesTheExactState(t *testing.T) {
 		t.Fatalf("staged %+v", st)
 	}
 	var out bytes.Buffer
-	if err := StreamStaged(context.Background(), dir, &out, vmstate.StreamOptions{}); err != nil {
+	if err := StreamStaged(context.Background(), dir, &out, chunk.StreamOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(out.Bytes(), state) {
@@ -94,7 +95,7 @@ func TestStreamStagedRefusesTamperedChunk(t *testing.T) {
 		t.Fatal(err)
 	}
 	var out bytes.Buffer
-	err = StreamStaged(context.Background(), dir, &out, vmstate.StreamOptions{})
+	err = StreamStaged(context.Background(), dir, &out, chunk.StreamOptions{})
 	if errcode.Of(err) != errcode.DigestMismatch {
 		t.Fatalf("err = %v, want DIGEST_MISMATCH", err)
 	}
@@ -143,7 +144,7 @@ func TestCheckpointTagsMoveOnlyOnceEverythingIsStored(t *testing.T) {
 	spec := func(vm *qmptest.FakeQEMU, mode vmstate.Mode) CheckpointSpec {
 		return CheckpointSpec{
 			QMPPath: vm.Path(), DiskPath: overlay, Image: "oci:" + stateDir + ":vm", DiskImage: "oci:" + diskDir + ":vm-disk",
-			Mode: mode, Stream: vmstate.StreamOptions{ChunkSize: 256 << 10},
+			Mode: mode, Stream: chunk.StreamOptions{ChunkSize: 256 << 10},
 		}
 	}
 	first, err := Checkpoint(ctx, spec(qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20)), vmstate.ModeSnapshot))
@@ -282,7 +283,7 @@ func TestCheckpointMovesTheDiskTagBackWhenTheRootfsTagFails(t *testing.T) {
 	spec := func(vm *qmptest.FakeQEMU, breakRootfs bool) CheckpointSpec {
 		return CheckpointSpec{
 			QMPPath: vm.Path(), DiskPath: overlay, Image: "oci:" + stateDir + ":vm", DiskImage: "oci:" + diskDir + ":vm-disk",
-			RootfsImage: "oci:" + rootfsDir + ":vm-rootfs", Stream: vmstate.StreamOptions{ChunkSize: 256 << 10},
+			RootfsImage: "oci:" + rootfsDir + ":vm-rootfs", Stream: chunk.StreamOptions{ChunkSize: 256 << 10},
 			CaptureRootfs: func(ctx context.Context, repo ociimage.Repository, _ func(int64)) (*rootfs.LayerResult, error) {
 				captures++
 				desc, err := ociimage.PushArtifact(ctx, repo, ociimage.Artifact{
@@ -371,7 +372,7 @@ func TestMoveTagsMovesBackWhenTheStateTagFails(t *testing.T) {
 		}
 		res, err := Checkpoint(ctx, CheckpointSpec{
 			QMPPath: qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20)).Path(), DiskPath: overlay,
-			Image: image, DiskImage: diskImage, Stream: vmstate.StreamOptions{ChunkSize: 256 << 10},
+			Image: image, DiskImage: diskImage, Stream: chunk.StreamOptions{ChunkSize: 256 << 10},
 		})
 		if err != nil {
 			t.Fatal(err)

@@ -20,7 +20,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
-	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // taken is one checkpoint of a fake VM: its result, the state it streamed
@@ -46,7 +46,7 @@ func fourCheckpoints(t *testing.T, image string, opts []ociimage.Option) (overla
 		state := randomState(t, 1<<20)
 		res, err := Checkpoint(context.Background(), CheckpointSpec{
 			QMPPath: qmptest.NewFakeQEMU(t, "running", state).Path(), DiskPath: overlay,
-			Image: image + ":vm", DiskImage: image + ":vm-disk", Stream: vmstate.StreamOptions{ChunkSize: 256 << 10}, Store: opts,
+			Image: image + ":vm", DiskImage: image + ":vm-disk", Stream: chunk.StreamOptions{ChunkSize: 256 << 10}, Store: opts,
 		})
 		if err != nil {
 			t.Fatal(err)

@@ -11,6 +11,7 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/rootfs"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // StartCheckpoint validates and resolves a checkpoint request, registers the
@@ -25,7 +26,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	}
 	spec := CheckpointSpec{
 		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: mode,
-		Stream: vmstate.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
+		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
 		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
 		// gets it as a descriptor, so its container need not see the path).
 		StagingDir: s.cfg.StateDir,
@@ -127,7 +128,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 		}
 		res, err := RestoreState(ctx, RestoreSpec{
 			QMPPath: req.VM.QMPPath, QMP: vm.QMP, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
-			Stream: vmstate.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
+			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.
 			StagingDir: s.cfg.StateDir,
@@ -147,8 +148,8 @@ func (s *Server) checkStream(workers, chunkSize int) error {
 	if workers < 0 || workers > s.cfg.MaxWorkers {
 		return errcode.New(errcode.InvalidInput, "workers %d: this agent allows 1..%d (its --max-workers); leave it out for the default", workers, s.cfg.MaxWorkers)
 	}
-	if chunkSize < 0 || chunkSize > vmstate.MaxChunkSize {
-		return errcode.New(errcode.InvalidInput, "chunkSize %d: at most %d (%d MiB); leave it out for the default", chunkSize, vmstate.MaxChunkSize, vmstate.MaxChunkSize>>20)
+	if chunkSize < 0 || chunkSize > chunk.MaxChunkSize {
+		return errcode.New(errcode.InvalidInput, "chunkSize %d: at most %d (%d MiB); leave it out for the default", chunkSize, chunk.MaxChunkSize, chunk.MaxChunkSize>>20)
 	}
 	return nil
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // Mode says what happens to the source VM during and after a checkpoint.
@@ -58,7 +59,7 @@ type Config struct {
 // checkpoint with default streaming.
 type CheckpointOptions struct {
 	Mode   Mode
-	Stream StreamOptions
+	Stream chunk.StreamOptions
 	// WhileStopped runs once the memory stream is complete and before the
 	// VM runs again, so that what it reads (the disk overlay) agrees with
 	// memory. What it returns links the state manifest to what it stored.
@@ -105,7 +106,7 @@ type CheckpointResult struct {
 	Manifest ocispec.Descriptor
 	Image    ociimage.Reference // pinned by digest
 	Config   Config
-	Stream   StreamResult
+	Stream   chunk.StreamResult
 	// Downtime is how long the guest did not run: QEMU's figure in live
 	// mode, stop to continue in snapshot mode, stop to stored in pause mode
 	// (where the guest stays stopped).
@@ -131,7 +132,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	if opts.Mode == ModeLive && opts.WhileStopped != nil {
 		return nil, errcode.New(errcode.Usage, "live mode does not stop the VM, so a disk overlay captured beside it would not match memory: use --mode snapshot or pause to capture the disk")
 	}
-	opts.Stream = opts.Stream.withDefaults()
+	opts.Stream = opts.Stream.WithDefaults()
 	res = &CheckpointResult{}
 
 	st, err := queryStatus(ctx, mon)
@@ -213,12 +214,12 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	finished := make(chan struct{})
 	failed := make(chan error, 1)
 	var (
-		stream    StreamResult
+		stream    chunk.StreamResult
 		streamErr error
 	)
 	go func() {
 		defer close(finished)
-		stream, streamErr = EncodeStream(streamCtx, newBoundedStream(r, record.MemoryBytes), repo, opts.Stream)
+		stream, streamErr = chunk.EncodeStream(streamCtx, newBoundedStream(r, record.MemoryBytes), repo, opts.Stream)
 		if streamErr != nil {
 			// QEMU may be blocked writing into the full pipe while it holds
 			// its big lock (the final pass of a migration does), and then
@@ -504,12 +505,12 @@ const maxStreamChunks = 8192
 
 // chunkSizeFor picks a chunk size so that a stream about the size of the
 // VM's memory fits in maxStreamChunks chunks.
-func chunkSizeFor(memory int64, chunk int) int {
-	chunk = effectiveChunkSize(chunk)
-	for memory/int64(chunk) >= maxStreamChunks && chunk < maxAverageChunk {
-		chunk *= 2
+func chunkSizeFor(memory int64, size int) int {
+	size = chunk.EffectiveChunkSize(size)
+	for memory/int64(size) >= maxStreamChunks && size < chunk.MaxChunkSize {
+		size *= 2
 	}
-	return chunk
+	return size
 }
 
 // cancelMigration cancels a migration and waits until QEMU has left it.

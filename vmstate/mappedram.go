@@ -16,6 +16,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // QEMU 9.0 and later can save a stopped VM in its mapped-ram format: a
@@ -356,7 +357,7 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	streamStart := time.Now()
 	so := opts.Stream
 	so.Fixed = true
-	res.Stream, err = EncodeStream(ctx, &sparseReader{f: staging.f, size: size}, repo, so)
+	res.Stream, err = chunk.EncodeStream(ctx, &sparseReader{f: staging.f, size: size}, repo, so)
 	if err != nil {
 		return nil, err
 	}
@@ -546,7 +547,7 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	// Every chunk is verified before it is written, and QEMU sees the file
 	// only once all of them are: a bad chunk leaves the target untouched.
 	streamStart := time.Now()
-	n, err := DecodeStream(ctx, layers, repo, &sparseWriter{f: staging.f}, opts.Stream)
+	n, err := chunk.DecodeStream(ctx, layers, repo, &sparseWriter{f: staging.f}, opts.Stream)
 	if err != nil {
 		// A failed write names the staging file; a failed read from the
 		// store is reported as it is.

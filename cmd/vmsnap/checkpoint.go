@@ -12,6 +12,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 type streamFlags struct {
@@ -24,8 +25,8 @@ func (f *streamFlags) add(c *cobra.Command) {
 	c.Flags().IntVar(&f.workers, "workers", 0, "chunks compressed, fetched or decompressed at once (default 2; each one more holds up to two chunks in memory, 24 MiB at the default chunk size: raise it for a fast registry link with spare cores)")
 }
 
-func (f *streamFlags) options() vmstate.StreamOptions {
-	return vmstate.StreamOptions{ChunkSize: f.chunkSize, Workers: f.workers}
+func (f *streamFlags) options() chunk.StreamOptions {
+	return chunk.StreamOptions{ChunkSize: f.chunkSize, Workers: f.workers}
 }
 
 // agentFlags make a command a client of the node agent (what a Job runs):
