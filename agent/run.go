@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/rootfs"
@@ -24,7 +25,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if err := s.checkStream(req.Workers, req.ChunkSize); err != nil {
 		return api.Operation{}, err
 	}
-	spec := CheckpointSpec{
+	spec := snapshot.CheckpointSpec{
 		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: mode,
 		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
 		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
@@ -59,7 +60,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if vm.DiskInRootfs {
 		spec.DiskInRootfs, spec.DiskRootfsPath = true, spec.DiskPath
 	}
-	if err := spec.checkDiskPlace(); err != nil {
+	if err := spec.CheckDiskPlace(); err != nil {
 		vm.Close()
 		return api.Operation{}, err
 	}
@@ -81,7 +82,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
 			return s.journal.write(journalEntry{Op: o.snapshot(), VMWasRunning: running})
 		}
-		res, err := Checkpoint(ctx, spec)
+		res, err := snapshot.Checkpoint(ctx, spec)
 		if err != nil {
 			return err
 		}
@@ -93,7 +94,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		}
 		// After the journal: an agent that dies while pruning must not
 		// have its recovery continue a VM that pause mode left stopped.
-		pruned := pruneAfterCheckpoint(ctx, spec.Image, keep, spec.Store)
+		pruned := snapshot.PruneAfterCheckpoint(ctx, spec.Image, keep, spec.Store)
 		o.update(func(d *api.Operation) { d.Checkpoint.Pruned = pruned })
 		return nil
 	})
@@ -126,7 +127,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 		if err := s.journal.write(journalEntry{Op: o.snapshot()}); err != nil {
 			return err
 		}
-		res, err := RestoreState(ctx, RestoreSpec{
+		res, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{
 			QMPPath: req.VM.QMPPath, QMP: vm.QMP, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
 			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
@@ -305,7 +306,7 @@ func (s *Server) end(o *op, err error, seconds float64, log interface {
 }
 
 // progress publishes progress at most twice a second per operation.
-func (s *Server) progress(o *op) Progress {
+func (s *Server) progress(o *op) snapshot.Progress {
 	return func(phase string, n int64) {
 		o.mu.Lock()
 		if time.Since(o.lastProgress) < 500*time.Millisecond {

@@ -47,6 +47,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/agent"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/beneath"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
@@ -206,7 +207,7 @@ func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (*agent.Resolve
 		return nil, errcode.Wrap(errcode.Internal, err, "container %s: reading its OCI spec", c.ID)
 	}
 	t := agent.Target{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID, Namespace: c.Labels[LabelPodNamespace]}
-	var h agent.Handles
+	var h snapshot.Handles
 	if t.QMPPath, h.QMP, err = hostPath(spec.Mounts, "QMP socket", qmpIn, fs.ModeSocket); err != nil {
 		return nil, err
 	}

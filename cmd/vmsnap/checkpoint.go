@@ -10,6 +10,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
@@ -177,7 +178,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 			return errcode.New(errcode.Usage, "--rootfs-image captures a container's writable layer through the node's containerd: use it with --agent")
 		}
 		p := newPhasedProgress(out.stderr)
-		res, err = agent.Checkpoint(ctx, agent.CheckpointSpec{
+		res, err = snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{
 			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, Mode: mode,
 			Stream: f.stream.options(), Store: f.registry.options(), Progress: p.update,
 			Format: format, StagingDir: f.stagingDir, Keep: f.keep,

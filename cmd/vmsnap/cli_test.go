@@ -4,11 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"github.com/vmsnap/vmsnap/agent/api"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/vmsnap/vmsnap/agent/api"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )

@@ -25,7 +25,6 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
-	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"io"
 	"log"
 	"net/http"
@@ -42,6 +41,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
