@@ -265,7 +265,6 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	if err != nil {
 		return nil, err
 	}
-	var stoppedAt time.Time
 
 	sub := mon.Subscribe()
 	defer sub.Close()
@@ -293,96 +292,69 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	if err = staging.pass(ctx); err != nil {
 		return nil, err
 	}
-	res.Durations.Prepare = time.Since(start)
-
-	if st.Running {
-		g.phase = "stopping the VM"
-		if err = mon.Execute(ctx, "stop", nil, nil); err != nil {
-			return nil, errcode.Ensure(errcode.QMPError, err, "stopping the VM")
+	var size, allocated int64
+	save := func(ctx context.Context) error {
+		g.phase = "saving the VM state into the staging file"
+		saveStart := time.Now()
+		g.migrating = true // set before asking: if the reply is lost, the migration may still run
+		if err := mon.Execute(ctx, "migrate", map[string]any{"uri": staging.uri()}, nil); err != nil {
+			return errcode.Ensure(errcode.QMPError, err, "starting the migration into the staging file")
 		}
-		stoppedAt = time.Now()
-	}
-
-	g.phase = "saving the VM state into the staging file"
-	saveStart := time.Now()
-	g.migrating = true // set before asking: if the reply is lost, the migration may still run
-	if err = mon.Execute(ctx, "migrate", map[string]any{"uri": staging.uri()}, nil); err != nil {
-		return nil, errcode.Ensure(errcode.QMPError, err, "starting the migration into the staging file")
-	}
-	if _, err = waitMigration(ctx, mon, sub, nil); err != nil {
-		switch desc := err.Error(); {
-		case strings.Contains(desc, "No space left"):
-			err = staging.qemuFull(syscall.ENOSPC)
-		case strings.Contains(desc, "quota exceeded"):
-			err = staging.qemuFull(syscall.EDQUOT)
+		if _, err := waitMigration(ctx, mon, sub, nil); err != nil {
+			switch desc := err.Error(); {
+			case strings.Contains(desc, "No space left"):
+				err = staging.qemuFull(syscall.ENOSPC)
+			case strings.Contains(desc, "quota exceeded"):
+				err = staging.qemuFull(syscall.EDQUOT)
+			}
+			return err
 		}
-		return nil, err
-	}
-	g.migrating = false
-	if err = waitFinalized(ctx, mon); err != nil {
-		return nil, err
-	}
-	res.Durations.Save = time.Since(saveStart)
-	size, allocated, err := checkExtent(staging.f, memory)
-	if errcode.Of(err) == errcode.QMPError {
-		return nil, err
-	} else if err != nil {
-		return nil, stagingError(dir, err, "reading the staging file")
-	}
-	if size == 0 {
-		return nil, errcode.New(errcode.QMPError, "QEMU reported the migration complete but wrote no state")
-	}
-
-	var link Link
-	if opts.WhileStopped != nil {
-		g.phase = "capturing the disk"
-		hookStart := time.Now()
-		if link, err = opts.WhileStopped(ctx); err != nil {
-			return nil, err
+		g.migrating = false
+		if err := waitFinalized(ctx, mon); err != nil {
+			return err
 		}
-		res.Durations.Stopped = time.Since(hookStart)
+		res.Durations.Save = time.Since(saveStart)
+		var err error
+		size, allocated, err = checkExtent(staging.f, memory)
+		if errcode.Of(err) == errcode.QMPError {
+			return err
+		} else if err != nil {
+			return stagingError(dir, err, "reading the staging file")
+		}
+		if size == 0 {
+			return errcode.New(errcode.QMPError, "QEMU reported the migration complete but wrote no state")
+		}
+		return nil
 	}
 	// The state is in the file: the VM need not wait for the upload.
-	if opts.Mode == ModeSnapshot && wasRunning {
-		if err = mon.Execute(ctx, "cont", nil, nil); err != nil {
-			return nil, errcode.Ensure(errcode.QMPError, err, "continuing the VM after the snapshot")
+	store := func(ctx context.Context) error {
+		// QEMU is done with the file. Dropped once the VM runs again, QEMU
+		// 9.0 closes its descriptor too.
+		staging.dropFDSet(ctx)
+		g.phase = "storing the VM state"
+		streamStart := time.Now()
+		so := opts.Stream
+		so.Fixed = true
+		var err error
+		res.Stream, err = chunk.EncodeStream(ctx, &sparseReader{f: staging.f, size: size}, repo, so)
+		if err != nil {
+			return err
 		}
-		res.Downtime = time.Since(stoppedAt)
+		if res.Stream.RawBytes != size {
+			return errcode.New(errcode.Internal, "read %d bytes of the %d-byte staging file", res.Stream.RawBytes, size)
+		}
+		res.Durations.Stream = res.Durations.Save + time.Since(streamStart)
+		res.Config.RawBytes = size
+		res.Config.DataBytes = allocated
+		watch.stop()
+		if err = watch.exceeded(); err != nil {
+			return err
+		}
+		staging.release(ctx) // the staging space is free from here on
+		return nil
 	}
-	// QEMU is done with the file. Dropped once the VM runs again, QEMU 9.0
-	// closes its descriptor too.
-	staging.dropFDSet(ctx)
-
-	g.phase = "storing the VM state"
-	streamStart := time.Now()
-	so := opts.Stream
-	so.Fixed = true
-	res.Stream, err = chunk.EncodeStream(ctx, &sparseReader{f: staging.f, size: size}, repo, so)
-	if err != nil {
+	if err = stopAndSave(ctx, mon, g, repo, opts, res, start, save, store); err != nil {
 		return nil, err
-	}
-	if res.Stream.RawBytes != size {
-		return nil, errcode.New(errcode.Internal, "read %d bytes of the %d-byte staging file", res.Stream.RawBytes, size)
-	}
-	res.Durations.Stream = res.Durations.Save + time.Since(streamStart)
-	res.Config.RawBytes = size
-	res.Config.DataBytes = allocated
-	watch.stop()
-	if err = watch.exceeded(); err != nil {
-		return nil, err
-	}
-	staging.release(ctx) // the staging space is free from here on
-
-	g.phase = "storing the manifest"
-	if err = pushStateManifest(ctx, repo, opts, res, link); err != nil {
-		return nil, err
-	}
-	if opts.Mode == ModePause && wasRunning {
-		res.Downtime = time.Since(stoppedAt)
-	}
-	res.Durations.Total = time.Since(start)
-	if st, serr := queryStatus(ctx, mon); serr == nil {
-		res.VMRunning = st.Running
 	}
 	return res, nil
 }
