@@ -189,8 +189,12 @@ func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
 	srv := &http.Server{
 		Handler:           s.Handler(),
 		ReadHeaderTimeout: 10 * time.Second,
-		BaseContext:       func(net.Listener) context.Context { return ctx },
-		ConnContext:       connContext, // requests find their caller (caller.go)
+		// A connection between requests is closed after a while: a caller
+		// must not hold the agent's descriptors by opening connections and
+		// leaving them (an event stream is a request, and stays).
+		IdleTimeout: 2 * time.Minute,
+		BaseContext: func(net.Listener) context.Context { return ctx },
+		ConnContext: connContext, // requests find their caller (caller.go)
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()

@@ -97,7 +97,7 @@ type testAgent struct {
 	stop     func()
 }
 
-func startAgent(t *testing.T, stateDir string, resolver *staticResolver, maxConcurrent int) *testAgent {
+func startAgent(t testing.TB, stateDir string, resolver *staticResolver, maxConcurrent int) *testAgent {
 	t.Helper()
 	return startAgentConfig(t, Config{StateDir: stateDir, Resolver: resolver, MaxConcurrent: maxConcurrent})
 }
@@ -105,7 +105,7 @@ func startAgent(t *testing.T, stateDir string, resolver *staticResolver, maxConc
 // startAgentConfig runs an agent with cfg on a socket made here (short
 // enough for a unix socket path), waits until it answers, and stops it at
 // the end of the test. Logs are discarded unless cfg has a Logger.
-func startAgentConfig(t *testing.T, cfg Config) *testAgent {
+func startAgentConfig(t testing.TB, cfg Config) *testAgent {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "vmsnap-agent-")
 	if err != nil {
@@ -166,7 +166,7 @@ const (
 	uid4 = "6f1c2a4e-4444-4c0e-9a51-0123456789ab"
 )
 
-func waitOp(t *testing.T, c *Client, id string) api.Operation {
+func waitOp(t testing.TB, c *Client, id string) api.Operation {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

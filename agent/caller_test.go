@@ -113,7 +113,8 @@ func (tn *tenants) do(caller Caller, method, path, body string) (int, []byte) {
 
 func (tn *tenants) checkpoint(t *testing.T, caller Caller, uid string) (api.Operation, api.Error) {
 	t.Helper()
-	body := `{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/run/vm/qmp.sock"},"image":"oci:` + tn.layout + `/` + uid + `:t"}`
+	// Each caller's layouts are under its namespace's directory (policy.go).
+	body := `{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/run/vm/qmp.sock"},"image":"oci:` + tn.layout + `/` + caller.Namespace + `/` + uid + `:t"}`
 	code, b := tn.do(caller, "POST", "/v1/checkpoints", body)
 	var o api.Operation
 	var e api.ErrorDoc
@@ -153,7 +154,7 @@ func TestCallerActsOnlyInItsNamespace(t *testing.T) {
 		image string
 		msg   string
 	}{
-		{callerB, "oci:" + tn.layout + "/x@sha256:" + strings.Repeat("ab", 32), "own namespace tenant-b"},
+		{callerB, "oci:" + tn.layout + "/tenant-b/x@sha256:" + strings.Repeat("ab", 32), "own namespace tenant-b"},
 		{callerA, "reg.example/vms/x@sha256:" + strings.Repeat("ab", 32), "no --allow-repository"},
 	} {
 		code, b := tn.do(tc.c, "POST", "/v1/restores", `{"vm":{"podUID":"`+uidA+`","container":"qemu","qmp":"/run/vm/qmp.sock"},"image":"`+tc.image+`"}`)

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
@@ -18,6 +19,13 @@ import (
 
 // maxRequestBody bounds a request's body: requests are a few hundred bytes.
 const maxRequestBody = 64 << 10
+
+// bodyTimeout bounds reading a request's body, as the server's
+// ReadHeaderTimeout bounds its headers: a caller that trickles a body, or
+// announces one and sends nothing, must not hold a connection and a
+// goroutine of the agent for good. (The server has no ReadTimeout: it
+// would end event streams.)
+var bodyTimeout = 10 * time.Second
 
 // Handler is the agent's HTTP API:
 //
@@ -165,6 +173,7 @@ func (s *Server) stream(w http.ResponseWriter, r *http.Request, flusher http.Flu
 // decode reads a JSON request strictly: unknown fields, trailing data and
 // oversized bodies are refused with INVALID_INPUT.
 func decode(w http.ResponseWriter, r *http.Request, v any) bool {
+	_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(bodyTimeout))
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxRequestBody))
 	if err != nil {
 		var tooBig *http.MaxBytesError

@@ -26,7 +26,7 @@ import (
 func fuzzServer(tb testing.TB) *Server {
 	tb.Helper()
 	s, err := New(context.Background(), Config{
-		StateDir: tb.TempDir(), Resolver: newStaticResolver(), LayoutRoot: "/tmp",
+		StateDir: tb.TempDir(), Resolver: newStaticResolver(), LayoutRoot: tb.TempDir(),
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
 	})
 	if err != nil {
@@ -70,16 +70,18 @@ func checkAPIResponse(tb testing.TB, what string, rec *httptest.ResponseRecorder
 
 func FuzzCheckpointRequest(f *testing.F) {
 	uid := "3f2c1a9e-8b7d-4c6e-9f10-2a3b4c5d6e7f"
+	s := fuzzServer(f)
+	x := "oci:" + s.cfg.LayoutRoot + "/x" // a layout the policy allows
 	for _, b := range []string{
-		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/run/vm/qmp.sock"},"image":"oci:/tmp/x:vm","mode":"pause"}`,
-		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/run/vm/qmp.sock","disk":"/run/vm/overlay.qcow2"},"image":"oci:/tmp/x:vm","diskImage":"oci:/tmp/x:disk"}`,
-		`{"vm":{"podUID":"../../etc","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t"}`,
-		`{"vm":{"podUID":"` + uid + `\u0000","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t"}`,
-		`{"vm":{"podUID":"","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t"}`,
-		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t","mode":"teleport"}`,
-		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t","chunkSize":-1,"workers":-5}`,
-		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t","unknown":1}`,
-		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t"} {"again":1}`,
+		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/run/vm/qmp.sock"},"image":"` + x + `:vm","mode":"pause"}`,
+		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/run/vm/qmp.sock","disk":"/run/vm/overlay.qcow2"},"image":"` + x + `:vm","diskImage":"` + x + `:disk"}`,
+		`{"vm":{"podUID":"../../etc","container":"qemu","qmp":"/q"},"image":"` + x + `:t"}`,
+		`{"vm":{"podUID":"` + uid + `\u0000","container":"qemu","qmp":"/q"},"image":"` + x + `:t"}`,
+		`{"vm":{"podUID":"","container":"qemu","qmp":"/q"},"image":"` + x + `:t"}`,
+		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"` + x + `:t","mode":"teleport"}`,
+		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"` + x + `:t","chunkSize":-1,"workers":-5}`,
+		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"` + x + `:t","unknown":1}`,
+		`{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"` + x + `:t"} {"again":1}`,
 		`{"vm":{"podUID":` + strings.Repeat("[", 10000) + `}}`,
 		`null`, `[]`, ``, `{"vm":{"podUID":1}}`, "\xff\xfe",
 	} {
@@ -89,7 +91,6 @@ func FuzzCheckpointRequest(f *testing.F) {
 	f.Add(uint8(2), "0123456789abcdef", []byte(nil))
 	f.Add(uint8(3), "../../etc/passwd", []byte(nil))
 	f.Add(uint8(4), "%zz", []byte(nil))
-	s := fuzzServer(f)
 	h := asAdmin(s.Handler())
 	f.Fuzz(func(t *testing.T, kind uint8, id string, body []byte) {
 		var req *http.Request
@@ -128,11 +129,12 @@ func FuzzCheckpointRequest(f *testing.F) {
 // TestAPIRefusesHostileRequests: one case per attack, each with its code.
 func TestAPIRefusesHostileRequests(t *testing.T) {
 	uid := "3f2c1a9e-8b7d-4c6e-9f10-2a3b4c5d6e7f"
-	good := `{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t"}`
-	pad := func(n int) string {
-		return `{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"oci:/tmp/x:t","mode":"` + strings.Repeat("p", n) + `"}`
-	}
 	s := fuzzServer(t)
+	x := "oci:" + s.cfg.LayoutRoot + "/x" // a layout the policy allows
+	good := `{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"` + x + `:t"}`
+	pad := func(n int) string {
+		return `{"vm":{"podUID":"` + uid + `","container":"qemu","qmp":"/q"},"image":"` + x + `:t","mode":"` + strings.Repeat("p", n) + `"}`
+	}
 	h := asAdmin(s.Handler())
 	for _, tc := range []struct {
 		name, method, path, body string
@@ -155,9 +157,9 @@ func TestAPIRefusesHostileRequests(t *testing.T) {
 		{"pod UID with a NUL", "POST", "/v1/restores", strings.Replace(good, uid, uid+`\u0000`, 1), errcode.VMNotFound, ""},
 		{"no container", "POST", "/v1/checkpoints", strings.Replace(good, `"qemu"`, `""`, 1), errcode.Usage, "container"},
 		{"unknown mode", "POST", "/v1/checkpoints", strings.TrimSuffix(good, "}") + `,"mode":"teleport"}`, errcode.Usage, "teleport"},
-		{"live with disk", "POST", "/v1/checkpoints", strings.Replace(strings.TrimSuffix(good, "}")+`,"mode":"live","diskImage":"oci:/tmp/x:d"}`, `"qmp":"/q"`, `"qmp":"/q","disk":"/d"`, 1), errcode.Usage, "live"},
+		{"live with disk", "POST", "/v1/checkpoints", strings.Replace(strings.TrimSuffix(good, "}")+`,"mode":"live","diskImage":"`+x+`:d"}`, `"qmp":"/q"`, `"qmp":"/q","disk":"/d"`, 1), errcode.Usage, "live"},
 		{"restore with disk", "POST", "/v1/restores", strings.Replace(good, `"qmp":"/q"`, `"qmp":"/q","disk":"/d"`, 1), errcode.Usage, "disk"},
-		{"restore without image", "POST", "/v1/restores", strings.Replace(good, `"oci:/tmp/x:t"`, `""`, 1), errcode.Usage, "image"},
+		{"restore without image", "POST", "/v1/restores", strings.Replace(good, `"`+x+`:t"`, `""`, 1), errcode.Usage, "image"},
 		// An id never issued is a bad request; an operation dropped with its
 		// VM is VM_NOT_FOUND (agent_test covers that).
 		{"unknown operation", "GET", "/v1/operations/deadbeef", ``, errcode.InvalidInput, "no operation"},

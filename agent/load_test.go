@@ -4,7 +4,8 @@ package agent
 
 // Load on one agent: many checkpoints at once stay within a memory bound
 // that does not grow with the size of the VMs, --max-concurrent holds, and
-// a crowd of status requests does not slow a running checkpoint down much.
+// a crowd of status requests is answered while a checkpoint runs
+// (load_status_test.go; how much it slows the checkpoint is a benchmark).
 // The VMs are qmptest's fake QEMUs; the images go to OCI layouts.
 
 import (
@@ -12,7 +13,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"runtime"
@@ -328,111 +328,4 @@ func TestAgentLoadMaxConcurrentHolds(t *testing.T) {
 		}
 	}
 	t.Logf("%d checkpoints with --max-concurrent %d: all pending first, at most %d running at once (from the event stream)", vms, n, ev.maxRunning)
-}
-
-// A hundred clients asking for status (the operation list, the running
-// operation, the metrics), each every 20 ms as a busy controller might,
-// while a checkpoint runs: it succeeds, and takes less than 3x as long as
-// the same checkpoint undisturbed. (The clients run in the test's process,
-// so they compete with the agent for the same CPUs.)
-func TestAgentLoadStatusRequestsDoNotDisturbCheckpoint(t *testing.T) {
-	const (
-		clients   = 100
-		pollEvery = 20 * time.Millisecond
-	)
-	stateSize := 48 * mib
-	if testing.Short() {
-		stateSize = 16 * mib
-	}
-	state := randomState(t, stateSize)
-	res := newStaticResolver()
-	res.add(uid1, qmptest.NewFakeQEMU(t, "running", state).Path())
-	a := startAgent(t, t.TempDir(), res, 2)
-	checkpoint := func(during func(id string) func()) time.Duration {
-		t.Helper()
-		start := time.Now()
-		op, err := a.client.Checkpoint(context.Background(), api.CheckpointRequest{
-			VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/q"}, Image: "oci:" + t.TempDir() + ":vm", Mode: "snapshot", Workers: 2,
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		var end func()
-		if during != nil {
-			end = during(op.ID)
-		}
-		o := waitOp(t, a.client, op.ID)
-		d := time.Since(start)
-		if end != nil {
-			end()
-		}
-		if o.State != api.StateSucceeded {
-			t.Fatalf("checkpoint ended %s: %+v", o.State, o.Error)
-		}
-		return d
-	}
-	checkpoint(nil) // warm up
-	quiet1 := checkpoint(nil)
-
-	var served, failed atomic.Int64
-	var firstErr atomic.Value
-	crowd := func(id string) func() {
-		ctx, cancel := context.WithCancel(context.Background())
-		var wg sync.WaitGroup
-		for i := range clients {
-			c, err := NewClient("unix://" + a.socket)
-			if err != nil {
-				t.Fatal(err)
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				paths := []string{"/v1/operations", "/v1/operations/" + id, "/metrics"}
-				for j := i; ctx.Err() == nil; j++ {
-					req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://agent"+paths[j%len(paths)], nil)
-					resp, err := c.http.Do(req)
-					if err != nil {
-						if ctx.Err() == nil {
-							failed.Add(1)
-							firstErr.CompareAndSwap(nil, err.Error())
-						}
-						continue
-					}
-					_, _ = io.Copy(io.Discard, resp.Body)
-					resp.Body.Close()
-					if resp.StatusCode != http.StatusOK {
-						failed.Add(1)
-						firstErr.CompareAndSwap(nil, resp.Status)
-						continue
-					}
-					served.Add(1)
-					select {
-					case <-time.After(pollEvery):
-					case <-ctx.Done():
-					}
-				}
-			}()
-		}
-		return func() { cancel(); wg.Wait() }
-	}
-	busy := checkpoint(crowd)
-	quiet2 := checkpoint(nil)
-	quiet := (quiet1 + quiet2) / 2
-	ratio := float64(busy) / float64(quiet)
-	t.Logf("checkpoint of %d MiB: undisturbed %v and %v, with %d clients polling every %v %v (%.2fx); %d status requests served (%.0f/s), %d failed",
-		stateSize/mib, quiet1.Round(time.Millisecond), quiet2.Round(time.Millisecond), clients, pollEvery, busy.Round(time.Millisecond), ratio,
-		served.Load(), float64(served.Load())/busy.Seconds(), failed.Load())
-	if f := failed.Load(); f > 0 {
-		t.Fatalf("%d status requests failed, first: %v", f, firstErr.Load())
-	}
-	if served.Load() < clients {
-		t.Fatalf("only %d status requests were served", served.Load())
-	}
-	if raceEnabled {
-		t.Logf("race detector on: the ratio is not checked (it distorts CPU costs)")
-		return
-	}
-	if ratio > 3 {
-		t.Fatalf("the checkpoint took %.2fx as long with %d clients polling", ratio, clients)
-	}
 }

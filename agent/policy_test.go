@@ -3,6 +3,7 @@ package agent
 import (
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -34,15 +35,15 @@ func TestAllowRepositoryMatchesOnComponentBoundaries(t *testing.T) {
 		"other.example/vmsx:t":                                                  false,
 		"other.example:443/vms/x:t":                                             false,
 	} {
-		err := pol.check("image", ref)
+		err := pol.check(callerAdmin, "image", ref)
 		if allowed && err != nil || !allowed && errcode.Of(err) != errcode.Forbidden {
 			t.Errorf("%s: %v, want allowed=%v", ref, err, allowed)
 		}
 	}
-	if err := pol.check("image", "not a reference"); errcode.Of(err) != errcode.InvalidInput {
+	if err := pol.check(callerAdmin, "image", "not a reference"); errcode.Of(err) != errcode.InvalidInput {
 		t.Errorf("a malformed reference: %v, want INVALID_INPUT", err)
 	}
-	if err := pol.check("image", ""); err != nil {
+	if err := pol.check(callerAdmin, "image", ""); err != nil {
 		t.Errorf("no image: %v", err)
 	}
 }
@@ -62,34 +63,56 @@ func TestNoAllowRepositoryRefusesEveryRegistry(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, ref := range []string{"reg.example/a:t", "localhost:5000/a:t", "oci:/tmp/x:t"} {
-		if err := pol.check("image", ref); errcode.Of(err) != errcode.Forbidden {
+		if err := pol.check(callerAdmin, "image", ref); errcode.Of(err) != errcode.Forbidden {
 			t.Errorf("%s: %v, want FORBIDDEN", ref, err)
 		}
 	}
 }
 
-// FuzzAllowRepository: whatever the entry and the reference, a match means
-// the reference's host equals the entry's (ignoring case) and its
-// repository is the prefix or continues it after a '/'.
+// FuzzAllowRepository: whatever the entry, the caller and the reference, a
+// match means the reference's host equals the entry's (ignoring case) and
+// its repository is the prefix or continues it after a '/', where the
+// prefix's {namespace} components are the caller's namespace, a DNS label
+// (for an admin: some DNS label): never a '/', "..", or anything else.
 func FuzzAllowRepository(f *testing.F) {
-	f.Add("reg:5000/tenants/a", "reg:5000/tenants/ab:t")
-	f.Add("reg:5000/tenants/a", "reg:5000/tenants/a/b@sha256:"+strings.Repeat("0", 64))
-	f.Add("Reg/a", "reg/a/b:t")
-	f.Add("[::1]:5000/a", "[::1]:5000/a/b:t")
-	f.Fuzz(func(t *testing.T, entry, image string) {
+	f.Add("reg:5000/tenants/a", "reg:5000/tenants/ab:t", "", true)
+	f.Add("reg:5000/tenants/a", "reg:5000/tenants/a/b@sha256:"+strings.Repeat("0", 64), "", true)
+	f.Add("Reg/a", "reg/a/b:t", "", true)
+	f.Add("[::1]:5000/a", "[::1]:5000/a/b:t", "", true)
+	f.Add("reg:5000/vms/{namespace}", "reg:5000/vms/tenant-a/vm:t", "tenant-a", false)
+	f.Add("reg:5000/vms/{namespace}", "reg:5000/vms/tenant-a/vm:t", "tenant-b", false)
+	f.Add("reg:5000/vms/{namespace}/x", "reg:5000/vms/a/b/x:t", "a/b", false)
+	f.Add("reg:5000/{namespace}", "reg:5000/../x:t", "..", false)
+	f.Add("reg:5000/vms/{namespace}", "reg:5000/vms/other/vm:t", "", true)
+	f.Fuzz(func(t *testing.T, entry, image, ns string, admin bool) {
 		p, err := parseRepoPrefix(entry)
 		if err != nil {
 			return
 		}
+		c := Caller{Namespace: ns, Admin: admin}
 		ref, err := ociimage.ParseReference(image)
-		if err != nil || !p.covers(ref) {
+		if err != nil || !p.covers(ref, c) {
 			return
 		}
 		host, repo, _ := strings.Cut(image, "/")
 		if !strings.EqualFold(host, p.host) {
 			t.Fatalf("%q covers %q: other host", entry, image)
 		}
-		rest, ok := strings.CutPrefix(repo, p.path)
+		// The prefix the match stands for: the entry, each {namespace}
+		// replaced by the reference's component there, which must be the
+		// caller's namespace (an admin's: any DNS label).
+		got := strings.Split(ref.Repository, "/")
+		want := slices.Clone(p.parts)
+		for i, part := range want {
+			if part != namespacePlaceholder {
+				continue
+			}
+			if i >= len(got) || !isDNSLabel(got[i]) || !admin && got[i] != ns {
+				t.Fatalf("%q covers %q for %+v: {namespace} stood for %q", entry, image, c, got[min(i, len(got)-1)])
+			}
+			want[i] = got[i]
+		}
+		rest, ok := strings.CutPrefix(repo, strings.Join(want, "/"))
 		if !ok || rest != "" && !strings.ContainsAny(rest[:1], "/:@") {
 			t.Fatalf("%q covers %q: not on a component boundary", entry, image)
 		}
@@ -133,7 +156,7 @@ func TestLayoutRootRefusesEscapes(t *testing.T) {
 		base + "/layoutsx":               false,
 		"/":                              false,
 	} {
-		err := pol.check("image", "oci:"+dir+":t")
+		err := pol.check(callerAdmin, "image", "oci:"+dir+":t")
 		if allowed && err != nil || !allowed && errcode.Of(err) != errcode.Forbidden {
 			t.Errorf("oci:%s: %v, want allowed=%v", dir, err, allowed)
 		}
@@ -144,7 +167,7 @@ func TestLayoutRootRefusesEscapes(t *testing.T) {
 	if _, err := newImagePolicy(nil, "layouts", state); errcode.Of(err) != errcode.Usage {
 		t.Errorf("a relative layout root: %v, want USAGE", err)
 	}
-	if nopol, _ := newImagePolicy(nil, "", state); errcode.Of(nopol.check("image", "oci:"+root+"/tenant-a:t")) != errcode.Forbidden {
+	if nopol, _ := newImagePolicy(nil, "", state); errcode.Of(nopol.check(callerAdmin, "image", "oci:"+root+"/tenant-a:t")) != errcode.Forbidden {
 		t.Error("without --layout-root a layout was allowed")
 	}
 }

@@ -44,7 +44,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
 	}
-	if err := s.checkImages(req.Image, req.DiskImage, req.RootfsImage); err != nil {
+	if err := s.checkImages(ctx, req.Image, req.DiskImage, req.RootfsImage); err != nil {
 		return api.Operation{}, err
 	}
 	vm, err := s.resolve(ctx, req.VM)
@@ -112,7 +112,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if req.VM.DiskPath != "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "the agent restores VM state only: put the disk overlay in place before QEMU starts (the restore init container does)")
 	}
-	if err := s.checkImages(req.Image); err != nil {
+	if err := s.checkImages(ctx, req.Image); err != nil {
 		return api.Operation{}, err
 	}
 	vm, err := s.resolve(ctx, req.VM)
@@ -157,11 +157,16 @@ func (s *Server) checkStream(workers, chunkSize int) error {
 
 // checkImages refuses, before the VM is touched, a request that names an
 // image the agent's policy does not allow (policy.go): the image, then the
-// disk image, then the rootfs image.
-func (s *Server) checkImages(image string, more ...string) error {
+// disk image, then the rootfs image. What is allowed depends on the
+// request's caller (its namespace's repositories and layouts).
+func (s *Server) checkImages(ctx context.Context, image string, more ...string) error {
+	c, err := requestCaller(ctx)
+	if err != nil {
+		return err
+	}
 	names := []string{"image", "disk image", "rootfs image"}
 	for i, ref := range append([]string{image}, more...) {
-		if err := s.policy.check(names[i], ref); err != nil {
+		if err := s.policy.check(c, names[i], ref); err != nil {
 			return err
 		}
 	}

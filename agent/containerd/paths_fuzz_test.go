@@ -103,7 +103,7 @@ func TestHostPathRefusesEscapes(t *testing.T) {
 // for), and closed it.
 func openedPath(t *testing.T, mounts []specs.Mount, p string, mode fs.FileMode) (string, error) {
 	t.Helper()
-	host, f, err := hostPath(mounts, "disk", p, mode)
+	host, f, err := hostPath(mounts, "", "disk", p, mode)
 	if err != nil {
 		if f != nil {
 			t.Fatalf("%s: an error (%v) and a file", p, err)

@@ -75,6 +75,7 @@ type Resolver struct {
 	namespace string
 	log       *slog.Logger
 	retryMax  time.Duration
+	podsDir   string // see WithPodsDir; "" for no such check
 
 	mu sync.Mutex
 	// known holds the identity of each container Resolve returned, by
@@ -91,6 +92,17 @@ type Option func(*Resolver)
 // WithLogger sets the logger (slog.Default() otherwise). The resolver logs
 // only trouble with the event stream, at warning level.
 func WithLogger(l *slog.Logger) Option { return func(r *Resolver) { r.log = l } }
+
+// WithPodsDir makes the resolver open a VM's files only on volumes whose
+// host directory is the kubelet's own, of that very pod: below
+// DIR/POD_UID/ (emptyDir, configMap, CSI and persistent volumes, subPaths:
+// every volume the kubelet sets up is there). A volume whose source is
+// anywhere else is a hostPath (or a runtime mount), which the pod's
+// author chose: through it a tenant could make the agent, root on the
+// node, open another pod's QMP socket or any file of the node as its
+// VM's. DIR is the kubelet's pods directory, /var/lib/kubelet/pods on most
+// nodes, as the agent sees it.
+func WithPodsDir(dir string) Option { return func(r *Resolver) { r.podsDir = path.Clean(dir) } }
 
 // WithRetryMax bounds the wait between attempts to subscribe again to
 // containerd's events after the stream failed (5s by default).
@@ -208,11 +220,15 @@ func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (*agent.Resolve
 	}
 	t := agent.Target{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID, Namespace: c.Labels[LabelPodNamespace]}
 	var h snapshot.Handles
-	if t.QMPPath, h.QMP, err = hostPath(spec.Mounts, "QMP socket", qmpIn, fs.ModeSocket); err != nil {
+	podDir := ""
+	if r.podsDir != "" {
+		podDir = path.Join(r.podsDir, ref.PodUID)
+	}
+	if t.QMPPath, h.QMP, err = hostPath(spec.Mounts, podDir, "QMP socket", qmpIn, fs.ModeSocket); err != nil {
 		return nil, err
 	}
 	if diskIn != "" {
-		t.DiskPath, h.Disk, err = hostPath(spec.Mounts, "disk", diskIn, 0)
+		t.DiskPath, h.Disk, err = hostPath(spec.Mounts, podDir, "disk", diskIn, 0)
 		var notOnMount *notOnMountError
 		if errors.As(err, &notOnMount) {
 			// Not on any mount: in the container's own writable layer.
@@ -297,8 +313,10 @@ func containerPath(what, p string) (string, error) {
 // through the mount that p is on (the one with the longest destination
 // that contains p; of equal ones the last, which is mounted on top), and
 // opens it there. That mount must be a bind mount: a pod's volumes are.
-// See openBelow for how the path below the mount is opened and checked.
-func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, *os.File, error) {
+// Unless podDir is "", the mount's source must be below podDir, the
+// kubelet's directory of the pod (see WithPodsDir). See openBelow for how
+// the path below the mount is opened and checked.
+func hostPath(mounts []specs.Mount, podDir, what, p string, mode fs.FileMode) (string, *os.File, error) {
 	best := -1
 	for i, m := range mounts {
 		d := path.Clean("/" + m.Destination)
@@ -331,6 +349,11 @@ func hostPath(mounts []specs.Mount, what, p string, mode fs.FileMode) (string, *
 		return "", nil, errcode.New(errcode.InvalidInput, "%s %s is on a bind mount whose source %q is not a plain absolute path", what, p, src)
 	}
 	src = path.Clean(src)
+	if podDir != "" && (src == podDir || !within(src, podDir)) {
+		return "", nil, errcode.New(errcode.Forbidden,
+			"%s %s is on a volume mounted at %s whose host path %s is not in the kubelet's directory of the pod (%s): a hostPath volume, or a mount of the runtime's; the agent opens a VM's files only on the pod's own volumes (emptyDir, persistent volumes, ...)",
+			what, p, dest, src, podDir)
+	}
 	rel := strings.TrimPrefix(strings.TrimPrefix(p, dest), "/")
 	return openBelow(src, rel, dest, "in the volume", what, p, mode, func(err error) error {
 		return errcode.New(errcode.VMNotFound,

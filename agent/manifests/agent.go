@@ -255,6 +255,10 @@ func AgentArgs(o Options) []string {
 	if o.LayoutRoot != "" {
 		args = append(args, "--layout-root", o.LayoutRoot)
 	}
+	if o.KubeletPodsDir != DefaultKubeletPodsDir {
+		// Mounted at the same path: the agent opens VMs' files only below it.
+		args = append(args, "--kubelet-pods-dir", o.KubeletPodsDir)
+	}
 	if o.OperationTimeout > 0 {
 		args = append(args, "--operation-timeout", o.OperationTimeout.String())
 	}

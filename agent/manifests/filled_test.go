@@ -299,7 +299,8 @@ func TestAgentOptionsPassedThrough(t *testing.T) {
 		"--containerd-address", "/var/snap/microk8s/common/run/containerd.sock",
 		"--allow-repository", "10.0.0.5:5000/vms", "--allow-repository", "reg.example/tenant-a",
 		"--admin-namespace", "vmsnap-system", "--admin-namespace", "vm-ctl",
-		"--layout-root", "/srv/vmsnap-layouts", "--operation-timeout", "20m0s", "--max-workers", "6",
+		"--layout-root", "/srv/vmsnap-layouts", "--kubelet-pods-dir", "/var/snap/microk8s/common/var/lib/kubelet/pods",
+		"--operation-timeout", "20m0s", "--max-workers", "6",
 		"--ca-file", "/etc/vmsnap/ca/ca.pem"}
 	if !slices.Equal(c.Command, want) {
 		t.Errorf("agent command\n%q, want\n%q", c.Command, want)
@@ -314,7 +315,7 @@ func TestAgentOptionsPassedThrough(t *testing.T) {
 		t.Errorf("CA mount %+v", m)
 	}
 	doc := r.doc(t, "DaemonSet")
-	for _, line := range []string{"- 10.0.0.5:5000/vms", "- vmsnap-system", "path: /srv/vmsnap-layouts", "name: registry-ca"} {
+	for _, line := range []string{"- 10.0.0.5:5000/vms", "- vmsnap-system", "path: /srv/vmsnap-layouts", "- configMap:"} {
 		commentAbove(t, doc, line)
 	}
 	// With no --allow-repository the header says every registry is refused.

@@ -260,7 +260,9 @@ func daemonSetDoc(o Options) document {
 		"  .dockerconfigjson mounted read-only as " + RegistryConfigDir + "/config.json; DOCKER_CONFIG",
 		"  points there. The agent pushes snapshots with them.",
 		"Policy (vmsnap agent --help): --allow-repository HOST[:PORT]/PREFIX names each registry",
-		"  target the agent may use; with none, every registry target is refused. --admin-namespace",
+		"  target the agent may use; with none, every registry target is refused. A PREFIX component",
+		"  {namespace} is the caller's pod namespace: HOST/vms/{namespace} gives each tenant its own",
+		"  repositories (admins match any namespace); plain prefixes are shared. --admin-namespace",
 		"  " + o.Namespace + " lets the checkpoint Jobs act on any VM; callers elsewhere act on their own",
 		"  namespace's VMs only.",
 		"Probes exec `vmsnap agent health --socket PATH`, which asks the agent's /healthz over the",
@@ -291,13 +293,14 @@ func daemonSetDoc(o Options) document {
 		h = append(h, "Note: no --allow-repository given, so this agent refuses every registry target: add one",
 			"  per registry prefix (vmsnap manifests --allow-repository HOST[:PORT]/PREFIX).")
 	} else {
-		notes = append(notes, note{"- " + o.AllowRepositories[0], "--allow-repository: the only registry targets the agent uses; with none, all are refused."})
+		notes = append(notes, note{"- " + o.AllowRepositories[0], "--allow-repository: the only registry targets the agent uses; with none, all are refused. " +
+			"{namespace} in one (HOST/vms/{namespace}) is the caller's namespace: each tenant its own repositories."})
 	}
 	if o.LayoutRoot != "" {
-		notes = append(notes, note{"path: " + o.LayoutRoot, "oci: layouts over the API only below this directory (--layout-root)."})
+		notes = append(notes, note{"path: " + o.LayoutRoot, "oci: layouts over the API only below this directory (--layout-root), a tenant's below its NAMESPACE; only the agent may write there."})
 	}
 	if o.RegistryCAConfigMap != "" {
-		notes = append(notes, note{"name: " + o.RegistryCAConfigMap, "The registry's private CA (ca.pem), passed as --ca-file."})
+		notes = append(notes, note{"- configMap:", "The registry's private CA (ca.pem) from ConfigMap " + o.RegistryCAConfigMap + ", passed as --ca-file."})
 	}
 	for _, c := range o.AgentExtraCapabilities {
 		notes = append(notes, note{"- " + string(c), "Added by the operator (AgentExtraCapabilities)."})
@@ -399,7 +402,7 @@ func restoreDoc(o Options) document {
 		{"name: " + BackingContainerName, "The overlay's backing file, copied beside it unless there already."},
 	}
 	if o.RegistryCAConfigMap != "" {
-		notes = append(notes, note{"name: " + o.RegistryCAConfigMap, "The registry's private CA (ca.pem), passed as --ca-file; create it in the pod's namespace."})
+		notes = append(notes, note{"- configMap:", "The registry's private CA (ca.pem) from ConfigMap " + o.RegistryCAConfigMap + ", passed as --ca-file; create it in the pod's namespace."})
 	}
 	if !o.RestoreViaAgent {
 		notes = append(notes, note{"sizeLimit: " + o.RestoreStateSizeLimit.String(), "The staged VM state (compressed); the pod is evicted past this."})

@@ -19,6 +19,7 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 		cfg         agent.Config
 		ctrdAddress string
 		ctrdNS      string
+		podsDir     string
 		logLevel    string
 		reg         registryFlags
 	)
@@ -63,10 +64,18 @@ container, acts on every VM (the agent needs hostPID to see callers'
 processes). Whoever calls, every image a request names must be under one of
 --allow-repository HOST[:PORT]/PREFIX (none given: no registry at all), and
 every oci: layout under --layout-root (none given: no layout at all);
-anything else is FORBIDDEN (exit status 12) before the VM is touched.`,
+anything else is FORBIDDEN (exit status 12) before the VM is touched.
+
+Per tenant: a PREFIX component {namespace} is the caller's pod namespace, so
+--allow-repository reg:5000/vms/{namespace} lets a caller in tenant-a use
+reg:5000/vms/tenant-a/... and nothing of tenant-b's; admins match it with
+any namespace. A caller in a pod has only LAYOUT_ROOT/NAMESPACE of the
+layout root (admins the whole root). Plain entries are shared by every
+caller. Every directory from --layout-root down must be the agent's alone
+(its owner, not writable by group or others).`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
-			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, logLevel, reg))
+			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, podsDir, logLevel, reg))
 		},
 	}
 	c.Flags().StringVar(&cfg.Socket, "socket", "/run/vmsnap/agent.sock", "unix socket of the API")
@@ -81,6 +90,8 @@ anything else is FORBIDDEN (exit status 12) before the VM is touched.`,
 
 	c.Flags().StringVar(&ctrdAddress, "containerd-address", "/run/containerd/containerd.sock", "the node's containerd socket")
 	c.Flags().StringVar(&ctrdNS, "containerd-namespace", "k8s.io", "containerd namespace of the kubelet's containers")
+	c.Flags().StringVar(&podsDir, "kubelet-pods-dir", "/var/lib/kubelet/pods",
+		"the kubelet's pods directory: a VM's QMP socket and disk are opened only on volumes below DIR/POD_UID (not on hostPath volumes); \"\": on any volume")
 	c.Flags().StringVar(&logLevel, "log-level", "info", "debug, info, warn or error (JSON logs on stderr)")
 	c.Flags().IntVar(&cfg.Keep, "keep", 0, "after each successful checkpoint whose request has no \"keep\", keep the `N` newest checkpoints of its state repository and delete the older ones (as vmsnap prune; 0: never prune)")
 	// Authorization: who may act on which VM, and where images may go.
@@ -88,21 +99,26 @@ anything else is FORBIDDEN (exit status 12) before the VM is touched.`,
 		"pod namespace whose callers may act on any VM and see every operation, such as a platform controller's (repeatable)")
 	c.Flags().StringArrayVar(&cfg.AllowRepositories, "allow-repository", nil,
 		"HOST[:PORT]/PREFIX a request's registry images must be under: the host and port exactly, the repository PREFIX or below it "+
-			"on a '/' boundary (repeatable; none: every registry image is refused)")
+			"on a '/' boundary; a component {namespace} is the caller's namespace (repeatable; none: every registry image is refused)")
 	c.Flags().StringVar(&cfg.LayoutRoot, "layout-root", "",
-		"directory a request's oci: layouts must be under, with no symbolic link below it and never overlapping --state-dir (none: every oci: layout is refused)")
+		"directory a request's oci: layouts must be under (a caller in a pod: under DIR/NAMESPACE), only the agent may write below it, "+
+			"with no symbolic link below it and never overlapping --state-dir (none: every oci: layout is refused)")
 	reg.add(c)
 	c.AddCommand(newAgentHealthCmd())
 	return c
 }
 
-func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, logLevel string, reg registryFlags) error {
+func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDir, logLevel string, reg registryFlags) error {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(logLevel)); err != nil {
 		return errcode.New(errcode.Usage, "--log-level %q: use debug, info, warn or error", logLevel)
 	}
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
-	res, err := containerd.New(ctx, ctrdAddress, ctrdNS, containerd.WithLogger(log))
+	opts := []containerd.Option{containerd.WithLogger(log)}
+	if podsDir != "" {
+		opts = append(opts, containerd.WithPodsDir(podsDir))
+	}
+	res, err := containerd.New(ctx, ctrdAddress, ctrdNS, opts...)
 	if err != nil {
 		return err
 	}

@@ -78,7 +78,10 @@ func startAgentProc(t *testing.T, ctrd *testcontainerd.Daemon, stateDir, socket 
 		t.Fatal(err)
 	}
 	cmd := exec.Command(binary(t), append([]string{"agent", "--socket", socket, "--state-dir", stateDir,
-		"--containerd-address", ctrd.Address, "--containerd-namespace", testcontainerd.Namespace, "--log-level", "debug"}, extra...)...)
+		"--containerd-address", ctrd.Address, "--containerd-namespace", testcontainerd.Namespace, "--log-level", "debug",
+		// The test pods' volumes are the tests' temporary directories, not
+		// a kubelet's (TestResolverOpensOnlyThePodsOwnVolumes checks that).
+		"--kubelet-pods-dir", ""}, extra...)...)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -102,7 +102,7 @@ func TestAgentE2ECallersActOnlyInTheirNamespace(t *testing.T) {
 
 	// tenant-b asks to checkpoint tenant-a's VM: FORBIDDEN (exit 12), and
 	// the VM never hears of it.
-	code, out := inPod(t, ctrd, "tenant-b", sockDir, vmsnapBin, checkpointA("oci:"+layouts+"/b:vm")...)
+	code, out := inPod(t, ctrd, "tenant-b", sockDir, vmsnapBin, checkpointA("oci:"+layouts+"/tenant-b/b:vm")...)
 	var doc api.ErrorDoc
 	if err := json.Unmarshal(out, &doc); err != nil || doc.Error.Code != errcode.Forbidden || code != 12 {
 		t.Fatalf("tenant-b checkpointing tenant-a's VM: exit %d, %+v (%v); want FORBIDDEN, exit 12", code, doc.Error, err)
@@ -115,7 +115,7 @@ func TestAgentE2ECallersActOnlyInTheirNamespace(t *testing.T) {
 	}
 
 	// The same caller in tenant-a: the request reaches the VM and succeeds.
-	code, out = inPod(t, ctrd, "tenant-a", sockDir, vmsnapBin, checkpointA("oci:"+layouts+"/a:vm")...)
+	code, out = inPod(t, ctrd, "tenant-a", sockDir, vmsnapBin, checkpointA("oci:"+layouts+"/tenant-a/a:vm")...)
 	var cp api.CheckpointResult
 	if err := json.Unmarshal(out, &cp); err != nil || code != 0 || !strings.Contains(cp.VMState.Image, "@sha256:") {
 		t.Fatalf("tenant-a checkpointing its own VM: exit %d, %v: %s", code, err, out)

@@ -34,7 +34,7 @@ func TestManifestsFlags(t *testing.T) {
 		"--containerd-address", "/run/k3s/containerd/containerd.sock",
 		"--allow-repository", "10.0.0.5:5000/vms", "--allow-repository", "10.0.0.5:5000/more",
 		"--admin-namespace", "vmsnap-system", "--admin-namespace", "vm-ctl", "--layout-root", "/srv/layouts",
-		"--operation-timeout", "5m0s", "--max-workers", "3", "--ca-file", "/etc/vmsnap/ca/ca.pem"}
+		"--kubelet-pods-dir", "/srv/kubelet/pods", "--operation-timeout", "5m0s", "--max-workers", "3", "--ca-file", "/etc/vmsnap/ca/ca.pem"}
 	if !slices.Equal(c.Command, want) || c.Image != "vmsnap.test/vmsnap:e2e" || c.ImagePullPolicy != corev1.PullIfNotPresent {
 		t.Errorf("agent %q (%s, %s), want %q", c.Command, c.Image, c.ImagePullPolicy, want)
 	}

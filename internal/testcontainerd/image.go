@@ -80,6 +80,17 @@ func (d *Daemon) ImportImage(t testing.TB, name string, files []File, cfg ImageC
 	return img
 }
 
+// ImportTar imports an image tarball (BuildImageTar) under name and
+// unpacks it into the snapshotter.
+func (d *Daemon) ImportTar(t testing.TB, name string, tarball []byte) client.Image {
+	t.Helper()
+	img, err := d.importImage(name, tarball)
+	if err != nil {
+		t.Fatalf("importing %s: %v\n%s", name, err, d.logTail())
+	}
+	return img
+}
+
 func (d *Daemon) importImage(name string, tarball []byte) (client.Image, error) {
 	ctx, cancel := context.WithTimeout(d.Context(context.Background()), time.Minute)
 	defer cancel()

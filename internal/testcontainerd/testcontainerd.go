@@ -80,6 +80,8 @@ type Daemon struct {
 
 	mu         sync.Mutex
 	containers map[string]*Container // live containers by ID
+
+	cri string // the CRI plugin's configuration; "": the plugin is disabled
 }
 
 // Missing returns why a real containerd cannot be run here, or "" if it
@@ -136,7 +138,21 @@ func lookPath(name string) (string, error) {
 }
 
 // Start starts a containerd for this test and stops it on t.Cleanup.
-func Start(t testing.TB) *Daemon {
+func Start(t testing.TB) *Daemon { t.Helper(); return start(t, nil) }
+
+// StartCRI starts a containerd with its CRI plugin enabled, for a kubelet:
+// cri returns the plugin's TOML table ([plugins."io.containerd.grpc.v1.cri"]
+// and its sub-tables) for the daemon's directory. The runc root must be
+// RuncRoot(dir), so that cleanup finds the pods' containers.
+func StartCRI(t testing.TB, cri func(dir string) string) *Daemon {
+	t.Helper()
+	return start(t, cri)
+}
+
+// RuncRoot is where the daemon whose directory is dir keeps runc's state.
+func RuncRoot(dir string) string { return filepath.Join(dir, "runc") }
+
+func start(t testing.TB, cri func(dir string) string) *Daemon {
 	t.Helper()
 	Require(t)
 	reapStale(t)
@@ -167,12 +183,15 @@ func Start(t testing.TB) *Daemon {
 	d := &Daemon{
 		Address:    filepath.Join(dir, "c.sock"),
 		Dir:        dir,
-		runcRoot:   filepath.Join(dir, "runc"),
+		runcRoot:   RuncRoot(dir),
 		runcBin:    runcBin,
 		fifoDir:    filepath.Join(dir, "fifo"),
 		logPath:    filepath.Join(dir, "containerd.log"),
 		lock:       lock,
 		containers: map[string]*Container{},
+	}
+	if cri != nil {
+		d.cri = cri(dir)
 	}
 	t.Cleanup(func() { d.stop(t) })
 	if err := d.start(); err != nil {
@@ -182,16 +201,21 @@ func Start(t testing.TB) *Daemon {
 }
 
 func (d *Daemon) config() string {
-	// Plugins a test does not need are disabled: the CRI plugin above all (it
-	// would want CNI and the kubelet's view of the world), the snapshotters
+	// Plugins a test does not need are disabled: the CRI plugin above all,
+	// unless a kubelet is to use it (it wants CNI and the kubelet's view of
+	// the world), the snapshotters
 	// other than overlayfs and native, tracing and the /opt installer (which
 	// would create /opt/containerd). The v1 runtime stays: 1.6's tasks
 	// service refuses to load without it.
+	disabledCRI := `"io.containerd.grpc.v1.cri",`
+	if d.cri != "" {
+		disabledCRI = ""
+	}
 	return fmt.Sprintf(`version = 2
 root = %q
 state = %q
 disabled_plugins = [
-  "io.containerd.grpc.v1.cri",
+  %s
   "io.containerd.internal.v1.opt",
   "io.containerd.snapshotter.v1.aufs",
   "io.containerd.snapshotter.v1.btrfs",
@@ -213,7 +237,9 @@ disabled_plugins = [
 
 [metrics]
   address = ""
-`, filepath.Join(d.Dir, "root"), filepath.Join(d.Dir, "state"), d.Address, d.Address+".ttrpc")
+
+%s
+`, filepath.Join(d.Dir, "root"), filepath.Join(d.Dir, "state"), disabledCRI, d.Address, d.Address+".ttrpc", d.cri)
 }
 
 func (d *Daemon) start() error {
@@ -380,7 +406,7 @@ func cleanupDir(t testing.TB, dir string) {
 	address := filepath.Join(dir, "c.sock")
 	// Containers first, through runc with the daemon's own runc root, then
 	// their shims. Killing a shim does not kill its container.
-	runcRoot := filepath.Join(dir, "runc")
+	runcRoot := RuncRoot(dir)
 	if runc, err := lookPath("runc"); err == nil {
 		states, _ := filepath.Glob(filepath.Join(runcRoot, "*", "*", "state.json"))
 		for _, st := range states {
@@ -408,11 +434,8 @@ func cleanupDir(t testing.TB, dir string) {
 		}
 	}
 	// Rootfs mounts of tasks, deepest first.
-	mounts := mountsUnder(dir)
-	for i := len(mounts) - 1; i >= 0; i-- {
-		if err := syscall.Unmount(mounts[i], syscall.MNT_DETACH); err != nil {
-			t.Logf("testcontainerd: unmount %s: %v", mounts[i], err)
-		}
+	for _, err := range UnmountAll(dir) {
+		t.Logf("testcontainerd: %v", err)
 	}
 	if left := mountsUnder(dir); len(left) > 0 {
 		t.Logf("testcontainerd: not removing %s: still mounted: %v", dir, left)
@@ -421,6 +444,19 @@ func cleanupDir(t testing.TB, dir string) {
 	if err := os.RemoveAll(dir); err != nil {
 		t.Logf("testcontainerd: %v", err)
 	}
+}
+
+// UnmountAll detaches every mount at or under dir, deepest first, and
+// returns the errors (a mount point still mounted after it is one).
+func UnmountAll(dir string) []error {
+	var errs []error
+	mounts := mountsUnder(dir)
+	for i := len(mounts) - 1; i >= 0; i-- {
+		if err := syscall.Unmount(mounts[i], syscall.MNT_DETACH); err != nil {
+			errs = append(errs, fmt.Errorf("unmount %s: %w", mounts[i], err))
+		}
+	}
+	return errs
 }
 
 // shimPIDs lists the containerd-shim processes serving the daemon at

@@ -83,17 +83,25 @@ type Registry struct {
 // Option changes how Start configures the registry.
 type Option func(*options)
 
-type options struct{ deletesDisabled bool }
+type options struct {
+	deletesDisabled bool
+	ip              string
+}
 
 // WithDeletesDisabled runs the registry as distribution runs by default:
 // storage.delete.enabled false, so that it refuses every delete (405
 // UNSUPPORTED). Without it, deletes are enabled.
 func WithDeletesDisabled() Option { return func(o *options) { o.deletesDisabled = true } }
 
+// OnAddress makes the registry listen on ip, a local address, instead of
+// 127.0.0.1: the gateway address of a test cluster's pod bridge, where pods
+// reach it. Its certificate names ip as well as 127.0.0.1.
+func OnAddress(ip string) Option { return func(o *options) { o.ip = ip } }
+
 // Start runs a registry for t, stopped when t ends.
 func Start(t testing.TB, opts ...Option) *Registry {
 	t.Helper()
-	var o options
+	o := options{ip: "127.0.0.1"}
 	for _, opt := range opts {
 		opt(&o)
 	}
@@ -106,13 +114,13 @@ func Start(t testing.TB, opts ...Option) *Registry {
 		ConfigDir:  filepath.Join(dir, "docker"),
 		logPath:    filepath.Join(dir, "registry.log"),
 	}
-	r.Host = "127.0.0.1:" + freePort(t)
+	r.Host = net.JoinHostPort(o.ip, freePort(t, o.ip))
 	for _, d := range []string{r.StorageDir, r.CertDir, r.ConfigDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			t.Fatal(err)
 		}
 	}
-	certFile, keyFile := r.makeCerts(t)
+	certFile, keyFile := r.makeCerts(t, net.ParseIP(o.ip))
 	htpasswdFile := filepath.Join(dir, "htpasswd")
 	// The password goes in on stdin, never in argv.
 	cmd := exec.Command(HtpasswdBinary, "-iBc", htpasswdFile, r.User)
@@ -369,8 +377,8 @@ func (r *Registry) writeDockerConfig(t testing.TB, dir, password string) string 
 }
 
 // makeCerts writes a test CA (CAFile, CertDir/ca.crt) and a server
-// certificate for 127.0.0.1 and localhost signed by it.
-func (r *Registry) makeCerts(t testing.TB) (certFile, keyFile string) {
+// certificate for 127.0.0.1, localhost and ip signed by it.
+func (r *Registry) makeCerts(t testing.TB, ip net.IP) (certFile, keyFile string) {
 	t.Helper()
 	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -405,6 +413,9 @@ func (r *Registry) makeCerts(t testing.TB) (certFile, keyFile string) {
 		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
 		DNSNames:     []string{"localhost"},
 	}
+	if ip != nil && !ip.IsLoopback() {
+		srvTmpl.IPAddresses = append(srvTmpl.IPAddresses, ip)
+	}
 	srvDER, err := x509.CreateCertificate(rand.Reader, srvTmpl, caCert, &srvKey.PublicKey, caKey)
 	if err != nil {
 		t.Fatal(err)
@@ -432,9 +443,9 @@ func (r *Registry) makeCerts(t testing.TB) (certFile, keyFile string) {
 	return certFile, keyFile
 }
 
-func freePort(t testing.TB) string {
+func freePort(t testing.TB, ip string) string {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	l, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
 	if err != nil {
 		t.Fatal(err)
 	}
