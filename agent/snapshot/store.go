@@ -35,16 +35,14 @@ func openStore(ctx context.Context, s string, opts []ociimage.Option) (*store, e
 	if err := ociimage.CheckAccess(ctx, repo); err != nil {
 		return nil, err
 	}
-	return &store{repo, tag, opts}, nil
+	return &store{repo, tag}, nil
 }
 
 // store is where one image of a checkpoint goes: a repository opened
-// without its tag, the tag to move once everything is stored, and the
-// options the repository was opened with.
+// without its tag, and the tag to move once everything is stored.
 type store struct {
 	repo ociimage.Repository
 	tag  string
-	opts []ociimage.Option
 }
 
 // tagged is the store's reference with its tag.
@@ -62,13 +60,10 @@ func (st *store) commit(ctx context.Context, desc ocispec.Descriptor) error {
 	return nil
 }
 
-// current resolves the manifest the store's tag names now.
+// current resolves the manifest the store's tag names now, through the
+// repository the checkpoint stores into.
 func (st *store) current(ctx context.Context) (ocispec.Descriptor, error) {
-	repo, err := ociimage.Open(ctx, st.tagged(), st.opts...)
-	if err != nil {
-		return ocispec.Descriptor{}, err
-	}
-	return repo.Resolve(ctx)
+	return st.repo.ResolveTag(ctx, st.tag)
 }
 
 // tagMove is one tag of a checkpoint to move: its store's tag to the
