@@ -18,15 +18,11 @@ import (
 // StartCheckpoint validates and resolves a checkpoint request, registers the
 // operation (BUSY if the VM has one) and runs it in the background.
 func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest) (api.Operation, error) {
-	mode := vmstate.Mode(req.Mode)
-	if mode == "" {
-		mode = vmstate.ModeSnapshot
-	}
 	if err := s.checkStream(req.Workers, req.ChunkSize); err != nil {
 		return api.Operation{}, err
 	}
 	spec := snapshot.CheckpointSpec{
-		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: mode,
+		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: vmstate.Mode(req.Mode),
 		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
 		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
 		// gets it as a descriptor, so its container need not see the path).

@@ -130,7 +130,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		opts.Mode = ModeSnapshot
 	}
 	if opts.Mode == ModeLive && opts.WhileStopped != nil {
-		return nil, errcode.New(errcode.Usage, "live mode does not stop the VM, so a disk overlay captured beside it would not match memory: use --mode snapshot or pause to capture the disk")
+		return nil, errcode.New(errcode.Usage, "live mode does not stop the VM, so a disk overlay captured beside it would not match memory: use snapshot or pause mode to capture the disk")
 	}
 	opts.Stream = opts.Stream.WithDefaults()
 	res = &CheckpointResult{}

@@ -65,8 +65,13 @@ type CheckpointSpec struct {
 	Keep int
 }
 
-// Validate checks a spec without touching anything.
-func (s CheckpointSpec) Validate() error {
+// Validate applies the spec's defaults (snapshot mode) and checks it,
+// without touching anything: the one place a checkpoint request is
+// checked, by Checkpoint and, before it resolves the VM, by the agent.
+func (s *CheckpointSpec) Validate() error {
+	if s.Mode == "" {
+		s.Mode = vmstate.ModeSnapshot
+	}
 	if s.QMPPath == "" || s.Image == "" {
 		return errcode.New(errcode.Usage, "a checkpoint needs a QMP socket and an image reference")
 	}
@@ -118,9 +123,6 @@ func (s CheckpointSpec) diskName() string {
 // it was: a disk or rootfs tag that had already moved is moved back, as far
 // as the store allows (moveTags says when it cannot be).
 func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, error) {
-	if s.Mode == "" {
-		s.Mode = vmstate.ModeSnapshot
-	}
 	if err := s.Validate(); err != nil {
 		return nil, err
 	}
@@ -139,7 +141,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	var rootfsStore *store
 	if s.RootfsImage != "" {
 		if s.CaptureRootfs == nil {
-			return nil, errcode.New(errcode.Usage, "capturing the container's writable layer needs the node agent, which finds the container through containerd: checkpoint through --agent")
+			return nil, errcode.New(errcode.Usage, "capturing the container's writable layer needs CaptureRootfs, which the node agent gives: it finds the container through containerd")
 		}
 		if rootfsStore, err = openStore(ctx, s.RootfsImage, s.Store); err != nil {
 			return nil, err
