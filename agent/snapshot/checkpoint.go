@@ -193,49 +193,47 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		overlaySz  int64
 		overlayDur time.Duration
 	)
-	if diskStore != nil || rootfsStore != nil {
-		opts.WhileStopped = func(ctx context.Context) (vmstate.Link, error) {
-			link := vmstate.Link{Annotations: map[string]string{}}
+	// The images beside the state, each captured while the VM is stopped
+	// and linked from the state manifest; their tags move before the
+	// state's (parts.go).
+	var parts []*part
+	if diskStore != nil {
+		parts = append(parts, &part{what: "disk", st: diskStore, capture: func(ctx context.Context, link *vmstate.Link) (ocispec.Descriptor, error) {
+			testhook.BeforeDiskCapture()
 			var err error
-			if diskStore != nil {
-				testhook.BeforeDiskCapture()
-				disk, err = rootfs.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream))
-				if err != nil {
-					return vmstate.Link{}, err
-				}
-				link.Annotations[ociimage.AnnotationDiskImage] = disk.Image.String()
-				link.Subject = &disk.Manifest
+			if disk, err = rootfs.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream)); err != nil {
+				return ocispec.Descriptor{}, err
 			}
-			if rootfsStore != nil {
-				if diskInRootfs && disk == nil {
-					// What the rootfs image will hold, as it is now.
-					t0 := time.Now()
-					if overlay, overlaySz, err = rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
-						return vmstate.Link{}, err
-					}
-					overlayDur = time.Since(t0)
+			link.Annotations[ociimage.AnnotationDiskImage] = disk.Image.String()
+			link.Subject = &disk.Manifest
+			return disk.Manifest, nil
+		}})
+	}
+	if rootfsStore != nil {
+		parts = append(parts, &part{what: "rootfs", st: rootfsStore, capture: func(ctx context.Context, link *vmstate.Link) (ocispec.Descriptor, error) {
+			var err error
+			if diskInRootfs && disk == nil {
+				// What the rootfs image will hold, as it is now.
+				t0 := time.Now()
+				if overlay, overlaySz, err = rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
+					return ocispec.Descriptor{}, err
 				}
-				if layer, err = s.CaptureRootfs(ctx, rootfsStore.repo, s.Progress.bytes("rootfs")); err != nil {
-					return vmstate.Link{}, err
-				}
-				link.Annotations[ociimage.AnnotationRootfsImage] = layer.Image.String()
-				if diskInRootfs {
-					link.Annotations[ociimage.AnnotationDiskRootfsPath] = s.DiskRootfsPath
-				}
+				overlayDur = time.Since(t0)
 			}
-			return link, nil
-		}
+			if layer, err = s.CaptureRootfs(ctx, rootfsStore.repo, s.Progress.bytes("rootfs")); err != nil {
+				return ocispec.Descriptor{}, err
+			}
+			link.Annotations[ociimage.AnnotationRootfsImage] = layer.Image.String()
+			if diskInRootfs {
+				link.Annotations[ociimage.AnnotationDiskRootfsPath] = s.DiskRootfsPath
+			}
+			return layer.Manifest, nil
+		}})
 	}
-	opts.Commit = func(ctx context.Context, desc ocispec.Descriptor) error {
-		var moves []tagMove
-		if disk != nil {
-			moves = append(moves, tagMove{what: "disk", st: diskStore, to: disk.Manifest})
-		}
-		if layer != nil {
-			moves = append(moves, tagMove{what: "rootfs", st: rootfsStore, to: layer.Manifest})
-		}
-		return moveTags(ctx, append(moves, tagMove{what: "VM state", st: state, to: desc})...)
+	if len(parts) > 0 {
+		opts.WhileStopped = captureParts(parts)
 	}
+	opts.Commit = commitParts(parts, state)
 	res, err := vmstate.Checkpoint(ctx, mon, state.repo, opts)
 	if err != nil {
 		return nil, err
