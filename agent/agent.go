@@ -1,9 +1,9 @@
-// Package agent runs checkpoints and restores of QEMU VMs on a node.
+// Package agent runs checkpoints and restores of QEMU VMs on a node: the
+// daemon and the client a Job uses to reach it.
 //
-// The operations themselves (Checkpoint, RestoreState, RestoreDisk, Stage)
-// are plain functions, used by the CLI in its own process and by the node
-// daemon alike; a VM's files come to them opened (Handles), by the daemon's
-// resolver beneath the pod's volumes or from the CLI's own paths. The daemon
+// The operations themselves are package agent/snapshot, which the CLI also
+// calls in its own process; the daemon calls them with a VM's files opened
+// by its resolver beneath the pod's volumes (snapshot.Handles). The daemon
 // (Server) adds what a node needs:
 //
 //   - a JSON HTTP API on a unix socket (mode 0660, a configurable group);
@@ -69,7 +69,7 @@ type Config struct {
 
 	// MaxWorkers bounds a request's workers (default DefaultMaxWorkers(),
 	// at most HardMaxWorkers): each one holds chunk buffers (see
-	// vmstate.StreamOptions.EncodeMemory), so a caller must not pick how
+	// chunk.StreamOptions.EncodeMemory), so a caller must not pick how
 	// much of the agent's memory one operation takes. A request above it
 	// is refused (INVALID_INPUT), not clamped, so the caller knows.
 	MaxWorkers int

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -60,7 +61,7 @@ func (r *staticResolver) Resolve(_ context.Context, ref VMRef) (*Resolved, error
 	if !ok || ref.Container != t.Container {
 		return nil, errcode.New(errcode.VMNotFound, "no container %s in pod %s on this node", ref.Container, ref.PodUID)
 	}
-	h, err := OpenLocal(t.QMPPath, t.DiskPath)
+	h, err := snapshot.OpenLocal(t.QMPPath, t.DiskPath)
 	if err != nil {
 		return nil, err
 	}

@@ -1,6 +1,10 @@
 package agent
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/vmsnap/vmsnap/internal/testhook"
+)
 
 // For the tests of package agent_test, which can import agent/containerd
 // (package agent's own tests cannot: it imports agent).
@@ -16,9 +20,9 @@ func SetAfterResolve(t testing.TB, f func()) {
 // SetBeforeDiskCapture runs f in every checkpoint just before the disk
 // overlay is read, the VM stopped, until the test ends.
 func SetBeforeDiskCapture(t testing.TB, f func()) {
-	old := beforeDiskCapture
-	beforeDiskCapture = f
-	t.Cleanup(func() { beforeDiskCapture = old })
+	old := testhook.BeforeDiskCapture
+	testhook.BeforeDiskCapture = f
+	t.Cleanup(func() { testhook.BeforeDiskCapture = old })
 }
 
 // StartTestAgent runs an agent with resolver until the test ends and

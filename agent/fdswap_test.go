@@ -33,7 +33,7 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/rootfs/overlay"
-	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // tenant is a pod whose QEMU container has a volume (HostDir, at /run/vm)
@@ -124,7 +124,7 @@ func storedDisk(t *testing.T, image string) []byte {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	if _, err := vmstate.DecodeStream(ctx, m.Layers, repo, &buf, vmstate.StreamOptions{}); err != nil {
+	if _, err := chunk.DecodeStream(ctx, m.Layers, repo, &buf, chunk.StreamOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	return buf.Bytes()

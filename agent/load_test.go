@@ -26,7 +26,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
-	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 func podUID(i int) string { return fmt.Sprintf("6f1c2a4e-%04d-4c0e-9a51-0123456789ab", i) }
@@ -193,9 +193,9 @@ func TestAgentLoadEightConcurrentCheckpointsBoundedMemory(t *testing.T) {
 
 func runEightCheckpoints(t *testing.T, stateSize int) int64 {
 	const (
-		vms     = 8
-		workers = 2
-		chunk   = 1 * mib
+		vms       = 8
+		workers   = 2
+		chunkSize = 1 * mib
 	)
 	// One state for all: the fakes only read it, and the test's own heap
 	// stays small next to what the checkpoints stream (vms x stateSize).
@@ -221,7 +221,7 @@ func runEightCheckpoints(t *testing.T, stateSize int) int64 {
 	for i := range vms {
 		op, err := a.client.Checkpoint(context.Background(), api.CheckpointRequest{
 			VM: api.VMRef{PodUID: podUID(i), Container: "qemu", QMPPath: "/run/vm/qmp.sock"}, Image: "oci:" + stores[i] + ":vm",
-			Mode: "snapshot", ChunkSize: chunk, Workers: workers,
+			Mode: "snapshot", ChunkSize: chunkSize, Workers: workers,
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -251,7 +251,7 @@ func runEightCheckpoints(t *testing.T, stateSize int) int64 {
 	objs := int64(mem.peakObjs.Load()) - int64(base)
 	// Per checkpoint: what its chunk pipeline may hold, plus slack for the
 	// agent, the fakes' pipes and the runtime.
-	bound := int64(vms)*vmstate.StreamOptions{ChunkSize: chunk, Workers: workers}.EncodeMemory() + 64*mib
+	bound := int64(vms)*chunk.StreamOptions{ChunkSize: chunkSize, Workers: workers}.EncodeMemory() + 64*mib
 	t.Logf("%d checkpoints of %d MiB at once (at most %d running): %d MiB streamed in %v; peak live heap +%d MiB, peak heap objects +%d MiB (GC garbage included), peak RSS %d MiB -> %d MiB (reset: %v); bound on live heap %d MiB",
 		vms, stateSize/mib, ev.maxRunning, raw/mib, elapsed.Round(time.Millisecond), live/mib, objs/mib, rssBase/mib, rssPeak/mib, rssReset, bound/mib)
 	if live > bound {

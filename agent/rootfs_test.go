@@ -230,3 +230,12 @@ func mustResolve(t *testing.T, dir, tag string) ocispec.Descriptor {
 	}
 	return d
 }
+func resolveIn(t *testing.T, dir string, ref ociimage.Reference) (ocispec.Descriptor, error) {
+	t.Helper()
+	ref.Layout = dir
+	repo, err := ociimage.Open(context.Background(), ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return repo.Resolve(context.Background())
+}

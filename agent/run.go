@@ -7,25 +7,23 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/rootfs"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // StartCheckpoint validates and resolves a checkpoint request, registers the
 // operation (BUSY if the VM has one) and runs it in the background.
 func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest) (api.Operation, error) {
-	mode := vmstate.Mode(req.Mode)
-	if mode == "" {
-		mode = vmstate.ModeSnapshot
-	}
 	if err := s.checkStream(req.Workers, req.ChunkSize); err != nil {
 		return api.Operation{}, err
 	}
-	spec := CheckpointSpec{
-		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: mode,
-		Stream: vmstate.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
+	spec := snapshot.CheckpointSpec{
+		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: vmstate.Mode(req.Mode),
+		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
 		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
 		// gets it as a descriptor, so its container need not see the path).
 		StagingDir: s.cfg.StateDir,
@@ -58,7 +56,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if vm.DiskInRootfs {
 		spec.DiskInRootfs, spec.DiskRootfsPath = true, spec.DiskPath
 	}
-	if err := spec.checkDiskPlace(); err != nil {
+	if err := spec.CheckDiskPlace(); err != nil {
 		vm.Close()
 		return api.Operation{}, err
 	}
@@ -80,7 +78,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
 			return s.journal.write(journalEntry{Op: o.snapshot(), VMWasRunning: running})
 		}
-		res, err := Checkpoint(ctx, spec)
+		res, err := snapshot.Checkpoint(ctx, spec)
 		if err != nil {
 			return err
 		}
@@ -92,7 +90,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		}
 		// After the journal: an agent that dies while pruning must not
 		// have its recovery continue a VM that pause mode left stopped.
-		pruned := pruneAfterCheckpoint(ctx, spec.Image, keep, spec.Store)
+		pruned := snapshot.PruneAfterCheckpoint(ctx, spec.Image, keep, spec.Store)
 		o.update(func(d *api.Operation) { d.Checkpoint.Pruned = pruned })
 		return nil
 	})
@@ -125,9 +123,9 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 		if err := s.journal.write(journalEntry{Op: o.snapshot()}); err != nil {
 			return err
 		}
-		res, err := RestoreState(ctx, RestoreSpec{
+		res, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{
 			QMPPath: req.VM.QMPPath, QMP: vm.QMP, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
-			Stream: vmstate.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
+			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.
 			StagingDir: s.cfg.StateDir,
@@ -147,8 +145,8 @@ func (s *Server) checkStream(workers, chunkSize int) error {
 	if workers < 0 || workers > s.cfg.MaxWorkers {
 		return errcode.New(errcode.InvalidInput, "workers %d: this agent allows 1..%d (its --max-workers); leave it out for the default", workers, s.cfg.MaxWorkers)
 	}
-	if chunkSize < 0 || chunkSize > vmstate.MaxChunkSize {
-		return errcode.New(errcode.InvalidInput, "chunkSize %d: at most %d (%d MiB); leave it out for the default", chunkSize, vmstate.MaxChunkSize, vmstate.MaxChunkSize>>20)
+	if chunkSize < 0 || chunkSize > chunk.MaxChunkSize {
+		return errcode.New(errcode.InvalidInput, "chunkSize %d: at most %d (%d MiB); leave it out for the default", chunkSize, chunk.MaxChunkSize, chunk.MaxChunkSize>>20)
 	}
 	return nil
 }
@@ -309,7 +307,7 @@ func (s *Server) end(o *op, err error, seconds float64, log interface {
 }
 
 // progress publishes progress at most twice a second per operation.
-func (s *Server) progress(o *op) Progress {
+func (s *Server) progress(o *op) snapshot.Progress {
 	return func(phase string, n int64) {
 		o.mu.Lock()
 		if time.Since(o.lastProgress) < 500*time.Millisecond {

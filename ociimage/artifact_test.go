@@ -1,6 +1,7 @@
 package ociimage
 
 import (
+	"errors"
 	"testing"
 
 	"github.com/opencontainers/go-digest"
@@ -185,5 +186,61 @@ func TestRegistryTagManifest(t *testing.T) {
 	wantCode(t, TagManifest(ctx, repo, missing, "v2"), errcode.RegistryError, "missing")
 	if _, err := f.open(t, "vms/disk:v2").Resolve(ctx); err == nil {
 		t.Fatal("a missing manifest was tagged")
+	}
+}
+
+// ResolveTag reads any tag through a repository opened without one, as
+// Resolve does through a tagged reference: the tag's manifest, ErrNotFound
+// for a tag that names nothing, the tag's move seen at once.
+func TestResolveTag(t *testing.T) {
+	ctx := t.Context()
+	t.Run("layout", func(t *testing.T) {
+		dir := t.TempDir()
+		repo := openLayout(t, "oci:"+dir)
+		a, err := repo.PutManifest(ctx, testManifest(t, repo, "a", "a"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := repo.PutManifest(ctx, testManifest(t, repo, "b", "b"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		checkResolveTag(t, repo, a, b)
+		// A repository opened at another tag, or at a digest, still
+		// resolves the tag asked for.
+		for _, ref := range []string{"oci:" + dir + ":other", "oci:" + dir + "@" + a.Digest.String()} {
+			if r, err := openLayout(t, ref).ResolveTag(ctx, "v1"); err != nil || r.Digest != b.Digest {
+				t.Fatalf("through %s: v1 resolves to %v, %v; want %s", ref, r.Digest, err, b.Digest)
+			}
+		}
+	})
+	t.Run("registry", func(t *testing.T) {
+		f := newFakeRegistry(t)
+		repo := f.open(t, "vms/disk")
+		descs, datas := testChunks(t, 2, 1<<10)
+		putChunks(t, repo, descs, datas)
+		a := pushDisk(t, repo, descs[:1], nil)
+		b := pushDisk(t, repo, descs, nil)
+		checkResolveTag(t, repo, a, b)
+	})
+}
+
+// checkResolveTag: v1 names nothing (ErrNotFound), then a, then b.
+func checkResolveTag(t *testing.T, repo Repository, a, b ocispec.Descriptor) {
+	t.Helper()
+	ctx := t.Context()
+	if _, err := repo.ResolveTag(ctx, "v1"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("a tag that names nothing: %v, want ErrNotFound", err)
+	}
+	for _, d := range []ocispec.Descriptor{a, b} {
+		if err := TagManifest(ctx, repo, d, "v1"); err != nil {
+			t.Fatal(err)
+		}
+		if r, err := repo.ResolveTag(ctx, "v1"); err != nil || r.Digest != d.Digest {
+			t.Fatalf("v1 resolves to %v, %v; want %s", r.Digest, err, d.Digest)
+		}
+	}
+	if ref := repo.Reference(); ref.Tag != "" || ref.IsDigest() {
+		t.Fatalf("the repository's reference changed to %s", ref)
 	}
 }

@@ -227,12 +227,22 @@ func (l *Layout) checkBlobs(m ocispec.Manifest) error {
 
 // Resolve returns the descriptor of the manifest the reference names.
 func (l *Layout) Resolve(ctx context.Context) (ocispec.Descriptor, error) {
+	return l.resolveRef(ctx, l.ref)
+}
+
+// ResolveTag is Repository.ResolveTag.
+func (l *Layout) ResolveTag(ctx context.Context, tag string) (ocispec.Descriptor, error) {
+	return l.resolveRef(ctx, l.ref.WithTag(tag))
+}
+
+// resolveRef is Resolve for ref, a reference into this repository.
+func (l *Layout) resolveRef(ctx context.Context, ref Reference) (ocispec.Descriptor, error) {
 	if err := ctx.Err(); err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	if !l.ref.IsDigest() && l.ref.Tag == "" {
+	if !ref.IsDigest() && ref.Tag == "" {
 		return ocispec.Descriptor{}, errcode.New(errcode.InvalidInput,
-			"%s names neither a tag nor a digest; use %s:TAG or %s@sha256:HEX", l.ref, l.ref, l.ref)
+			"%s names neither a tag nor a digest; use %s:TAG or %s@sha256:HEX", ref, ref, ref)
 	}
 	if err := l.checkLayout(); err != nil {
 		return ocispec.Descriptor{}, err
@@ -241,13 +251,13 @@ func (l *Layout) Resolve(ctx context.Context) (ocispec.Descriptor, error) {
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	if l.ref.IsDigest() {
-		return l.resolveDigest(idx, l.ref.Digest)
+	if ref.IsDigest() {
+		return l.resolveDigest(idx, ref.Digest)
 	}
 
 	var found []ocispec.Descriptor
 	for _, e := range idx.Manifests {
-		if e.Annotations[AnnotationRefName] == l.ref.Tag && !slices.ContainsFunc(found, func(f ocispec.Descriptor) bool { return f.Digest == e.Digest }) {
+		if e.Annotations[AnnotationRefName] == ref.Tag && !slices.ContainsFunc(found, func(f ocispec.Descriptor) bool { return f.Digest == e.Digest }) {
 			found = append(found, e)
 		}
 	}
@@ -258,14 +268,14 @@ func (l *Layout) Resolve(ctx context.Context) (ocispec.Descriptor, error) {
 		if len(tags) > 0 {
 			present = "tags present: " + strings.Join(tags, ", ")
 		}
-		return ocispec.Descriptor{}, notFound{errcode.New(errcode.RegistryError, "no tag %s in %s; %s", l.ref.Tag, l.dir, present)}
+		return ocispec.Descriptor{}, notFound{errcode.New(errcode.RegistryError, "no tag %s in %s; %s", ref.Tag, l.dir, present)}
 	case 1:
 		return withoutRefName(found[0]), nil
 	}
 	// Only another tool can have written this; guessing could restore the
 	// wrong snapshot.
 	return ocispec.Descriptor{}, errcode.New(errcode.RegistryError,
-		"tag %s names %d different manifests in %s/index.json; use a digest reference, %s@sha256:HEX", l.ref.Tag, len(found), l.dir, l.ref.WithDigest("").String())
+		"tag %s names %d different manifests in %s/index.json; use a digest reference, %s@sha256:HEX", ref.Tag, len(found), l.dir, ref.WithDigest("").String())
 }
 
 func (l *Layout) resolveDigest(idx ocispec.Index, d digest.Digest) (ocispec.Descriptor, error) {

@@ -39,6 +39,10 @@ type Repository interface {
 	// Resolve returns the descriptor of the manifest the reference names, by
 	// its digest, or by its tag.
 	Resolve(ctx context.Context) (ocispec.Descriptor, error)
+	// ResolveTag returns the descriptor of the manifest tag names in the
+	// repository, whatever tag or digest the reference has (ErrNotFound
+	// if it names none): the tag is the call's, as TagManifest's is.
+	ResolveTag(ctx context.Context, tag string) (ocispec.Descriptor, error)
 	// Manifest fetches and verifies a manifest (digest, size, media type,
 	// MaxManifestSize, MaxLayers) and returns it parsed.
 	Manifest(ctx context.Context, desc ocispec.Descriptor) (ocispec.Manifest, error)

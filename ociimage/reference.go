@@ -183,6 +183,12 @@ func (r Reference) WithDigest(d digest.Digest) Reference {
 	return r
 }
 
+// WithTag returns the reference with tag instead of its tag or digest.
+func (r Reference) WithTag(tag string) Reference {
+	r.Tag, r.Digest = tag, ""
+	return r
+}
+
 // IsDigest reports whether the reference names a manifest by digest.
 func (r Reference) IsDigest() bool { return r.Digest != "" }
 

@@ -432,21 +432,31 @@ func (r *Registry) checkBlobs(ctx context.Context, m ocispec.Manifest) error {
 // Resolve returns the descriptor of the manifest the reference names: HEAD,
 // and a GET where the registry's HEAD does not tell enough.
 func (r *Registry) Resolve(ctx context.Context) (ocispec.Descriptor, error) {
+	return r.resolveRef(ctx, r.ref)
+}
+
+// ResolveTag is Repository.ResolveTag.
+func (r *Registry) ResolveTag(ctx context.Context, tag string) (ocispec.Descriptor, error) {
+	return r.resolveRef(ctx, r.ref.WithTag(tag))
+}
+
+// resolveRef is Resolve for ref, a reference into this repository.
+func (r *Registry) resolveRef(ctx context.Context, ref Reference) (ocispec.Descriptor, error) {
 	if err := ctx.Err(); err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	ident, what := r.ref.Tag, "resolving tag "+r.ref.Tag
+	ident, what := ref.Tag, "resolving tag "+ref.Tag
 	switch {
-	case r.ref.IsDigest():
-		ident, what = string(r.ref.Digest), "resolving manifest "+string(r.ref.Digest)
-	case r.ref.Tag == "":
+	case ref.IsDigest():
+		ident, what = string(ref.Digest), "resolving manifest "+string(ref.Digest)
+	case ref.Tag == "":
 		return ocispec.Descriptor{}, errcode.New(errcode.InvalidInput,
-			"%s names neither a tag nor a digest; use %s:TAG or %s@sha256:HEX", r.ref, r.ref, r.ref)
+			"%s names neither a tag nor a digest; use %s:TAG or %s@sha256:HEX", ref, ref, ref)
 	}
 	var desc ocispec.Descriptor
 	err := r.withRetry(ctx, what, 0, func(ctx context.Context) error {
 		var err error
-		desc, err = r.resolve(ctx, ident, r.ref.Digest)
+		desc, err = r.resolve(ctx, ident, ref.Digest)
 		return err
 	})
 	return desc, err

@@ -167,7 +167,7 @@ func testChunks(t testing.TB, n, size int) ([]ocispec.Descriptor, [][]byte) {
 	return descs, datas
 }
 
-// putChunks stores chunks the way vmstate.EncodeStream does: HasBlob, then
+// putChunks stores chunks the way chunk.EncodeStream does: HasBlob, then
 // PutBlob for those missing, several at once.
 func putChunks(t testing.TB, repo Repository, descs []ocispec.Descriptor, datas [][]byte) {
 	t.Helper()

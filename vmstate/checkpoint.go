@@ -12,6 +12,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // Mode says what happens to the source VM during and after a checkpoint.
@@ -58,7 +59,7 @@ type Config struct {
 // checkpoint with default streaming.
 type CheckpointOptions struct {
 	Mode   Mode
-	Stream StreamOptions
+	Stream chunk.StreamOptions
 	// WhileStopped runs once the memory stream is complete and before the
 	// VM runs again, so that what it reads (the disk overlay) agrees with
 	// memory. What it returns links the state manifest to what it stored.
@@ -105,7 +106,7 @@ type CheckpointResult struct {
 	Manifest ocispec.Descriptor
 	Image    ociimage.Reference // pinned by digest
 	Config   Config
-	Stream   StreamResult
+	Stream   chunk.StreamResult
 	// Downtime is how long the guest did not run: QEMU's figure in live
 	// mode, stop to continue in snapshot mode, stop to stored in pause mode
 	// (where the guest stays stopped).
@@ -129,9 +130,9 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		opts.Mode = ModeSnapshot
 	}
 	if opts.Mode == ModeLive && opts.WhileStopped != nil {
-		return nil, errcode.New(errcode.Usage, "live mode does not stop the VM, so a disk overlay captured beside it would not match memory: use --mode snapshot or pause to capture the disk")
+		return nil, errcode.New(errcode.Usage, "live mode does not stop the VM, so a disk overlay captured beside it would not match memory: use snapshot or pause mode to capture the disk")
 	}
-	opts.Stream = opts.Stream.withDefaults()
+	opts.Stream = opts.Stream.WithDefaults()
 	res = &CheckpointResult{}
 
 	st, err := queryStatus(ctx, mon)
@@ -173,7 +174,6 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	if err != nil {
 		return nil, err
 	}
-	var stoppedAt time.Time
 
 	sub := mon.Subscribe()
 	defer sub.Close()
@@ -197,105 +197,127 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 			cancel()
 		}
 	}()
-	res.Durations.Prepare = time.Since(start)
+	save := func(ctx context.Context) error {
+		streamStart := time.Now()
+		streamCtx, stopStream := context.WithCancel(ctx)
+		defer stopStream()
+		finished := make(chan struct{})
+		failed := make(chan error, 1)
+		var (
+			stream    chunk.StreamResult
+			streamErr error
+		)
+		go func() {
+			defer close(finished)
+			stream, streamErr = chunk.EncodeStream(streamCtx, newBoundedStream(r, record.MemoryBytes), repo, opts.Stream)
+			if streamErr != nil {
+				// QEMU may be blocked writing into the full pipe while it holds
+				// its big lock (the final pass of a migration does), and then
+				// its monitor answers nothing: a broken pipe frees it.
+				r.Close()
+				failed <- streamErr
+			}
+		}()
+		g.phase = "streaming the VM state"
+		// Set before asking: if the reply is lost, the migration may still run.
+		g.migrating = true
+		var err error
+		if err = mon.Execute(ctx, "migrate", map[string]any{"uri": "fd:" + fdName}, nil); err != nil {
+			err = errcode.Ensure(errcode.QMPError, err, "starting the migration")
+		} else {
+			fdTaken = true
+			var info migrationInfo
+			info, err = waitMigration(ctx, mon, sub, failed)
+			if err == nil && opts.Mode == ModeLive && info.Downtime != nil {
+				res.Downtime = time.Duration(*info.Downtime) * time.Millisecond
+			}
+		}
+		if err != nil {
+			stopStream()
+			r.Close() // unblocks a read waiting on QEMU
+			<-finished
+			// When our side failed first (the store), QEMU's failure is only
+			// the broken pipe that followed: report the cause.
+			if streamErr != nil && !errors.Is(streamErr, context.Canceled) {
+				err = streamErr
+			}
+			return err
+		}
+		// QEMU closes its end once done; if it hangs instead, the caller's
+		// deadline still ends the read.
+		unblock := context.AfterFunc(ctx, func() { r.Close() })
+		<-finished
+		unblock()
+		if streamErr != nil {
+			return streamErr
+		}
+		res.Stream = stream
+		g.migrating = false
+		res.Durations.Stream = time.Since(streamStart)
+		if res.Stream.RawBytes == 0 {
+			return errcode.New(errcode.QMPError, "QEMU reported the migration complete but wrote no state")
+		}
+		res.Config.RawBytes = res.Stream.RawBytes
+		return nil
+	}
+	err = stopAndSave(ctx, mon, g, repo, opts, res, start, save, nil)
+	return res, err
+}
 
-	if opts.Mode != ModeLive && st.Running {
+// stopAndSave is a checkpoint's one sequence, for both formats, once the
+// source is guarded and the format's capture is ready: stop the VM (live
+// mode keeps it running), have QEMU save its state (save), run the
+// WhileStopped hook, continue the VM in snapshot mode, finish storing the
+// state (store, if set: mapped-ram chunks its file once the VM runs again),
+// and store the state manifest, the checkpoint's commit point.
+func stopAndSave(ctx context.Context, mon Monitor, g *sourceGuard, repo ociimage.Repository, opts CheckpointOptions, res *CheckpointResult, start time.Time, save, store func(context.Context) error) error {
+	res.Durations.Prepare = time.Since(start)
+	var stoppedAt time.Time
+	if opts.Mode != ModeLive && g.wasRunning {
 		g.phase = "stopping the VM"
-		if err = mon.Execute(ctx, "stop", nil, nil); err != nil {
-			return res, errcode.Ensure(errcode.QMPError, err, "stopping the VM")
+		if err := mon.Execute(ctx, "stop", nil, nil); err != nil {
+			return errcode.Ensure(errcode.QMPError, err, "stopping the VM")
 		}
 		stoppedAt = time.Now()
 	}
-
-	streamStart := time.Now()
-	streamCtx, stopStream := context.WithCancel(ctx)
-	defer stopStream()
-	finished := make(chan struct{})
-	failed := make(chan error, 1)
-	var (
-		stream    StreamResult
-		streamErr error
-	)
-	go func() {
-		defer close(finished)
-		stream, streamErr = EncodeStream(streamCtx, newBoundedStream(r, record.MemoryBytes), repo, opts.Stream)
-		if streamErr != nil {
-			// QEMU may be blocked writing into the full pipe while it holds
-			// its big lock (the final pass of a migration does), and then
-			// its monitor answers nothing: a broken pipe frees it.
-			r.Close()
-			failed <- streamErr
-		}
-	}()
-	g.phase = "streaming the VM state"
-	// Set before asking: if the reply is lost, the migration may still run.
-	g.migrating = true
-	if err = mon.Execute(ctx, "migrate", map[string]any{"uri": "fd:" + fdName}, nil); err != nil {
-		err = errcode.Ensure(errcode.QMPError, err, "starting the migration")
-	} else {
-		fdTaken = true
-		var info migrationInfo
-		info, err = waitMigration(ctx, mon, sub, failed)
-		if err == nil && opts.Mode == ModeLive && info.Downtime != nil {
-			res.Downtime = time.Duration(*info.Downtime) * time.Millisecond
-		}
+	if err := save(ctx); err != nil {
+		return err
 	}
-	if err != nil {
-		stopStream()
-		r.Close() // unblocks a read waiting on QEMU
-		<-finished
-		// When our side failed first (the store), QEMU's failure is only
-		// the broken pipe that followed: report the cause.
-		if streamErr != nil && !errors.Is(streamErr, context.Canceled) {
-			err = streamErr
-		}
-		return res, err
-	}
-	// QEMU closes its end once done; if it hangs instead, the caller's
-	// deadline still ends the read.
-	unblock := context.AfterFunc(ctx, func() { r.Close() })
-	<-finished
-	unblock()
-	if err = streamErr; err != nil {
-		return res, err
-	}
-	res.Stream = stream
-	g.migrating = false
-	res.Durations.Stream = time.Since(streamStart)
-	if res.Stream.RawBytes == 0 {
-		return res, errcode.New(errcode.QMPError, "QEMU reported the migration complete but wrote no state")
-	}
-	res.Config.RawBytes = res.Stream.RawBytes
 
 	var link Link
-	g.phase = "capturing the disk"
 	if opts.WhileStopped != nil {
+		g.phase = "capturing the disk"
 		hookStart := time.Now()
+		var err error
 		if link, err = opts.WhileStopped(ctx); err != nil {
-			return res, err
+			return err
 		}
 		res.Durations.Stopped = time.Since(hookStart)
 	}
-
-	if opts.Mode == ModeSnapshot && wasRunning {
-		if err = mon.Execute(ctx, "cont", nil, nil); err != nil {
-			return res, errcode.Ensure(errcode.QMPError, err, "continuing the VM after the snapshot")
+	if opts.Mode == ModeSnapshot && g.wasRunning {
+		if err := mon.Execute(ctx, "cont", nil, nil); err != nil {
+			return errcode.Ensure(errcode.QMPError, err, "continuing the VM after the snapshot")
 		}
 		res.Downtime = time.Since(stoppedAt)
 	}
+	if store != nil {
+		if err := store(ctx); err != nil {
+			return err
+		}
+	}
 
 	g.phase = "storing the manifest and moving the tags"
-	if err = pushStateManifest(ctx, repo, opts, res, link); err != nil {
-		return res, err
+	if err := pushStateManifest(ctx, repo, opts, res, link); err != nil {
+		return err
 	}
-	if opts.Mode == ModePause && wasRunning {
+	if opts.Mode == ModePause && g.wasRunning {
 		res.Downtime = time.Since(stoppedAt)
 	}
 	res.Durations.Total = time.Since(start)
 	if st, serr := queryStatus(ctx, mon); serr == nil {
 		res.VMRunning = st.Running
 	}
-	return res, nil
+	return nil
 }
 
 // sourceGuard keeps a checkpoint's promise to the source VM, on either path
@@ -504,12 +526,12 @@ const maxStreamChunks = 8192
 
 // chunkSizeFor picks a chunk size so that a stream about the size of the
 // VM's memory fits in maxStreamChunks chunks.
-func chunkSizeFor(memory int64, chunk int) int {
-	chunk = effectiveChunkSize(chunk)
-	for memory/int64(chunk) >= maxStreamChunks && chunk < maxAverageChunk {
-		chunk *= 2
+func chunkSizeFor(memory int64, size int) int {
+	size = chunk.EffectiveChunkSize(size)
+	for memory/int64(size) >= maxStreamChunks && size < chunk.MaxChunkSize {
+		size *= 2
 	}
-	return chunk
+	return size
 }
 
 // cancelMigration cancels a migration and waits until QEMU has left it.

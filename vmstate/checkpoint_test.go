@@ -13,6 +13,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 func openLayout(t testing.TB, ref string) ociimage.Repository {
@@ -38,7 +39,7 @@ func TestCheckpointModes(t *testing.T) {
 			q := qmptest.NewFakeQEMU(t, "running", state)
 			dir := t.TempDir()
 			repo := openLayout(t, "oci:"+dir+":vm")
-			res, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: tc.mode, Stream: StreamOptions{ChunkSize: 1 << 20}})
+			res, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: tc.mode, Stream: chunk.StreamOptions{ChunkSize: 1 << 20}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -70,7 +71,7 @@ func TestCheckpointModes(t *testing.T) {
 				t.Fatalf("LoadConfig: %+v, %v", cfg, err)
 			}
 			var out bytes.Buffer
-			if _, err := DecodeStream(context.Background(), m.Layers, tagged, &out, StreamOptions{}); err != nil || !bytes.Equal(out.Bytes(), state) {
+			if _, err := chunk.DecodeStream(context.Background(), m.Layers, tagged, &out, chunk.StreamOptions{}); err != nil || !bytes.Equal(out.Bytes(), state) {
 				t.Fatalf("stored stream differs from QEMU's (%v)", err)
 			}
 		})
@@ -153,7 +154,7 @@ func TestLiveModeRefusesDiskHook(t *testing.T) {
 func checkpointInto(t *testing.T, dir string, state []byte) ociimage.Reference {
 	t.Helper()
 	src := qmptest.NewFakeQEMU(t, "running", state)
-	res, err := Checkpoint(context.Background(), src.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{Mode: ModePause, Stream: StreamOptions{ChunkSize: 512 << 10}})
+	res, err := Checkpoint(context.Background(), src.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{Mode: ModePause, Stream: chunk.StreamOptions{ChunkSize: 512 << 10}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -348,14 +349,5 @@ func TestChunkSizeGrowsWithMemory(t *testing.T) {
 	// What is recorded is what the chunker uses: a power of two.
 	if got := chunkSizeFor(256<<20, 3<<20); got != 2<<20 {
 		t.Errorf("chunkSizeFor(256 MiB, 3 MiB) = %d, want 2 MiB", got)
-	}
-}
-
-// The largest chunk the pipeline can make, incompressible, is still a
-// chunk a store takes.
-func TestLargestChunkIsStorable(t *testing.T) {
-	ck := newChunker(effectiveChunkSize(ociimage.MaxChunkSize))
-	if n := maxEncodedSize(ck.max); n > ociimage.MaxChunkSize {
-		t.Fatalf("chunks of up to %d bytes may compress to %d, over ociimage.MaxChunkSize (%d)", ck.max, n, ociimage.MaxChunkSize)
 	}
 }

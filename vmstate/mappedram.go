@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"os"
 	"runtime"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // QEMU 9.0 and later can save a stopped VM in its mapped-ram format: a
@@ -40,34 +40,6 @@ import (
 // left behind, even if vmsnap is killed, and truncated through vmsnap's own
 // descriptor once QEMU is done with them, since QEMU may keep its copy open
 // (stagingFile.free).
-
-// Format is how a VM state image holds the VM's state.
-type Format string
-
-const (
-	// FormatAuto picks mapped-ram in snapshot mode where the source QEMU
-	// has it and the staging directory has room, else the stream. It is an
-	// option, never recorded.
-	FormatAuto Format = "auto"
-	// FormatStream is QEMU's sequential migration stream, as QEMU writes it
-	// into a pipe. Configs leave it out (an empty format is a stream), so
-	// that their JSON is what it was before formats existed.
-	FormatStream Format = "stream"
-	// FormatMappedRAM is QEMU's mapped-ram file (QEMU 9.0 or later): the
-	// image's chunks, in order, are that file's bytes.
-	FormatMappedRAM Format = "mapped-ram"
-)
-
-// ParseFormat accepts the format names of the command line ("" is auto).
-func ParseFormat(s string) (Format, error) {
-	switch f := Format(s); f {
-	case "":
-		return FormatAuto, nil
-	case FormatAuto, FormatStream, FormatMappedRAM:
-		return f, nil
-	}
-	return "", errcode.New(errcode.Usage, "unknown state format %q: use auto, stream or mapped-ram", s)
-}
 
 // capMappedRAM and capMultifd are QEMU's names of the migration capabilities.
 const (
@@ -293,7 +265,6 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	if err != nil {
 		return nil, err
 	}
-	var stoppedAt time.Time
 
 	sub := mon.Subscribe()
 	defer sub.Close()
@@ -321,96 +292,69 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	if err = staging.pass(ctx); err != nil {
 		return nil, err
 	}
-	res.Durations.Prepare = time.Since(start)
-
-	if st.Running {
-		g.phase = "stopping the VM"
-		if err = mon.Execute(ctx, "stop", nil, nil); err != nil {
-			return nil, errcode.Ensure(errcode.QMPError, err, "stopping the VM")
+	var size, allocated int64
+	save := func(ctx context.Context) error {
+		g.phase = "saving the VM state into the staging file"
+		saveStart := time.Now()
+		g.migrating = true // set before asking: if the reply is lost, the migration may still run
+		if err := mon.Execute(ctx, "migrate", map[string]any{"uri": staging.uri()}, nil); err != nil {
+			return errcode.Ensure(errcode.QMPError, err, "starting the migration into the staging file")
 		}
-		stoppedAt = time.Now()
-	}
-
-	g.phase = "saving the VM state into the staging file"
-	saveStart := time.Now()
-	g.migrating = true // set before asking: if the reply is lost, the migration may still run
-	if err = mon.Execute(ctx, "migrate", map[string]any{"uri": staging.uri()}, nil); err != nil {
-		return nil, errcode.Ensure(errcode.QMPError, err, "starting the migration into the staging file")
-	}
-	if _, err = waitMigration(ctx, mon, sub, nil); err != nil {
-		switch desc := err.Error(); {
-		case strings.Contains(desc, "No space left"):
-			err = staging.qemuFull(syscall.ENOSPC)
-		case strings.Contains(desc, "quota exceeded"):
-			err = staging.qemuFull(syscall.EDQUOT)
+		if _, err := waitMigration(ctx, mon, sub, nil); err != nil {
+			switch desc := err.Error(); {
+			case strings.Contains(desc, "No space left"):
+				err = staging.qemuFull(syscall.ENOSPC)
+			case strings.Contains(desc, "quota exceeded"):
+				err = staging.qemuFull(syscall.EDQUOT)
+			}
+			return err
 		}
-		return nil, err
-	}
-	g.migrating = false
-	if err = waitFinalized(ctx, mon); err != nil {
-		return nil, err
-	}
-	res.Durations.Save = time.Since(saveStart)
-	size, allocated, err := checkExtent(staging.f, memory)
-	if errcode.Of(err) == errcode.QMPError {
-		return nil, err
-	} else if err != nil {
-		return nil, stagingError(dir, err, "reading the staging file")
-	}
-	if size == 0 {
-		return nil, errcode.New(errcode.QMPError, "QEMU reported the migration complete but wrote no state")
-	}
-
-	var link Link
-	if opts.WhileStopped != nil {
-		g.phase = "capturing the disk"
-		hookStart := time.Now()
-		if link, err = opts.WhileStopped(ctx); err != nil {
-			return nil, err
+		g.migrating = false
+		if err := waitFinalized(ctx, mon); err != nil {
+			return err
 		}
-		res.Durations.Stopped = time.Since(hookStart)
+		res.Durations.Save = time.Since(saveStart)
+		var err error
+		size, allocated, err = checkExtent(staging.f, memory)
+		if errcode.Of(err) == errcode.QMPError {
+			return err
+		} else if err != nil {
+			return stagingError(dir, err, "reading the staging file")
+		}
+		if size == 0 {
+			return errcode.New(errcode.QMPError, "QEMU reported the migration complete but wrote no state")
+		}
+		return nil
 	}
 	// The state is in the file: the VM need not wait for the upload.
-	if opts.Mode == ModeSnapshot && wasRunning {
-		if err = mon.Execute(ctx, "cont", nil, nil); err != nil {
-			return nil, errcode.Ensure(errcode.QMPError, err, "continuing the VM after the snapshot")
+	store := func(ctx context.Context) error {
+		// QEMU is done with the file. Dropped once the VM runs again, QEMU
+		// 9.0 closes its descriptor too.
+		staging.dropFDSet(ctx)
+		g.phase = "storing the VM state"
+		streamStart := time.Now()
+		so := opts.Stream
+		so.Fixed = true
+		var err error
+		res.Stream, err = chunk.EncodeStream(ctx, &sparseReader{f: staging.f, size: size}, repo, so)
+		if err != nil {
+			return err
 		}
-		res.Downtime = time.Since(stoppedAt)
+		if res.Stream.RawBytes != size {
+			return errcode.New(errcode.Internal, "read %d bytes of the %d-byte staging file", res.Stream.RawBytes, size)
+		}
+		res.Durations.Stream = res.Durations.Save + time.Since(streamStart)
+		res.Config.RawBytes = size
+		res.Config.DataBytes = allocated
+		watch.stop()
+		if err = watch.exceeded(); err != nil {
+			return err
+		}
+		staging.release(ctx) // the staging space is free from here on
+		return nil
 	}
-	// QEMU is done with the file. Dropped once the VM runs again, QEMU 9.0
-	// closes its descriptor too.
-	staging.dropFDSet(ctx)
-
-	g.phase = "storing the VM state"
-	streamStart := time.Now()
-	so := opts.Stream
-	so.Fixed = true
-	res.Stream, err = EncodeStream(ctx, &sparseReader{f: staging.f, size: size}, repo, so)
-	if err != nil {
+	if err = stopAndSave(ctx, mon, g, repo, opts, res, start, save, store); err != nil {
 		return nil, err
-	}
-	if res.Stream.RawBytes != size {
-		return nil, errcode.New(errcode.Internal, "read %d bytes of the %d-byte staging file", res.Stream.RawBytes, size)
-	}
-	res.Durations.Stream = res.Durations.Save + time.Since(streamStart)
-	res.Config.RawBytes = size
-	res.Config.DataBytes = allocated
-	watch.stop()
-	if err = watch.exceeded(); err != nil {
-		return nil, err
-	}
-	staging.release(ctx) // the staging space is free from here on
-
-	g.phase = "storing the manifest"
-	if err = pushStateManifest(ctx, repo, opts, res, link); err != nil {
-		return nil, err
-	}
-	if opts.Mode == ModePause && wasRunning {
-		res.Downtime = time.Since(stoppedAt)
-	}
-	res.Durations.Total = time.Since(start)
-	if st, serr := queryStatus(ctx, mon); serr == nil {
-		res.VMRunning = st.Running
 	}
 	return res, nil
 }
@@ -430,48 +374,6 @@ func waitFinalized(ctx context.Context, mon Executor) error {
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
-}
-
-// pushStateManifest stores the state manifest with its annotations (the
-// Checkpoint's and the link's) and runs the Commit hook: the tail of a
-// checkpoint, as Checkpoint does it.
-func pushStateManifest(ctx context.Context, repo ociimage.Repository, opts CheckpointOptions, res *CheckpointResult, link Link) error {
-	record := res.Config.Record
-	annotations := map[string]string{
-		ociimage.AnnotationMode:        string(opts.Mode),
-		ociimage.AnnotationQEMUVersion: record.QEMUVersion,
-		ociimage.AnnotationMachine:     record.Machine,
-		ociimage.AnnotationMemory:      strconv.FormatInt(record.MemoryBytes, 10),
-		ociimage.AnnotationRawBytes:    strconv.FormatInt(res.Stream.RawBytes, 10),
-		ociimage.AnnotationCreated:     res.Config.Created.Format(time.RFC3339),
-	}
-	for k, v := range opts.Annotations {
-		annotations[k] = v
-	}
-	for k, v := range link.Annotations {
-		annotations[k] = v
-	}
-	pushStart := time.Now()
-	var err error
-	res.Manifest, err = ociimage.PushArtifact(ctx, repo, ociimage.Artifact{
-		ArtifactType:    ociimage.ArtifactTypeVMState,
-		ConfigMediaType: ociimage.MediaTypeVMStateConfig,
-		Config:          res.Config,
-		Layers:          res.Stream.Layers,
-		Annotations:     annotations,
-		Subject:         link.Subject,
-	})
-	if err != nil {
-		return errcode.Ensure(errcode.RegistryError, err, "storing the state manifest")
-	}
-	if opts.Commit != nil {
-		if err = opts.Commit(ctx, res.Manifest); err != nil {
-			return errcode.Ensure(errcode.RegistryError, err, "moving the checkpoint's tags")
-		}
-	}
-	res.Durations.Push = time.Since(pushStart)
-	res.Image = repo.Reference().WithDigest(res.Manifest.Digest)
-	return nil
 }
 
 // fileExtent returns a file's size and the bytes allocated to it.
@@ -591,47 +493,6 @@ func (w *sparseWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// checkRestorable is Restore's compatibility check: CheckCompatible, plus,
-// for a mapped-ram image, the target's mapped-ram capability, so that a
-// QEMU that cannot load the file is refused with every difference at once
-// and before anything is fed. A stream image costs no QMP command more.
-func checkRestorable(ctx context.Context, mon Executor, cfg Config, target Record) error {
-	diffs := Compare(cfg.Record, target)
-	format := ""
-	if cfg.Format == FormatMappedRAM {
-		caps, err := migrationCapabilities(ctx, mon)
-		if err != nil {
-			return err
-		}
-		if _, ok := caps[capMappedRAM]; !ok {
-			format = fmt.Sprintf("the snapshot is in QEMU's mapped-ram format (QEMU 9.0 or later), which this QEMU %s cannot load; ", target.QEMUVersion)
-			diffs = append(diffs, fmt.Sprintf("migration format: snapshot is %s (saved by QEMU %s), target QEMU %s lacks the mapped-ram migration capability", FormatMappedRAM, cfg.Record.QEMUVersion, target.QEMUVersion))
-		}
-	}
-	if len(diffs) == 0 {
-		return nil
-	}
-	return errcode.WithDetails(errcode.CompatMismatch, diffs,
-		"the waiting QEMU cannot load this snapshot (%d difference(s)): %sstart it with the same machine, CPU, memory and devices as the source", len(diffs), format)
-}
-
-// checkFormat refuses a config whose format this vmsnap does not know.
-func (c Config) checkFormat() error {
-	switch c.Format {
-	case "", FormatStream:
-		if c.DataBytes != 0 {
-			return errcode.New(errcode.InvalidInput, "the image's config declares %d bytes of staged data for a stream", c.DataBytes)
-		}
-		return nil
-	case FormatMappedRAM:
-		if c.DataBytes < 0 || c.DataBytes > c.RawBytes {
-			return errcode.New(errcode.InvalidInput, "the image's config declares %d bytes of data in a %d-byte mapped-ram file", c.DataBytes, c.RawBytes)
-		}
-		return nil
-	}
-	return errcode.New(errcode.InvalidInput, "the image holds VM state in format %q, which this vmsnap does not know (a newer vmsnap wrote it?)", c.Format)
-}
-
 // restoreMappedRAM is Restore's mapped-ram path, from Restore, which has
 // loaded and checked the image and the target: it stages the verified file,
 // then has QEMU load it.
@@ -658,7 +519,7 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	// Every chunk is verified before it is written, and QEMU sees the file
 	// only once all of them are: a bad chunk leaves the target untouched.
 	streamStart := time.Now()
-	n, err := DecodeStream(ctx, layers, repo, &sparseWriter{f: staging.f}, opts.Stream)
+	n, err := chunk.DecodeStream(ctx, layers, repo, &sparseWriter{f: staging.f}, opts.Stream)
 	if err != nil {
 		// A failed write names the staging file; a failed read from the
 		// store is reported as it is.

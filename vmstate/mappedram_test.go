@@ -20,6 +20,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // mappedState is a stand-in for a mapped-ram file of n bytes: a header,
@@ -90,7 +91,7 @@ func TestMappedRAMCheckpointAndRestore(t *testing.T) {
 			dir := t.TempDir()
 			repo := &watchedRepo{Repository: openLayout(t, "oci:"+dir+":vm"), q: q}
 			res, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{
-				Mode: tc.mode, Format: FormatMappedRAM, StagingDir: staging, Stream: StreamOptions{ChunkSize: 1 << 20},
+				Mode: tc.mode, Format: FormatMappedRAM, StagingDir: staging, Stream: chunk.StreamOptions{ChunkSize: 1 << 20},
 			})
 			if err != nil {
 				t.Fatal(err)
@@ -164,7 +165,7 @@ func TestMappedRAMSecondCheckpointUploadsLittle(t *testing.T) {
 	state := mappedState(t, 16<<20)
 	q := mappedSource(t, state)
 	dir := t.TempDir()
-	opts := CheckpointOptions{Mode: ModeSnapshot, StagingDir: t.TempDir(), Stream: StreamOptions{ChunkSize: 1 << 20}}
+	opts := CheckpointOptions{Mode: ModeSnapshot, StagingDir: t.TempDir(), Stream: chunk.StreamOptions{ChunkSize: 1 << 20}}
 	first, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), opts)
 	if err != nil {
 		t.Fatal(err)
@@ -198,7 +199,7 @@ func checkpointMappedInto(t *testing.T, state []byte) (string, string) {
 	q := mappedSource(t, state)
 	dir := t.TempDir()
 	res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{
-		Mode: ModePause, Format: FormatMappedRAM, StagingDir: t.TempDir(), Stream: StreamOptions{ChunkSize: 1 << 20},
+		Mode: ModePause, Format: FormatMappedRAM, StagingDir: t.TempDir(), Stream: chunk.StreamOptions{ChunkSize: 1 << 20},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -407,7 +408,7 @@ func TestConfigFormatIsChecked(t *testing.T) {
 func TestFixedChunks(t *testing.T) {
 	data := testStream(t, 5<<20+12345)
 	store := newMemStore()
-	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, StreamOptions{ChunkSize: 1<<20 + 1000, Fixed: true})
+	res, err := chunk.EncodeStream(context.Background(), bytes.NewReader(data), store, chunk.StreamOptions{ChunkSize: 1<<20 + 1000, Fixed: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -420,7 +421,7 @@ func TestFixedChunks(t *testing.T) {
 		}
 	}
 	var out bytes.Buffer
-	if _, err := DecodeStream(context.Background(), res.Layers, store, &out, StreamOptions{}); err != nil || !bytes.Equal(out.Bytes(), data) {
+	if _, err := chunk.DecodeStream(context.Background(), res.Layers, store, &out, chunk.StreamOptions{}); err != nil || !bytes.Equal(out.Bytes(), data) {
 		t.Fatalf("round trip: %v", err)
 	}
 }
@@ -512,7 +513,7 @@ func TestMappedRAMStagingFreedWhileQEMUHoldsIt(t *testing.T) {
 	checkpoint := func(t *testing.T, q *qmptest.FakeQEMU) (string, error) {
 		dir := t.TempDir()
 		res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{
-			Mode: ModePause, Format: FormatMappedRAM, StagingDir: t.TempDir(), Stream: StreamOptions{ChunkSize: 1 << 20},
+			Mode: ModePause, Format: FormatMappedRAM, StagingDir: t.TempDir(), Stream: chunk.StreamOptions{ChunkSize: 1 << 20},
 		})
 		if err != nil {
 			return "", err

@@ -10,6 +10,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // RestoreOptions tunes Restore.
@@ -17,7 +18,7 @@ type RestoreOptions struct {
 	// Paused leaves the VM stopped once its state is loaded. A QEMU started
 	// without -S may run the guest for an instant before it is stopped.
 	Paused bool
-	Stream StreamOptions
+	Stream chunk.StreamOptions
 	// StagingDir is where a mapped-ram image is staged, verified, before
 	// QEMU loads it (default $TMPDIR).
 	StagingDir string
@@ -56,7 +57,7 @@ func LoadConfig(ctx context.Context, repo ociimage.Repository) (ocispec.Descript
 	if err := cfg.checkSize(); err != nil {
 		return desc, m, cfg, err
 	}
-	total, err := ValidateLayers(m.Layers)
+	total, err := chunk.ValidateLayers(m.Layers)
 	if err != nil {
 		return desc, m, cfg, err
 	}
@@ -130,7 +131,7 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	}}
 	// A QEMU that stops reading must not hold us past the caller's deadline.
 	unblock := context.AfterFunc(ctx, func() { _ = w.SetWriteDeadline(time.Unix(1, 0)) })
-	res.RawBytes, err = DecodeStream(ctx, m.Layers, repo, in, opts.Stream)
+	res.RawBytes, err = chunk.DecodeStream(ctx, m.Layers, repo, in, opts.Stream)
 	unblock()
 	w.Close() // end of stream for QEMU: it loads what it has and finishes or fails
 	if !in.started {

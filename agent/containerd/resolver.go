@@ -47,6 +47,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/agent"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/beneath"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
@@ -218,7 +219,7 @@ func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (*agent.Resolve
 		return nil, errcode.Wrap(errcode.Internal, err, "container %s: reading its OCI spec", c.ID)
 	}
 	t := agent.Target{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID, Namespace: c.Labels[LabelPodNamespace]}
-	var h agent.Handles
+	var h snapshot.Handles
 	podDir := ""
 	if r.podsDir != "" {
 		podDir = path.Join(r.podsDir, ref.PodUID)

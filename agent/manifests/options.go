@@ -298,7 +298,7 @@ func resources(req, lim [3]string) corev1.ResourceRequirements {
 
 // DefaultAgentResources: the agent idles at a few MiB; a checkpoint
 // compresses on two cores and holds at most about 110 MiB of chunks and
-// encoders (vmstate.StreamOptions.EncodeMemory), two at once by default.
+// encoders (chunk.StreamOptions.EncodeMemory), two at once by default.
 // Its root filesystem is read-only and its state is on a host path, so its
 // ephemeral storage is its logs.
 func DefaultAgentResources() corev1.ResourceRequirements {

@@ -10,8 +10,10 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 type streamFlags struct {
@@ -24,8 +26,8 @@ func (f *streamFlags) add(c *cobra.Command) {
 	c.Flags().IntVar(&f.workers, "workers", 0, "chunks compressed, fetched or decompressed at once (default 2; each one more holds up to two chunks in memory, 24 MiB at the default chunk size: raise it for a fast registry link with spare cores)")
 }
 
-func (f *streamFlags) options() vmstate.StreamOptions {
-	return vmstate.StreamOptions{ChunkSize: f.chunkSize, Workers: f.workers}
+func (f *streamFlags) options() chunk.StreamOptions {
+	return chunk.StreamOptions{ChunkSize: f.chunkSize, Workers: f.workers}
 }
 
 // agentFlags make a command a client of the node agent (what a Job runs):
@@ -176,7 +178,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 			return errcode.New(errcode.Usage, "--rootfs-image captures a container's writable layer through the node's containerd: use it with --agent")
 		}
 		p := newPhasedProgress(out.stderr)
-		res, err = agent.Checkpoint(ctx, agent.CheckpointSpec{
+		res, err = snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{
 			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, Mode: mode,
 			Stream: f.stream.options(), Store: f.registry.options(), Progress: p.update,
 			Format: format, StagingDir: f.stagingDir, Keep: f.keep,

@@ -6,14 +6,11 @@ import (
 	"io"
 	"sort"
 
-	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/spf13/cobra"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/rootfs/overlay"
-	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 func newInspectCmd(out *globalOutput) *cobra.Command {
@@ -44,59 +41,8 @@ access works as for checkpoint (--registry-config, --ca-file,
 	return c
 }
 
-type inspectDoc struct {
-	Image        string              `json:"image"`
-	Digest       string              `json:"digest"`
-	ArtifactType string              `json:"artifactType"`
-	Chunks       int                 `json:"chunks"`
-	StoredBytes  int64               `json:"storedBytes"`
-	Annotations  map[string]string   `json:"annotations,omitempty"`
-	VMState      *vmstate.Config     `json:"vmstate,omitempty"`
-	Disk         *overlay.DiskConfig `json:"disk,omitempty"`
-	// Checkpoint lists, for a VM state image, the images of its checkpoint
-	// together.
-	Checkpoint *checkpointImagesDoc `json:"checkpoint,omitempty"`
-	LinkedDisk *inspectDoc          `json:"linkedDisk,omitempty"`
-	// LinkedRootfs is the QEMU container's writable layer, captured with
-	// the VM (an ordinary container image).
-	LinkedRootfs *rootfsLinkDoc `json:"linkedRootfs,omitempty"`
-	// Referrers are the VM state images whose subject is this disk image.
-	Referrers []referrerDoc `json:"referrers,omitempty"`
-}
-
-// checkpointImagesDoc is what one checkpoint stored, each image pinned.
-type checkpointImagesDoc struct {
-	VMState string `json:"vmstate"`
-	Disk    string `json:"disk,omitempty"` // the disk overlay's own image
-	// DiskInRootfs is where the disk overlay is in the rootfs image, when
-	// it lived in the QEMU container's writable layer.
-	DiskInRootfs *api.DiskInRootfs `json:"diskInRootfs,omitempty"`
-	Rootfs       string            `json:"rootfs,omitempty"`
-}
-
-type rootfsLinkDoc struct {
-	Image      string `json:"image"`
-	Digest     string `json:"digest"`
-	Layers     int    `json:"layers"`
-	Bytes      int64  `json:"bytes"`
-	BaseImage  string `json:"baseImage,omitempty"` // the container's image it was captured on
-	Layer      string `json:"layer"`               // the captured writable layer (the last one)
-	LayerBytes int64  `json:"layerBytes"`          // its size, compressed
-}
-
-type referrerDoc struct {
-	Image        string            `json:"image"`
-	Digest       string            `json:"digest"`
-	ArtifactType string            `json:"artifactType"`
-	Annotations  map[string]string `json:"annotations,omitempty"`
-}
-
 func runInspect(ctx context.Context, out *globalOutput, s string, opts []ociimage.Option) error {
-	ref, err := ociimage.ParseReference(s)
-	if err != nil {
-		return err
-	}
-	doc, err := inspectRef(ctx, ref, true, opts)
+	doc, err := snapshot.Inspect(ctx, snapshot.InspectSpec{Image: s, Store: opts})
 	if err != nil {
 		return err
 	}
@@ -104,98 +50,7 @@ func runInspect(ctx context.Context, out *globalOutput, s string, opts []ociimag
 	return nil
 }
 
-// resolveManifest opens ref and returns its manifest, verified.
-func resolveManifest(ctx context.Context, ref ociimage.Reference, opts []ociimage.Option) (ocispec.Descriptor, ocispec.Manifest, error) {
-	repo, err := ociimage.Open(ctx, ref, opts...)
-	if err != nil {
-		return ocispec.Descriptor{}, ocispec.Manifest{}, err
-	}
-	desc, err := repo.Resolve(ctx)
-	if err != nil {
-		return desc, ocispec.Manifest{}, err
-	}
-	m, err := repo.Manifest(ctx, desc)
-	return desc, m, err
-}
-
-func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts []ociimage.Option) (*inspectDoc, error) {
-	desc, m, err := resolveManifest(ctx, ref, opts)
-	if err != nil {
-		return nil, err
-	}
-	doc := &inspectDoc{
-		Image: ref.WithDigest(desc.Digest).String(), Digest: desc.Digest.String(),
-		ArtifactType: m.ArtifactType, Chunks: len(m.Layers), Annotations: m.Annotations,
-	}
-	for _, l := range m.Layers {
-		doc.StoredBytes += l.Size
-	}
-	pinned, err := ociimage.Open(ctx, ref.WithDigest(desc.Digest), opts...)
-	if err != nil {
-		return nil, err
-	}
-	switch m.ArtifactType {
-	case ociimage.ArtifactTypeVMState:
-		_, _, cfg, err := vmstate.LoadConfig(ctx, pinned)
-		if err != nil {
-			return nil, err
-		}
-		doc.VMState = &cfg
-		if !follow {
-			break
-		}
-		doc.Checkpoint = &checkpointImagesDoc{VMState: doc.Image}
-		if link := m.Annotations[ociimage.AnnotationDiskImage]; link != "" {
-			dref, err := ociimage.ParseReference(link)
-			if err != nil {
-				return nil, errcode.Wrap(errcode.InvalidInput, err, "the image's linked disk reference")
-			}
-			if doc.LinkedDisk, err = inspectRef(ctx, dref, false, opts); err != nil {
-				return nil, errcode.Wrap(errcode.Of(err), err, "the linked disk image %s", link)
-			}
-			if doc.LinkedDisk.Disk == nil {
-				return nil, errcode.New(errcode.InvalidInput, "the linked disk image %s is a %s image, not a disk image", link, doc.LinkedDisk.ArtifactType)
-			}
-			doc.Checkpoint.Disk = doc.LinkedDisk.Image
-		}
-		if link := m.Annotations[ociimage.AnnotationRootfsImage]; link != "" {
-			if doc.LinkedRootfs, err = inspectRootfs(ctx, link, opts); err != nil {
-				return nil, errcode.Wrap(errcode.Of(err), err, "the linked rootfs image %s", link)
-			}
-			doc.Checkpoint.Rootfs = doc.LinkedRootfs.Image
-			if p := m.Annotations[ociimage.AnnotationDiskRootfsPath]; p != "" {
-				doc.Checkpoint.DiskInRootfs = &api.DiskInRootfs{Image: doc.LinkedRootfs.Image, Digest: doc.LinkedRootfs.Digest, Path: p}
-			}
-		}
-	case ociimage.ArtifactTypeDisk:
-		_, _, cfg, err := overlay.LoadDiskConfig(ctx, pinned)
-		if err != nil {
-			return nil, err
-		}
-		doc.Disk = &cfg
-		if follow {
-			refs, err := pinned.Referrers(ctx, desc)
-			if err != nil {
-				return nil, err
-			}
-			for _, r := range refs {
-				// Some registries report the config's media type as the
-				// artifact type of a referrer.
-				if r.ArtifactType == ociimage.ArtifactTypeVMState || r.ArtifactType == ociimage.MediaTypeVMStateConfig {
-					doc.Referrers = append(doc.Referrers, referrerDoc{
-						Image: ref.WithDigest(r.Digest).String(), Digest: r.Digest.String(),
-						ArtifactType: ociimage.ArtifactTypeVMState, Annotations: r.Annotations,
-					})
-				}
-			}
-		}
-	default:
-		return nil, errcode.New(errcode.InvalidInput, "%s is not a vmsnap image (artifact type %q)", ref, m.ArtifactType)
-	}
-	return doc, nil
-}
-
-func printInspect(w io.Writer, d *inspectDoc, indent string) {
+func printInspect(w io.Writer, d *api.InspectResult, indent string) {
 	if c := d.Checkpoint; c != nil {
 		fmt.Fprintf(w, "%scheckpoint images:\n", indent)
 		fmt.Fprintf(w, "%s  vmstate: %s\n", indent, c.VMState)
@@ -256,28 +111,4 @@ func printInspect(w io.Writer, d *inspectDoc, indent string) {
 			fmt.Fprintf(w, "%s  %s (mode %s, taken %s)\n", indent, r.Image, r.Annotations[ociimage.AnnotationMode], r.Annotations[ociimage.AnnotationCreated])
 		}
 	}
-}
-
-// inspectRootfs describes a captured container image by its manifest.
-func inspectRootfs(ctx context.Context, link string, opts []ociimage.Option) (*rootfsLinkDoc, error) {
-	ref, err := ociimage.ParseReference(link)
-	if err != nil {
-		return nil, err
-	}
-	desc, m, err := resolveManifest(ctx, ref, opts)
-	if err != nil {
-		return nil, err
-	}
-	if m.ArtifactType != "" || m.Config.MediaType != ocispec.MediaTypeImageConfig || len(m.Layers) == 0 {
-		return nil, errcode.New(errcode.InvalidInput, "%s is not a container image (artifact type %q, config %q, %d layers)", ref, m.ArtifactType, m.Config.MediaType, len(m.Layers))
-	}
-	top := m.Layers[len(m.Layers)-1]
-	d := &rootfsLinkDoc{
-		Image: ref.WithDigest(desc.Digest).String(), Digest: desc.Digest.String(), Layers: len(m.Layers),
-		BaseImage: m.Annotations[ocispec.AnnotationBaseImageName], Layer: top.Digest.String(), LayerBytes: top.Size,
-	}
-	for _, l := range m.Layers {
-		d.Bytes += l.Size
-	}
-	return d, nil
 }

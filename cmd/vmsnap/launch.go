@@ -16,7 +16,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	"github.com/spf13/cobra"
 
-	"github.com/vmsnap/vmsnap/agent"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
@@ -161,7 +161,7 @@ func (f launchFlags) plan(ctx context.Context) (name, what string, incoming []st
 	if f.deferred {
 		return "loaded-defer", "the VM state (loaded by the agent into -incoming defer)", []string{"-incoming", "defer"}, nil
 	}
-	d, err := agent.StagedDigest(ctx, f.stateDir)
+	d, err := snapshot.StagedDigest(ctx, f.stateDir)
 	if err != nil {
 		return "", "", nil, err
 	}

@@ -100,7 +100,7 @@ func newPhasedProgress(w io.Writer) *phasedProgress {
 	return &phasedProgress{w: w}
 }
 
-// update matches agent.Progress.
+// update matches snapshot.Progress.
 func (p *phasedProgress) update(phase string, done int64) {
 	if p == nil {
 		return

@@ -9,8 +9,8 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -66,7 +66,7 @@ that does not allow deletes ("enable storage.delete in its config"); 11
 			}
 			ctx, cancel := context.WithTimeout(c.Context(), timeout)
 			defer cancel()
-			res, err := agent.Prune(ctx, agent.PruneSpec{Repo: args[0], Keep: keep, DryRun: dryRun, Store: reg.options()})
+			res, err := snapshot.Prune(ctx, snapshot.PruneSpec{Repo: args[0], Keep: keep, DryRun: dryRun, Store: reg.options()})
 			if err != nil {
 				return coded(err)
 			}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -147,7 +148,7 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 	defer p.finish()
 	store := f.registry.options()
 	if diskForm {
-		d, err := agent.RestoreDisk(ctx, agent.DiskRestoreSpec{
+		d, err := snapshot.RestoreDisk(ctx, snapshot.DiskRestoreSpec{
 			Image: f.diskImage, Path: f.disk, AllowTag: f.allowTag, Stream: f.stream.options(), Store: store, Progress: p.update,
 		})
 		if err != nil {
@@ -156,7 +157,7 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		res.Disk = d
 	}
 	if f.toDir != "" {
-		st, err := agent.Stage(ctx, agent.StageSpec{
+		st, err := snapshot.Stage(ctx, snapshot.StageSpec{
 			Image: f.image, Dir: f.toDir, AllowTag: f.allowTag, MaxBytes: f.maxBytes, Jobs: f.stream.workers, Store: store,
 		})
 		if err != nil {
@@ -165,7 +166,7 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		res.Staged = st
 	}
 	if f.qmp != "" {
-		r, err := agent.RestoreState(ctx, agent.RestoreSpec{
+		r, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{
 			QMPPath: f.qmp, Image: f.image, AllowTag: f.allowTag, Paused: f.paused,
 			Stream: f.stream.options(), Store: store, Progress: p.update, StagingDir: f.stagingDir,
 		})

@@ -9,7 +9,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/vmsnap/vmsnap/agent"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/qmp"
 	"github.com/vmsnap/vmsnap/vmstate"
@@ -61,7 +61,7 @@ func runStream(ctx context.Context, dir, qmpPath string, paused bool, f streamFl
 	if paused && qmpPath == "" {
 		return errcode.New(errcode.Usage, "--paused needs --qmp SOCK: without it the VM stays as the stream left it")
 	}
-	if err := agent.StreamStaged(ctx, dir, os.Stdout, f.options()); err != nil {
+	if err := snapshot.StreamStaged(ctx, dir, os.Stdout, f.options()); err != nil {
 		return err
 	}
 	if qmpPath == "" {

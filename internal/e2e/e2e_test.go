@@ -167,7 +167,7 @@ func TestE2EPauseModeRoundTrip(t *testing.T) {
 	src.Kill()
 
 	// inspect shows both images of the checkpoint together.
-	ins := cliJSON[inspectDoc](t, "inspect", cp.VMState.Image)
+	ins := cliJSON[api.InspectResult](t, "inspect", cp.VMState.Image)
 	if ins.VMState == nil || ins.LinkedDisk == nil || ins.LinkedDisk.Digest != cp.Disk.Digest {
 		t.Fatalf("inspect does not link the disk image: %+v", ins)
 	}

@@ -41,9 +41,9 @@ import (
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/agent/manifests"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
 	"github.com/vmsnap/vmsnap/internal/testguest"
@@ -260,7 +260,7 @@ func TestHardeningRestoreInitContainer(t *testing.T) {
 		if doc.Error.Code != errcode.DigestMismatch {
 			t.Fatalf("termination log: %+v, want %s", doc, errcode.DigestMismatch)
 		}
-		if tags := hardLayoutTags(t, pv.state); slices.Contains(tags, agent.StagedTag) {
+		if tags := hardLayoutTags(t, pv.state); slices.Contains(tags, snapshot.StagedTag) {
 			t.Fatalf("a corrupt snapshot was staged: the state volume's layout is tagged %v", tags)
 		}
 		hardNoRootfsWrites(t, res)
@@ -801,14 +801,14 @@ func hardCheckStaged(t *testing.T, dir, wantDigest string) {
 		t.Fatal(err)
 	}
 	for _, m := range idx.Manifests {
-		if m.Annotations[ociimage.AnnotationRefName] == agent.StagedTag {
+		if m.Annotations[ociimage.AnnotationRefName] == snapshot.StagedTag {
 			if m.Digest != wantDigest {
 				t.Fatalf("staged %s, want %s", m.Digest, wantDigest)
 			}
 			return
 		}
 	}
-	t.Fatalf("the state volume's layout has no %q tag: %s", agent.StagedTag, b)
+	t.Fatalf("the state volume's layout has no %q tag: %s", snapshot.StagedTag, b)
 }
 
 func hardLayoutTags(t *testing.T, dir string) []string {

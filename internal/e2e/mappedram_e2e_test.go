@@ -38,7 +38,7 @@ func assertEmptyDir(t *testing.T, dir string) {
 
 func stateFormat(t *testing.T, image string) vmstate.Format {
 	t.Helper()
-	ins := cliJSON[inspectDoc](t, "inspect", image)
+	ins := cliJSON[api.InspectResult](t, "inspect", image)
 	if ins.VMState == nil {
 		t.Fatalf("inspect %s shows no VM state config", image)
 	}

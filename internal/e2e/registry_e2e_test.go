@@ -75,11 +75,11 @@ func TestRegistryE2ERoundTrip(t *testing.T) {
 	// Either image finds the other: the state's annotation names the disk,
 	// the disk's referrers (the sha256-HEX tag on distribution 2.8) name the
 	// state.
-	ins := cliJSON[inspectDoc](t, with([]string{"inspect", cp.VMState.Image}, regArgs(reg)...)...)
+	ins := cliJSON[api.InspectResult](t, with([]string{"inspect", cp.VMState.Image}, regArgs(reg)...)...)
 	if ins.LinkedDisk == nil || ins.LinkedDisk.Digest != cp.Disk.Digest {
 		t.Fatalf("inspect of the state image does not show its disk: %+v", ins)
 	}
-	dins := cliJSON[inspectDoc](t, with([]string{"inspect", cp.Disk.Image}, regArgs(reg)...)...)
+	dins := cliJSON[api.InspectResult](t, with([]string{"inspect", cp.Disk.Image}, regArgs(reg)...)...)
 	if dins.Disk == nil || len(dins.Referrers) != 1 || dins.Referrers[0].Digest != cp.VMState.Digest || dins.Referrers[0].Image != cp.VMState.Image {
 		t.Fatalf("inspect of the disk image does not show its state image: %+v", dins.Referrers)
 	}

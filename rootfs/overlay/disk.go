@@ -15,7 +15,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // DiskConfig is the config blob of a disk overlay image: enough to check,
@@ -55,7 +55,7 @@ type CaptureResult struct {
 	Manifest ocispec.Descriptor
 	Image    ociimage.Reference // pinned by digest
 	Config   DiskConfig
-	Stream   vmstate.StreamResult
+	Stream   chunk.StreamResult
 	Duration time.Duration
 }
 
@@ -70,13 +70,13 @@ type CaptureResult struct {
 // manifest is tagged only if repo's reference has a tag: a checkpoint
 // passes an untagged repository and moves the tag once all its images are
 // stored (ociimage.TagManifest).
-func Capture(ctx context.Context, f *os.File, name string, repo ociimage.Repository, opts vmstate.StreamOptions) (*CaptureResult, error) {
+func Capture(ctx context.Context, f *os.File, name string, repo ociimage.Repository, opts chunk.StreamOptions) (*CaptureResult, error) {
 	start := time.Now()
 	h, size, err := Inspect(f, name)
 	if err != nil {
 		return nil, err
 	}
-	stream, err := vmstate.EncodeStream(ctx, io.NewSectionReader(f, 0, math.MaxInt64), repo, opts)
+	stream, err := chunk.EncodeStream(ctx, io.NewSectionReader(f, 0, math.MaxInt64), repo, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -119,7 +119,7 @@ func LoadDiskConfig(ctx context.Context, repo ociimage.Repository) (ocispec.Desc
 	if cfg.Format != "qcow2" {
 		return desc, m, cfg, errcode.New(errcode.InvalidInput, "disk image holds format %q; vmsnap restores qcow2 overlays", cfg.Format)
 	}
-	total, err := vmstate.ValidateLayers(m.Layers)
+	total, err := chunk.ValidateLayers(m.Layers)
 	if err != nil {
 		return desc, m, cfg, err
 	}
@@ -145,7 +145,7 @@ type RestoreResult struct {
 // once complete and synced (an existing file there is replaced only then),
 // its header must match the image's config, and its backing file must
 // resolve beside it.
-func Restore(ctx context.Context, repo ociimage.Repository, path string, opts vmstate.StreamOptions) (*RestoreResult, error) {
+func Restore(ctx context.Context, repo ociimage.Repository, path string, opts chunk.StreamOptions) (*RestoreResult, error) {
 	start := time.Now()
 	desc, m, cfg, err := LoadDiskConfig(ctx, repo)
 	if err != nil {
@@ -168,7 +168,7 @@ func Restore(ctx context.Context, repo ociimage.Repository, path string, opts vm
 	}
 	defer out.Abort()
 	head := &headWriter{max: 2 << 20} // the header lives in the first cluster, at most 2 MiB
-	n, err := vmstate.DecodeStream(ctx, m.Layers, repo, io.MultiWriter(out, head), opts)
+	n, err := chunk.DecodeStream(ctx, m.Layers, repo, io.MultiWriter(out, head), opts)
 	if err != nil {
 		return nil, err
 	}

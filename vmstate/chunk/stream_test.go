@@ -1,4 +1,4 @@
-package vmstate
+package chunk
 
 import (
 	"bytes"
@@ -317,7 +317,7 @@ func TestEncodeBackPressure(t *testing.T) {
 	// queued, the reader's; compressed ones (no smaller, the data is
 	// random) in the workers and the stalled uploaders. The reader may be
 	// one buffer ahead.
-	uploads := StreamOptions{}.withDefaults().Uploads
+	uploads := StreamOptions{}.WithDefaults().Uploads
 	if got, limit := src.n.Load(), int64((2*workers+1+uploads+1)*2*chunk); got > limit {
 		t.Fatalf("read %d bytes while the store was stalled; the bound is %d", got, limit)
 	}
@@ -379,7 +379,7 @@ func TestMaxEncodedSizeHoldsIncompressibleData(t *testing.T) {
 	for _, n := range []int{1, 4095, 128 << 10, 1<<20 + 7, 4 << 20} {
 		data := make([]byte, n)
 		rand.Read(data)
-		enc, err := newChunkEncoder(StreamOptions{}.withDefaults().Level)
+		enc, err := newChunkEncoder(StreamOptions{}.WithDefaults().Level)
 		if err != nil {
 			t.Fatal(err)
 		}

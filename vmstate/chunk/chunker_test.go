@@ -1,9 +1,11 @@
-package vmstate
+package chunk
 
 import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // cuts returns the chunk boundaries (end offsets) the chunker finds in b.
@@ -133,5 +135,14 @@ func TestChunkerCutMatchesReference(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// The largest chunk the pipeline can make, incompressible, is still a
+// chunk a store takes.
+func TestLargestChunkIsStorable(t *testing.T) {
+	ck := newChunker(EffectiveChunkSize(ociimage.MaxChunkSize))
+	if n := maxEncodedSize(ck.max); n > ociimage.MaxChunkSize {
+		t.Fatalf("chunks of up to %d bytes may compress to %d, over ociimage.MaxChunkSize (%d)", ck.max, n, ociimage.MaxChunkSize)
 	}
 }

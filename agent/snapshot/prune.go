@@ -1,4 +1,4 @@
-package agent
+package snapshot
 
 import (
 	"cmp"
@@ -438,31 +438,10 @@ func (p *prunePlan) result(inv *inventory, repo string, s PruneSpec) *api.PruneR
 	return res
 }
 
-// previousLink is the annotation that links a new checkpoint to the one
-// its tag names now (AnnotationPrevious), or nil when the tag names none.
-// It is read before the VM is touched; a checkpoint of another VM that
-// moves the same tag meanwhile is not in the chain (tags are per VM).
-func (st *store) previousLink(ctx context.Context) (map[string]string, error) {
-	if st.tag == "" {
-		return nil, nil
-	}
-	desc, err := st.current(ctx)
-	if errors.Is(err, ociimage.ErrNotFound) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, errcode.Ensure(errcode.RegistryError, err, "reading where the tag %s points before the checkpoint", st.tagged())
-	}
-	if desc.MediaType != ocispec.MediaTypeImageManifest {
-		return nil, nil
-	}
-	return map[string]string{ociimage.AnnotationPrevious: desc.Digest.String()}, nil
-}
-
-// pruneAfterCheckpoint applies retention to the repository of a state
+// PruneAfterCheckpoint applies retention to the repository of a state
 // image reference after a successful checkpoint. A failure is reported in
 // the result, not as the checkpoint's: the checkpoint is committed.
-func pruneAfterCheckpoint(ctx context.Context, image string, keep int, opts []ociimage.Option) *api.PruneResult {
+func PruneAfterCheckpoint(ctx context.Context, image string, keep int, opts []ociimage.Option) *api.PruneResult {
 	repo := image
 	if ref, err := ociimage.ParseReference(image); err == nil {
 		ref.Tag = ""

@@ -1,4 +1,7 @@
-package vmstate
+// Package chunk is the chunk codec: any byte stream into content-addressed,
+// zstd-compressed chunks in an image store (EncodeStream), and back
+// (DecodeStream). See README.md.
+package chunk
 
 import (
 	"context"
@@ -77,18 +80,20 @@ const (
 // the agent refuses requests for larger chunks.
 const MaxChunkSize = maxAverageChunk
 
-// effectiveChunkSize is the average chunk size the pipeline uses for a
+// EffectiveChunkSize is the average chunk size the pipeline uses for a
 // requested one: the default for 0, clamped to 4 KiB..maxAverageChunk, and
 // rounded down to a power of two.
-func effectiveChunkSize(n int) int {
+func EffectiveChunkSize(n int) int {
 	if n <= 0 {
 		n = defaultChunkSize
 	}
 	return newChunker(min(n, maxAverageChunk)).avg
 }
 
-func (o StreamOptions) withDefaults() StreamOptions {
-	o.ChunkSize = effectiveChunkSize(o.ChunkSize)
+// WithDefaults fills in what is left zero: the chunk size a run will really
+// use (EffectiveChunkSize), the workers, the uploads and the zstd level.
+func (o StreamOptions) WithDefaults() StreamOptions {
+	o.ChunkSize = EffectiveChunkSize(o.ChunkSize)
 	if o.Workers <= 0 {
 		o.Workers = defaultWorkers
 	}
@@ -105,7 +110,7 @@ func (o StreamOptions) withDefaults() StreamOptions {
 // bytes: its two buffer pools and its compressors' state. It does not grow
 // with the stream.
 func (o StreamOptions) EncodeMemory() int64 {
-	o = o.withDefaults()
+	o = o.WithDefaults()
 	ck := newChunker(o.ChunkSize)
 	return int64(o.Workers+1)*int64(ck.max) + int64(o.Workers+o.Uploads)*int64(maxEncodedSize(ck.max)) +
 		int64(o.Workers)*encoderMemory
@@ -142,7 +147,7 @@ type uploadJob struct {
 // sink is slow the uploaders back up, then the compressors, then the
 // reader, and so QEMU.
 func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOptions) (StreamResult, error) {
-	opts = opts.withDefaults()
+	opts = opts.WithDefaults()
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 
@@ -438,7 +443,7 @@ func ValidateLayers(layers []ocispec.Descriptor) (int64, error) {
 // decompresses to other than its declared size). Memory is bounded by about
 // 2*Workers chunks.
 func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSource, w io.Writer, opts StreamOptions) (int64, error) {
-	opts = opts.withDefaults()
+	opts = opts.WithDefaults()
 	if _, err := ValidateLayers(layers); err != nil {
 		return 0, err
 	}

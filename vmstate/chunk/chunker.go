@@ -1,4 +1,4 @@
-package vmstate
+package chunk
 
 import "math/bits"
 

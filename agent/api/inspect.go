@@ -1,0 +1,57 @@
+package api
+
+import (
+	"github.com/vmsnap/vmsnap/rootfs/overlay"
+	"github.com/vmsnap/vmsnap/vmstate"
+)
+
+// InspectResult is what vmsnap inspect prints: one image, and for a VM
+// state image the images of its checkpoint.
+type InspectResult struct {
+	Image        string              `json:"image"`
+	Digest       string              `json:"digest"`
+	ArtifactType string              `json:"artifactType"`
+	Chunks       int                 `json:"chunks"`
+	StoredBytes  int64               `json:"storedBytes"`
+	Annotations  map[string]string   `json:"annotations,omitempty"`
+	VMState      *vmstate.Config     `json:"vmstate,omitempty"`
+	Disk         *overlay.DiskConfig `json:"disk,omitempty"`
+	// Checkpoint lists, for a VM state image, the images of its checkpoint
+	// together.
+	Checkpoint *CheckpointImages `json:"checkpoint,omitempty"`
+	LinkedDisk *InspectResult    `json:"linkedDisk,omitempty"`
+	// LinkedRootfs is the QEMU container's writable layer, captured with
+	// the VM (an ordinary container image).
+	LinkedRootfs *RootfsLink `json:"linkedRootfs,omitempty"`
+	// Referrers are the VM state images whose subject is this disk image.
+	Referrers []Referrer `json:"referrers,omitempty"`
+}
+
+// CheckpointImages is what one checkpoint stored, each image pinned.
+type CheckpointImages struct {
+	VMState string `json:"vmstate"`
+	Disk    string `json:"disk,omitempty"` // the disk overlay's own image
+	// DiskInRootfs is where the disk overlay is in the rootfs image, when
+	// it lived in the QEMU container's writable layer.
+	DiskInRootfs *DiskInRootfs `json:"diskInRootfs,omitempty"`
+	Rootfs       string        `json:"rootfs,omitempty"`
+}
+
+// RootfsLink is a checkpoint's rootfs image, described by its manifest.
+type RootfsLink struct {
+	Image      string `json:"image"`
+	Digest     string `json:"digest"`
+	Layers     int    `json:"layers"`
+	Bytes      int64  `json:"bytes"`
+	BaseImage  string `json:"baseImage,omitempty"` // the container's image it was captured on
+	Layer      string `json:"layer"`               // the captured writable layer (the last one)
+	LayerBytes int64  `json:"layerBytes"`          // its size, compressed
+}
+
+// Referrer is a VM state image whose subject is the inspected disk image.
+type Referrer struct {
+	Image        string            `json:"image"`
+	Digest       string            `json:"digest"`
+	ArtifactType string            `json:"artifactType"`
+	Annotations  map[string]string `json:"annotations,omitempty"`
+}

@@ -1,0 +1,94 @@
+package snapshot
+
+import (
+	"context"
+	"os"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/qmp"
+	"github.com/vmsnap/vmsnap/rootfs/overlay"
+	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
+)
+
+// RestoreSpec is a restore of VM state into a QEMU waiting with -incoming defer.
+type RestoreSpec struct {
+	QMPPath string // names the QMP socket, as CheckpointSpec's
+	// QMP is the socket opened by whoever resolved it (an O_PATH
+	// descriptor, the agent's); without it, QMPPath is opened as the
+	// caller's own path. The caller keeps ownership.
+	QMP      *os.File
+	Image    string // REF@sha256:...
+	AllowTag bool
+	Paused   bool
+	Stream   chunk.StreamOptions
+	Store    []ociimage.Option
+	Progress Progress
+	// StagingDir is where a mapped-ram image is staged (default $TMPDIR).
+	StagingDir string
+}
+
+// RestoreState loads a VM state image into a waiting QEMU.
+func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error) {
+	if s.QMPPath == "" || s.Image == "" {
+		return nil, errcode.New(errcode.Usage, "restoring VM state needs a QMP socket and an image reference")
+	}
+	repo, err := openPinned(ctx, s.Image, "image", s.AllowTag, s.Store)
+	if err != nil {
+		return nil, err
+	}
+	q := s.QMP
+	if q == nil {
+		h, err := OpenLocal(s.QMPPath, "")
+		if err != nil {
+			return nil, err
+		}
+		defer h.Close()
+		q = h.QMP
+	}
+	mon, err := qmp.DialFile(ctx, q, s.QMPPath)
+	if err != nil {
+		return nil, err
+	}
+	defer mon.Close()
+	res, err := vmstate.Restore(ctx, mon, repo, vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream), StagingDir: s.StagingDir})
+	if err != nil {
+		return nil, err
+	}
+	return &api.RestoreResult{VMState: &api.RestoredState{
+		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
+		RawBytes: res.RawBytes, VMRunning: res.VMRunning,
+		DurationsMs: map[string]float64{"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream), "total": api.Ms(res.Durations.Total)},
+	}}, nil
+}
+
+// DiskRestoreSpec puts a disk overlay image in place before QEMU starts.
+type DiskRestoreSpec struct {
+	Image    string // REF@sha256:...
+	Path     string
+	AllowTag bool
+	Stream   chunk.StreamOptions
+	Store    []ociimage.Option
+	Progress Progress
+}
+
+// RestoreDisk writes a disk overlay image to its path, atomically.
+func RestoreDisk(ctx context.Context, s DiskRestoreSpec) (*api.RestoredDisk, error) {
+	if s.Image == "" || s.Path == "" {
+		return nil, errcode.New(errcode.Usage, "restoring a disk overlay needs an image reference and a path")
+	}
+	repo, err := openPinned(ctx, s.Image, "disk image", s.AllowTag, s.Store)
+	if err != nil {
+		return nil, err
+	}
+	res, err := overlay.Restore(ctx, repo, s.Path, s.Progress.stream("disk", s.Stream))
+	if err != nil {
+		return nil, err
+	}
+	return &api.RestoredDisk{
+		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
+		Path: s.Path, Bytes: res.Bytes, DurationsMs: map[string]float64{"total": api.Ms(res.Duration)},
+	}, nil
+}

@@ -1,0 +1,115 @@
+package snapshot
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
+)
+
+// StagedTag names the VM state image Stage puts in a directory, for
+// StreamStaged (vmsnap stream --dir) to find.
+const StagedTag = "vmstate"
+
+// StageSpec pulls and verifies a VM state image into a directory (an init
+// container's job), refusing an image larger than MaxBytes.
+type StageSpec struct {
+	Image    string // REF@sha256:...
+	Dir      string
+	AllowTag bool
+	MaxBytes int64
+	Jobs     int
+	Store    []ociimage.Option
+}
+
+// Stage copies a VM state image into Dir as an OCI layout, every blob
+// verified, its config and chunk list checked as a restore would.
+func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
+	if s.Image == "" || s.Dir == "" {
+		return nil, errcode.New(errcode.Usage, "staging needs an image reference and a directory")
+	}
+	src, err := openPinned(ctx, s.Image, "image", s.AllowTag, s.Store)
+	if err != nil {
+		return nil, err
+	}
+	// Check the image before copying a byte of its chunks.
+	desc, m, _, err := vmstate.LoadConfig(ctx, src)
+	if err != nil {
+		return nil, err
+	}
+	dir, err := filepath.Abs(s.Dir)
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Usage, err, "staging directory %s", s.Dir)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "creating the staging directory")
+	}
+	dst, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir, Tag: StagedTag})
+	if err != nil {
+		return nil, err
+	}
+	pinned, err := ociimage.Open(ctx, src.Reference().WithDigest(desc.Digest), s.Store...)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := ociimage.Copy(ctx, pinned, dst, s.MaxBytes, max(s.Jobs, 4)); err != nil {
+		return nil, err
+	}
+	return &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Dir: dir, Bytes: sizeOf(m)}, nil
+}
+
+func sizeOf(m ocispec.Manifest) int64 {
+	n := m.Config.Size
+	for _, l := range m.Layers {
+		n += l.Size
+	}
+	return n
+}
+
+// StagedDigest is the digest of the VM state image Stage put in dir: what
+// a launcher marks as loaded.
+func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return "", errcode.Wrap(errcode.Usage, err, "--state-dir %s", dir)
+	}
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Tag: StagedTag})
+	var desc ocispec.Descriptor
+	if err == nil {
+		desc, err = repo.Resolve(ctx)
+	}
+	if err != nil {
+		return "", errcode.Wrap(errcode.InvalidInput, err, "no VM state staged in %s (did the restore init container run with --to-dir %s?)", dir, dir)
+	}
+	return desc.Digest, nil
+}
+
+// StreamStaged writes the raw VM state staged in dir to w, verifying every
+// chunk again (the volume may have been tampered with since).
+func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (int, error) }, o chunk.StreamOptions) error {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return errcode.Wrap(errcode.Usage, err, "--dir %s", dir)
+	}
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Tag: StagedTag})
+	if err != nil {
+		return err
+	}
+	_, m, cfg, err := vmstate.LoadConfig(ctx, repo)
+	if err != nil {
+		return err
+	}
+	if cfg.Format == vmstate.FormatMappedRAM {
+		return errcode.New(errcode.CompatMismatch,
+			"the staged image is in the mapped-ram format, which QEMU loads from a file, not from a stream: restore it with vmsnap restore --qmp into a QEMU 9.0 or later waiting with -incoming defer")
+	}
+	_, err = chunk.DecodeStream(ctx, m.Layers, repo, w, o)
+	return err
+}
