@@ -76,7 +76,7 @@ clean:
 FUZZTIME ?= 10s
 FUZZ_TARGETS := \
 	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest \
-	./vmstate:FuzzDecodeStream ./vmstate:FuzzValidateLayers ./vmstate:FuzzRecord \
+	./vmstate/chunk:FuzzDecodeStream ./vmstate/chunk:FuzzValidateLayers ./vmstate:FuzzRecord \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
