@@ -45,9 +45,14 @@ k8s:
 	$(GO) test -count=1 -run '^TestBinaries$$' ./internal/testcluster
 
 # All tests, including the end-to-end ones on real QEMU guests (TCG) and on
-# a real single-node Kubernetes cluster. Installs what they need first.
+# a real single-node Kubernetes cluster. Installs what they need first. The
+# cluster's packages run after the rest, not beside it: a cluster with QEMU
+# guests in its pods is the heaviest load on the machine, and the other
+# end-to-end tests' guests would share two cores with it.
+CLUSTER_PKGS := ./internal/testcluster ./internal/k8se2e
 test: deps guest k8s vet
-	$(GO) test -race -timeout 45m ./...
+	$(GO) test -race -timeout 45m $$($(GO) list ./... | grep -v -e /internal/testcluster -e /internal/k8se2e)
+	$(GO) test -race -timeout 20m $(CLUSTER_PKGS)
 
 # Fast unit tests only: fakes, no guest.
 test-unit:
