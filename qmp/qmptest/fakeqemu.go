@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	goqmp "github.com/digitalocean/go-qemu/qmp"
@@ -42,7 +43,8 @@ type FakeQEMU struct {
 	// RefuseMigrate makes the migrate command itself fail.
 	RefuseMigrate bool
 	done          sync.WaitGroup
-	fileMigration // add-fd and file: URIs, QEMU 9's mapped-ram (fakefile.go)
+	srv           atomic.Pointer[Server] // Srv, for the handlers
+	fileMigration                        // add-fd and file: URIs, QEMU 9's mapped-ram (fakefile.go)
 
 	// FeatureWords and FilteredFeatures are what the vCPU's x86 QOM
 	// properties of those names report (QEMU 7.2's qemu64 model by
@@ -59,6 +61,10 @@ func NewFakeQEMU(t testing.TB, status string, state []byte) *FakeQEMU {
 		Caps: map[string]bool{"events": false, "background-snapshot": false}, Bandwidth: 128 << 20, DowntimeLimit: 300,
 		FeatureWords: Qemu64FeatureWords(), FilteredFeatures: []FeatureWord{}}
 	f.Srv = NewServer(t, f.handle)
+	// Handlers emit events through srv: the server runs before the
+	// assignment above, and its clients may be other processes, which the
+	// race detector cannot see order anything.
+	f.srv.Store(f.Srv)
 	t.Cleanup(f.done.Wait)
 	return f
 }
@@ -122,7 +128,7 @@ func Qemu64FeatureWords() []FeatureWord {
 }
 
 func (f *FakeQEMU) event(status string) {
-	f.Srv.Emit(goqmp.Event{Event: "MIGRATION", Data: map[string]any{"status": status}})
+	f.srv.Load().Emit(goqmp.Event{Event: "MIGRATION", Data: map[string]any{"status": status}})
 }
 
 func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.Error) {
