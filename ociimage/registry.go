@@ -354,9 +354,8 @@ func (f *fencedReader) fence() {
 	f.mu.Unlock()
 }
 
-// PutManifest pushes the manifest's exact bytes with its media type, to the
-// reference's tag if it has one (so the tag moves only now, once everything
-// the manifest names is stored), else by digest. Like a layout it refuses a
+// PutManifest pushes the manifest's exact bytes with its media type, by
+// digest: no tag moves (TagManifest does that). Like a layout it refuses a
 // manifest whose blobs the registry does not hold. A manifest with a subject
 // is listed among the subject's referrers: by the registry if it has the
 // referrers API, else in the sha256-HEX tag (the referrers tag schema).
@@ -375,10 +374,7 @@ func (r *Registry) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec
 	if err := r.checkBlobs(ctx, m); err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	var target name.Reference = r.repo.Digest(desc.Digest.String())
-	if r.ref.Tag != "" {
-		target = r.repo.Tag(r.ref.Tag)
-	}
+	target := r.repo.Digest(desc.Digest.String())
 	raw := rawManifest{data: b, mediaType: types.MediaType(desc.MediaType)}
 	err = r.withRetry(ctx, "storing the manifest "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
 		return r.pusher.Put(ctx, target, raw)

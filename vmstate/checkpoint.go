@@ -67,13 +67,14 @@ type CheckpointOptions struct {
 	WhileStopped func(ctx context.Context) (Link, error)
 	// Annotations are added to the state manifest.
 	Annotations map[string]string
-	// Commit, if set, runs once the state manifest is stored, as the last
-	// step of a checkpoint that has stored everything: it moves the tags of
-	// the checkpoint's images (ociimage.TagManifest), the state's last. For
-	// that, give Checkpoint (and WhileStopped's stores) repositories whose
-	// references have no tag, so that every manifest is stored by digest
-	// first and a failure before Commit leaves every tag where it was. A
-	// Commit error fails the checkpoint like any other.
+	// Commit runs once the state manifest is stored, as the last step of a
+	// checkpoint that has stored everything: it moves the tags of the
+	// checkpoint's images (ociimage.TagManifest), the state's last. Every
+	// manifest is stored by digest (PutManifest never tags), so a failure
+	// before Commit leaves every tag where it was. Without Commit, the tag
+	// of the reference Checkpoint's repository was opened from, if any,
+	// moves to the state manifest. A Commit error fails the checkpoint like
+	// any other.
 	Commit func(ctx context.Context, state ocispec.Descriptor) error
 	// Format is how the state is captured: FormatAuto (the zero value),
 	// FormatStream or FormatMappedRAM (see mappedram.go).

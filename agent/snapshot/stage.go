@@ -51,7 +51,7 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "creating the staging directory")
 	}
-	dst, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir, Tag: StagedTag})
+	dst, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir})
 	if err != nil {
 		return nil, err
 	}
@@ -59,7 +59,11 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, err := ociimage.Copy(ctx, pinned, dst, s.MaxBytes, max(s.Jobs, 4)); err != nil {
+	copied, err := ociimage.Copy(ctx, pinned, dst, s.MaxBytes, max(s.Jobs, 4))
+	if err != nil {
+		return nil, err
+	}
+	if err := ociimage.TagManifest(ctx, dst, copied, StagedTag); err != nil {
 		return nil, err
 	}
 	return &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Dir: dir, Bytes: sizeOf(m)}, nil
