@@ -151,7 +151,7 @@ func TestRealRegistryRefusals(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = CheckAccess(ctx, noCA)
-	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "--ca-file") ||
+	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "caFile") ||
 		!strings.Contains(err.Error(), "certificate signed by unknown authority") {
 		t.Fatalf("unknown CA: %v", err)
 	}

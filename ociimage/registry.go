@@ -83,7 +83,7 @@ func openRegistry(ref Reference, o openOptions) (*Registry, error) {
 	for _, h := range o.insecure {
 		h = strings.ToLower(strings.TrimSpace(h))
 		if !hostRE.MatchString(h) {
-			return nil, errcode.New(errcode.Usage, "--insecure-registry %q is not HOST[:PORT]", h)
+			return nil, errcode.New(errcode.Usage, "%s %q is not HOST[:PORT]", errcode.Field("insecureRegistry"), h)
 		}
 		insecure[h] = true
 	}
@@ -94,7 +94,7 @@ func openRegistry(ref Reference, o openOptions) (*Registry, error) {
 	for _, f := range o.caFiles {
 		pem, err := readLimited(f, 4<<20)
 		if err != nil {
-			return nil, errcode.Wrap(errcode.Usage, err, "cannot read the CA file %s given with --ca-file", f)
+			return nil, errcode.Wrap(errcode.Usage, err, "cannot read the CA file %s given with %s", f, errcode.Field("caFile"))
 		}
 		if !roots.AppendCertsFromPEM(pem) {
 			return nil, errcode.New(errcode.Usage, "the CA file %s holds no PEM certificate", f)
@@ -975,11 +975,11 @@ func (r *Registry) describe(ctx context.Context, what string, err error, tries i
 	}
 	if cve := tlsVerifyError(err); cve != nil {
 		return errcode.New(errcode.RegistryError,
-			"%s: cannot verify the TLS certificate of registry %s: %v; if the registry uses a private CA, pass the CA's certificate with --ca-file", what, host, cve)
+			"%s: cannot verify the TLS certificate of registry %s: %v; if the registry uses a private CA, pass the CA's certificate with %s", what, host, cve, errcode.Field("caFile"))
 	}
 	if plainHTTPAnswer(err) {
 		return errcode.New(errcode.RegistryError,
-			"%s: registry %s answers plain HTTP, not TLS; if that is intended, pass --insecure-registry %s", what, host, host)
+			"%s: registry %s answers plain HTTP, not TLS; if that is intended, pass %s %s", what, host, errcode.Field("insecureRegistry"), host)
 	}
 	return errcode.Wrap(errcode.RegistryError, withoutRefusals{err}, "%s: cannot reach registry %s%s", what, host, gaveUp)
 }

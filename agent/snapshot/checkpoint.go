@@ -104,7 +104,7 @@ func (s *CheckpointSpec) Validate() error {
 func (s CheckpointSpec) CheckDiskPlace() error {
 	if s.DiskPath != "" && s.DiskImage == "" && !(s.DiskInRootfs && s.RootfsImage != "") {
 		return errcode.New(errcode.Usage,
-			"the disk overlay %s is on a volume, not in the container's writable layer, so the rootfs image does not hold it: give it an image reference of its own (--disk-image)", s.diskName())
+			"the disk overlay %s is on a volume, not in the container's writable layer, so the rootfs image does not hold it: give it an image reference of its own (%s)", s.diskName(), errcode.Field("diskImage"))
 	}
 	return nil
 }

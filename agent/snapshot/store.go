@@ -128,7 +128,7 @@ func openPinned(ctx context.Context, s, what string, allowTag bool, opts []ociim
 	}
 	if !ref.IsDigest() && !allowTag {
 		return nil, errcode.New(errcode.TagNotAllowed,
-			"%s %s names a tag, which can move: give the digest that checkpoint printed (REF@sha256:...), or allow tags explicitly (--allow-tag)", what, s)
+			"%s %s names a tag, which can move: give the digest that checkpoint printed (REF@sha256:...), or allow tags explicitly (%s)", what, s, errcode.Field("allowTag"))
 	}
 	return ociimage.Open(ctx, ref, opts...)
 }
