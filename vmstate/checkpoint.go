@@ -130,6 +130,11 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	if opts.Mode == "" {
 		opts.Mode = ModeSnapshot
 	}
+	// Not a cross-flag rule (agent/snapshot's CheckpointSpec.Validate
+	// refuses live mode with a disk or rootfs image, before this is
+	// reached): WhileStopped is defined to run while the VM is stopped,
+	// which live mode never does, so vmstate's public API refuses the pair
+	// on its own.
 	if opts.Mode == ModeLive && opts.WhileStopped != nil {
 		return nil, errcode.New(errcode.Usage, "live mode does not stop the VM, so a disk overlay captured beside it would not match memory: use snapshot or pause mode to capture the disk")
 	}
