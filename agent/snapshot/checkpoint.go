@@ -123,6 +123,13 @@ func (s CheckpointSpec) diskName() string {
 // it was: a disk or rootfs tag that had already moved is moved back, as far
 // as the store allows (moveTags says when it cannot be).
 func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, error) {
+	// The one check that the writable layer can be captured at all, first:
+	// the CLI relies on it, as the agent gives CaptureRootfs and refuses
+	// earlier where it cannot (Validate runs before it does).
+	if s.RootfsImage != "" && s.CaptureRootfs == nil {
+		return nil, errcode.New(errcode.Usage, "%s captures a container's writable layer through the node's containerd: use it with %s",
+			errcode.Field("rootfsImage"), errcode.Field("agent"))
+	}
 	if err := s.Validate(); err != nil {
 		return nil, err
 	}
@@ -140,9 +147,6 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 	var rootfsStore *store
 	if s.RootfsImage != "" {
-		if s.CaptureRootfs == nil {
-			return nil, errcode.New(errcode.Usage, "capturing the container's writable layer needs CaptureRootfs, which the node agent gives: it finds the container through containerd")
-		}
 		if rootfsStore, err = openStore(ctx, s.RootfsImage, s.Store); err != nil {
 			return nil, err
 		}

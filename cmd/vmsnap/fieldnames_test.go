@@ -14,7 +14,7 @@ func TestFlagOfNamesTheFlags(t *testing.T) {
 	for field, flag := range map[errcode.Field]string{
 		"format": "--format", "stagingDir": "--staging-dir", "insecureRegistry": "--insecure-registry",
 		"caFile": "--ca-file", "keep": "--keep", "stateDir": "--state-dir", "dir": "--dir", "toDir": "--to-dir",
-		"allowTag": "--allow-tag", "diskImage": "--disk-image",
+		"allowTag": "--allow-tag", "diskImage": "--disk-image", "rootfsImage": "--rootfs-image", "agent": "--agent",
 	} {
 		if got := flagOf(field); got != flag {
 			t.Errorf("flagOf(%s) = %s, want %s", field, got, flag)
