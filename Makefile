@@ -45,16 +45,21 @@ k8s:
 	$(GO) test -count=1 -run '^TestBinaries$$' ./internal/testcluster
 
 # All tests, including the end-to-end ones on real QEMU guests (TCG) and on
-# a real single-node Kubernetes cluster. Installs what they need first.
+# a real single-node Kubernetes cluster. Installs what they need first. The
+# cluster's packages run after the rest, not beside it: a cluster with QEMU
+# guests in its pods is the heaviest load on the machine, and the other
+# end-to-end tests' guests would share two cores with it.
+CLUSTER_PKGS := ./internal/testcluster ./internal/k8se2e
 test: deps guest k8s vet
-	$(GO) test -race -timeout 45m ./...
+	$(GO) test -race -timeout 45m $$($(GO) list ./... | grep -v -e /internal/testcluster -e /internal/k8se2e)
+	$(GO) test -race -timeout 20m $(CLUSTER_PKGS)
 
 # Fast unit tests only: fakes, no guest.
 test-unit:
 	$(GO) test -race -short ./...
 
 # Benchmarks, one package at a time (-p 1: they measure CPU time on a shared
-# machine). BenchmarkE2E (cmd/vmsnap/bench_test.go) prints a table: QEMU's
+# machine). BenchmarkE2E (internal/e2e/bench_test.go) prints a table: QEMU's
 # own stream rate, a scripted zstd + skopeo baseline and vmsnap, through a
 # TLS + auth registry, plus peak RSS, live downtime and incremental uploads;
 # it also writes a CPU profile of one checkpoint to bin/bench-cpu.pprof.
@@ -76,11 +81,11 @@ clean:
 FUZZTIME ?= 10s
 FUZZ_TARGETS := \
 	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest \
-	./vmstate:FuzzDecodeStream ./vmstate:FuzzValidateLayers ./vmstate:FuzzRecord \
+	./vmstate/chunk:FuzzDecodeStream ./vmstate/chunk:FuzzValidateLayers ./vmstate:FuzzRecord \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
-	./rootfs:FuzzReadHeader
+	./rootfs/overlay:FuzzReadHeader
 .PHONY: fuzz
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \

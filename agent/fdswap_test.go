@@ -32,7 +32,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
-	"github.com/vmsnap/vmsnap/rootfs"
+	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
@@ -119,7 +119,7 @@ func storedDisk(t *testing.T, image string) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, m, _, err := rootfs.LoadDiskConfig(ctx, repo)
+	_, m, _, err := overlay.LoadDiskConfig(ctx, repo)
 	if err != nil {
 		t.Fatal(err)
 	}

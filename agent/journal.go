@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/qmp"
 )
@@ -31,8 +32,10 @@ func openJournal(stateDir string) (*journal, error) {
 		return nil, errcode.Wrap(errcode.Internal, err, "creating the journal in %s", stateDir)
 	}
 	// Leftover temp files are from writes a crash interrupted.
+	// (*.tmp: the names used before internal/atomicfile.)
 	tmps, _ := filepath.Glob(filepath.Join(dir, "*.tmp"))
-	for _, t := range tmps {
+	atomicTmps, _ := filepath.Glob(filepath.Join(dir, ".*"+atomicfile.TempInfix+"*"))
+	for _, t := range append(tmps, atomicTmps...) {
 		_ = os.Remove(t)
 	}
 	return &journal{dir: dir}, nil
@@ -45,26 +48,7 @@ func (j *journal) write(e journalEntry) error {
 	if err != nil {
 		return errcode.Wrap(errcode.Internal, err, "encoding the journal entry")
 	}
-	tmp := j.path(e.Op.ID) + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
-	if err != nil {
-		return errcode.Wrap(errcode.Internal, err, "writing the journal")
-	}
-	_, err = f.Write(b)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, j.path(e.Op.ID))
-	}
-	if err == nil {
-		err = syncDir(j.dir)
-	}
-	if err != nil {
-		_ = os.Remove(tmp)
+	if err := atomicfile.WriteFile(j.path(e.Op.ID), b, 0o600); err != nil {
 		return errcode.Wrap(errcode.Internal, err, "writing the journal")
 	}
 	return nil
@@ -74,7 +58,7 @@ func (j *journal) remove(id string) error {
 	if err := os.Remove(j.path(id)); err != nil && !os.IsNotExist(err) {
 		return err
 	}
-	return syncDir(j.dir)
+	return atomicfile.SyncDir(j.dir)
 }
 
 // list returns the entries of unfinished operations.
@@ -98,15 +82,6 @@ func (j *journal) list() ([]journalEntry, error) {
 		out = append(out, e)
 	}
 	return out, nil
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }
 
 // continueVM makes a VM run again after a checkpoint that did not finish:

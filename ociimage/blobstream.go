@@ -10,6 +10,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -75,17 +76,12 @@ func (l *Layout) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src
 		return nil
 	}
 	dir, name := l.blobDir(), desc.Digest.Encoded()
-	f, err := os.CreateTemp(dir, "."+name+".*.tmp")
+	// 0644: layouts are read by other users and tools.
+	f, err := atomicfile.Create(filepath.Join(dir, name), 0o644)
 	if err != nil {
 		return errcode.Wrap(errcode.RegistryError, err, "cannot write blob %s to %s; check that the directory is writable", desc.Digest, l.dir)
 	}
-	tmp := f.Name()
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(tmp)
-		}
-	}()
+	defer f.Abort()
 	d := digest.SHA256.Digester()
 	// One byte more than desc.Size is read, to tell a longer source.
 	n, err := io.Copy(io.MultiWriter(f, d.Hash()), &ctxReader{ctx, io.NewSectionReader(src, 0, desc.Size+1)})
@@ -101,16 +97,7 @@ func (l *Layout) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src
 	if got := d.Digest(); got != desc.Digest {
 		return errcode.New(errcode.DigestMismatch, "data for blob %s has digest %s; the descriptor does not describe this data", desc.Digest, got)
 	}
-	if err = f.Chmod(0o644); err == nil {
-		if err = f.Sync(); err == nil {
-			if err = f.Close(); err == nil {
-				if err = os.Rename(tmp, filepath.Join(dir, name)); err == nil {
-					err = syncDir(dir)
-				}
-			}
-		}
-	}
-	if err != nil {
+	if err = f.Commit(); err != nil {
 		return errcode.Wrap(errcode.RegistryError, err, "cannot write blob %s to %s; check that the disk has space", desc.Digest, l.dir)
 	}
 	return nil

@@ -11,11 +11,11 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"syscall"
 
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -486,50 +486,9 @@ func exists(path string) bool {
 }
 
 // writeAtomic replaces dir/name with data so that readers, and the file
-// after a crash, hold either the old content or all of the new: it writes a
-// temporary file in the same directory, syncs it, renames it over the
-// target and syncs the directory to make the rename durable.
-func writeAtomic(dir, name string, data []byte) (err error) {
-	f, err := os.CreateTemp(dir, "."+name+".*.tmp")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(tmp)
-		}
-	}()
-	if _, err = f.Write(data); err != nil {
-		return err
-	}
-	// CreateTemp makes the file private; layouts are read by other users
-	// and tools (skopeo, registries' import jobs).
-	if err = f.Chmod(0o644); err != nil {
-		return err
-	}
-	if err = f.Sync(); err != nil {
-		return err
-	}
-	if err = f.Close(); err != nil {
-		return err
-	}
-	if err = os.Rename(tmp, filepath.Join(dir, name)); err != nil {
-		return err
-	}
-	return syncDir(dir)
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	// Some file systems cannot sync a directory; the rename is still atomic.
-	if err := d.Sync(); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOTSUP) {
-		return err
-	}
-	return nil
+// after a crash, hold either the old content or all of the new. The mode is
+// 0644: layouts are read by other users and tools (skopeo, registries'
+// import jobs).
+func writeAtomic(dir, name string, data []byte) error {
+	return atomicfile.WriteFile(filepath.Join(dir, name), data, 0o644)
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -164,7 +165,7 @@ func TestLayoutRoundTrip(t *testing.T) {
 
 	// Every write went through a temporary file; none may be left.
 	_ = filepath.Walk(dir, func(p string, fi os.FileInfo, err error) error {
-		if strings.HasSuffix(p, ".tmp") {
+		if strings.HasSuffix(p, ".tmp") || strings.Contains(p, atomicfile.TempInfix) {
 			t.Errorf("temporary file left: %s", p)
 		}
 		return err

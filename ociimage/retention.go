@@ -17,6 +17,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -321,7 +322,7 @@ func (l *Layout) sweep(ctx context.Context, live map[digest.Digest]bool, before 
 		}
 	}
 	if len(removed) > 0 {
-		if err := syncDir(l.blobDir()); err != nil {
+		if err := atomicfile.SyncDir(l.blobDir()); err != nil {
 			return removed, errcode.Wrap(errcode.RegistryError, err, "cannot sync %s", l.blobDir())
 		}
 	}

@@ -1,21 +1,21 @@
 package api
 
 import (
-	"github.com/vmsnap/vmsnap/rootfs"
+	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 // InspectResult is what vmsnap inspect prints: one image, and for a VM
 // state image the images of its checkpoint.
 type InspectResult struct {
-	Image        string             `json:"image"`
-	Digest       string             `json:"digest"`
-	ArtifactType string             `json:"artifactType"`
-	Chunks       int                `json:"chunks"`
-	StoredBytes  int64              `json:"storedBytes"`
-	Annotations  map[string]string  `json:"annotations,omitempty"`
-	VMState      *vmstate.Config    `json:"vmstate,omitempty"`
-	Disk         *rootfs.DiskConfig `json:"disk,omitempty"`
+	Image        string              `json:"image"`
+	Digest       string              `json:"digest"`
+	ArtifactType string              `json:"artifactType"`
+	Chunks       int                 `json:"chunks"`
+	StoredBytes  int64               `json:"storedBytes"`
+	Annotations  map[string]string   `json:"annotations,omitempty"`
+	VMState      *vmstate.Config     `json:"vmstate,omitempty"`
+	Disk         *overlay.DiskConfig `json:"disk,omitempty"`
 	// Checkpoint lists, for a VM state image, the images of its checkpoint
 	// together.
 	Checkpoint *CheckpointImages `json:"checkpoint,omitempty"`

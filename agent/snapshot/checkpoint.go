@@ -12,6 +12,7 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp"
 	"github.com/vmsnap/vmsnap/rootfs"
+	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
@@ -169,7 +170,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 	if h.Disk != nil {
 		// Refuse a bad overlay before the VM is touched.
-		if _, _, err := rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
+		if _, _, err := overlay.Inspect(h.Disk, s.DiskPath); err != nil {
 			return nil, err
 		}
 	}
@@ -191,9 +192,9 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir}
 	opts.Annotations = previous
 	var (
-		disk       *rootfs.CaptureResult
+		disk       *overlay.CaptureResult
 		layer      *rootfs.LayerResult
-		overlay    rootfs.Header // of an overlay captured in the rootfs image only
+		ovl        overlay.Header // of an overlay captured in the rootfs image only
 		overlaySz  int64
 		overlayDur time.Duration
 	)
@@ -205,7 +206,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		parts = append(parts, &part{what: "disk", st: diskStore, capture: func(ctx context.Context, link *vmstate.Link) (ocispec.Descriptor, error) {
 			testhook.BeforeDiskCapture()
 			var err error
-			if disk, err = rootfs.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream)); err != nil {
+			if disk, err = overlay.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream)); err != nil {
 				return ocispec.Descriptor{}, err
 			}
 			link.Annotations[ociimage.AnnotationDiskImage] = disk.Image.String()
@@ -219,7 +220,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			if diskInRootfs && disk == nil {
 				// What the rootfs image will hold, as it is now.
 				t0 := time.Now()
-				if overlay, overlaySz, err = rootfs.InspectOverlay(h.Disk, s.DiskPath); err != nil {
+				if ovl, overlaySz, err = overlay.Inspect(h.Disk, s.DiskPath); err != nil {
 					return ocispec.Descriptor{}, err
 				}
 				overlayDur = time.Since(t0)
@@ -273,7 +274,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		}
 	case diskInRootfs:
 		out.Disk = &api.DiskResult{
-			Path: s.DiskPath, RawBytes: overlaySz, VirtualSize: overlay.VirtualSize, BackingFile: overlay.BackingFile,
+			Path: s.DiskPath, RawBytes: overlaySz, VirtualSize: ovl.VirtualSize, BackingFile: ovl.BackingFile,
 			DurationsMs: map[string]float64{"total": api.Ms(overlayDur)},
 		}
 	}

@@ -8,7 +8,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/rootfs"
+	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
 )
 
@@ -94,7 +94,7 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 			}
 		}
 	case ociimage.ArtifactTypeDisk:
-		_, _, cfg, err := rootfs.LoadDiskConfig(ctx, pinned)
+		_, _, cfg, err := overlay.LoadDiskConfig(ctx, pinned)
 		if err != nil {
 			return nil, err
 		}

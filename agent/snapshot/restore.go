@@ -8,7 +8,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp"
-	"github.com/vmsnap/vmsnap/rootfs"
+	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
@@ -83,7 +83,7 @@ func RestoreDisk(ctx context.Context, s DiskRestoreSpec) (*api.RestoredDisk, err
 	if err != nil {
 		return nil, err
 	}
-	res, err := rootfs.Restore(ctx, repo, s.Path, s.Progress.stream("disk", s.Stream))
+	res, err := overlay.Restore(ctx, repo, s.Path, s.Progress.stream("disk", s.Stream))
 	if err != nil {
 		return nil, err
 	}

@@ -16,6 +16,31 @@ import (
 
 // Command-line contract tests that need no QEMU.
 
+// cli runs vmsnap in-process with args and returns stdout and the exit
+// status. (The end-to-end tests in internal/e2e run the built binary.)
+func cli(t testing.TB, args ...string) ([]byte, int) {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), args, &stdout, &stderr)
+	t.Logf("vmsnap %s -> exit %d\n%s%s", strings.Join(args, " "), code, stderr.String(), stdout.String())
+	return stdout.Bytes(), code
+}
+
+// cliError runs vmsnap with --json, expects failure with code, and returns
+// the error object.
+func cliError(t testing.TB, code errcode.Code, args ...string) api.ErrorDoc {
+	t.Helper()
+	out, exit := cli(t, append(args, "--json")...)
+	var doc api.ErrorDoc
+	if err := json.Unmarshal(out, &doc); err != nil {
+		t.Fatalf("no JSON error object on stdout: %v\n%s", err, out)
+	}
+	if doc.Error.Code != code || exit != code.ExitStatus() {
+		t.Fatalf("got %s (exit %d), want %s (exit %d): %s", doc.Error.Code, exit, code, code.ExitStatus(), doc.Error.Message)
+	}
+	return doc
+}
+
 func TestUsageErrors(t *testing.T) {
 	pinned := "oci:/tmp/x@sha256:" + strings.Repeat("a", 64)
 	cases := map[string][]string{

@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/vmsnap/vmsnap/agent/snapshot"
+	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -199,20 +200,11 @@ func claimMarker(p, content string) (bool, error) {
 		werr = cerr
 	}
 	if werr == nil {
-		werr = syncDir(filepath.Dir(p))
+		werr = atomicfile.SyncDir(filepath.Dir(p))
 	}
 	if werr != nil {
 		// Keep the marker: claimed is the safe side, a cold boot.
 		return false, errcode.Wrap(errcode.Internal, werr, "claiming the snapshot: writing the marker %s; it stays, so the next start boots cold", p)
 	}
 	return true, nil
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }

@@ -11,9 +11,9 @@ import (
 	"path/filepath"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/rootfs"
 )
 
 // maxMarkerBytes bounds what is read of a marker: a result is a few hundred
@@ -118,7 +118,7 @@ func (m *restoreMarker) write(res *api.RestoreResult) error {
 	if err != nil {
 		return errcode.Wrap(errcode.Internal, err, "encoding the restore marker")
 	}
-	out, err := rootfs.CreateAtomic(m.path, 0o644)
+	out, err := atomicfile.Create(m.path, 0o644)
 	if err != nil {
 		return errcode.Ensure(errcode.Internal, err, "writing the restore marker in --marker-dir (is it a writable volume?)")
 	}

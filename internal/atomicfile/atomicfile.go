@@ -1,4 +1,4 @@
-package rootfs
+package atomicfile
 
 import (
 	"bytes"
@@ -8,11 +8,12 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"syscall"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
-// sparseBlock is the granularity at which AtomicFile leaves holes. It is a
+// sparseBlock is the granularity at which File leaves holes. It is a
 // multiple of every common filesystem block size, so an all-zero block always
 // becomes a real hole, and large enough that the zero check and the skipped
 // write are cheap compared with the data.
@@ -20,7 +21,11 @@ const sparseBlock = 64 << 10
 
 var zeroBlock [sparseBlock]byte
 
-// AtomicFile writes a file that appears at its path complete or not at all:
+// TempInfix is in the name of every temporary file, .NAME.vmsnap-tmp-RANDOM,
+// for callers that sweep what a crash left behind.
+const TempInfix = ".vmsnap-tmp-"
+
+// File writes a file that appears at its path complete or not at all:
 // the data goes to a temporary file in the same directory (so the final
 // rename cannot cross filesystems) that Commit renames over the path. A disk
 // image restored this way can never be seen half-written by a QEMU that starts
@@ -28,9 +33,9 @@ var zeroBlock [sparseBlock]byte
 //
 // Writes keep the file sparse: every aligned 64 KiB block that is entirely
 // zero is skipped instead of written, so restoring a mostly empty overlay
-// costs no more disk than the original did. An AtomicFile is not safe for
+// costs no more disk than the original did. An File is not safe for
 // concurrent use.
-type AtomicFile struct {
+type File struct {
 	path string
 	tmp  *os.File
 
@@ -40,10 +45,10 @@ type AtomicFile struct {
 	done    bool  // committed or aborted
 }
 
-// CreateAtomic starts writing the file that Commit will put at path, with
+// Create starts writing the file that Commit will put at path, with
 // permissions perm (subject to the umask, as with os.Create). The temporary
 // file is named .NAME.vmsnap-tmp-RANDOM beside path.
-func CreateAtomic(path string, perm os.FileMode) (*AtomicFile, error) {
+func Create(path string, perm os.FileMode) (*File, error) {
 	dir, name := filepath.Split(path)
 	if name == "" {
 		return nil, errcode.New(errcode.Internal, "atomic file: %q names a directory, not a file", path)
@@ -51,7 +56,7 @@ func CreateAtomic(path string, perm os.FileMode) (*AtomicFile, error) {
 	var suffix [8]byte
 	for range 10 {
 		_, _ = rand.Read(suffix[:]) // never fails (crypto/rand panics instead)
-		tmpPath := filepath.Join(dir, "."+name+".vmsnap-tmp-"+hex.EncodeToString(suffix[:]))
+		tmpPath := filepath.Join(dir, "."+name+TempInfix+hex.EncodeToString(suffix[:]))
 		// O_EXCL: a leftover or concurrent temp file is never reused.
 		f, err := os.OpenFile(tmpPath, os.O_RDWR|os.O_CREATE|os.O_EXCL, perm)
 		if errors.Is(err, os.ErrExist) {
@@ -67,20 +72,20 @@ func CreateAtomic(path string, perm os.FileMode) (*AtomicFile, error) {
 			os.Remove(tmpPath)
 			return nil, errcode.Wrap(errcode.Internal, err, "setting the mode of %s", tmpPath)
 		}
-		return &AtomicFile{path: path, tmp: f, buf: make([]byte, 0, sparseBlock)}, nil
+		return &File{path: path, tmp: f, buf: make([]byte, 0, sparseBlock)}, nil
 	}
 	return nil, errcode.New(errcode.Internal, "creating a temporary file for %s: every random name was taken", path)
 }
 
 // Path is where Commit puts the file.
-func (f *AtomicFile) Path() string { return f.path }
+func (f *File) Path() string { return f.path }
 
 // TempPath is the temporary file being written, for messages and tests.
-func (f *AtomicFile) TempPath() string { return f.tmp.Name() }
+func (f *File) TempPath() string { return f.tmp.Name() }
 
 // Write appends p. Data is written in whole 64 KiB blocks; a partial block
 // waits in memory until it is filled or Commit flushes it.
-func (f *AtomicFile) Write(p []byte) (int, error) {
+func (f *File) Write(p []byte) (int, error) {
 	if f.done {
 		return 0, errcode.New(errcode.Internal, "atomic file %s: write after Commit or Abort", f.path)
 	}
@@ -114,7 +119,7 @@ func (f *AtomicFile) Write(p []byte) (int, error) {
 // writeBlocks writes data at f.flushed, leaving a hole for every all-zero
 // block and writing each run of non-zero blocks with one call. The last block
 // may be short only when Commit flushes the tail.
-func (f *AtomicFile) writeBlocks(data []byte) error {
+func (f *File) writeBlocks(data []byte) error {
 	runStart := -1 // start in data of the pending non-zero run
 	flush := func(end int) error {
 		if runStart < 0 {
@@ -147,7 +152,7 @@ func (f *AtomicFile) writeBlocks(data []byte) error {
 // Sync makes the temporary file hold exactly what was written so far, at its
 // full length, and flushes it to disk, so that ReaderAt can check the data
 // (a restored header, say) before Commit. Writing may continue afterwards.
-func (f *AtomicFile) Sync() error {
+func (f *File) Sync() error {
 	if f.done {
 		return errcode.New(errcode.Internal, "atomic file %s: Sync after Commit or Abort", f.path)
 	}
@@ -174,11 +179,11 @@ func (f *AtomicFile) Sync() error {
 }
 
 // Size is the number of bytes written so far.
-func (f *AtomicFile) Size() int64 { return f.flushed + int64(len(f.buf)) }
+func (f *File) Size() int64 { return f.flushed + int64(len(f.buf)) }
 
 // ReaderAt reads the temporary file. What it returns is current only after
 // Sync, and it fails once the file is committed or aborted.
-func (f *AtomicFile) ReaderAt() io.ReaderAt { return f.tmp }
+func (f *File) ReaderAt() io.ReaderAt { return f.tmp }
 
 // Commit flushes the data, sets the file's length (trailing zeros become a
 // hole), makes it durable and renames it over the path, then syncs the
@@ -186,7 +191,7 @@ func (f *AtomicFile) ReaderAt() io.ReaderAt { return f.tmp }
 // rename the temporary file is removed and the path keeps what it had. If
 // only the final directory sync fails, the new file is already in place but
 // may not survive a power loss; the error says so.
-func (f *AtomicFile) Commit() error {
+func (f *File) Commit() error {
 	if f.done {
 		return errcode.New(errcode.Internal, "atomic file %s: Commit after Commit or Abort", f.path)
 	}
@@ -222,7 +227,7 @@ func (f *AtomicFile) Commit() error {
 		return err
 	}
 	f.done = true
-	if e := syncDir(filepath.Dir(f.path)); e != nil {
+	if e := SyncDir(filepath.Dir(f.path)); e != nil {
 		return errcode.Wrap(errcode.Internal, e,
 			"%s is in place but its directory could not be synced, so it may not survive a power loss", f.path)
 	}
@@ -232,14 +237,14 @@ func (f *AtomicFile) Commit() error {
 // Abort discards the temporary file and leaves the path untouched. It is a
 // no-op after Commit or a previous Abort, so `defer f.Abort()` is the way to
 // clean up on every error path.
-func (f *AtomicFile) Abort() error {
+func (f *File) Abort() error {
 	if f.done {
 		return nil
 	}
 	return f.discard()
 }
 
-func (f *AtomicFile) discard() error {
+func (f *File) discard() error {
 	f.done = true
 	_ = f.tmp.Close() // may already be closed by Commit; the removal matters
 	if err := os.Remove(f.tmp.Name()); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -248,14 +253,37 @@ func (f *AtomicFile) discard() error {
 	return nil
 }
 
-func syncDir(dir string) error {
+// SyncDir fsyncs a directory, so that a rename, create or remove in it
+// survives a crash. It tolerates EINVAL and only EINVAL: that is how Linux
+// says a filesystem cannot fsync a directory (some FUSE and network
+// filesystems), where the rename is atomic all the same and refusing every
+// write would make vmsnap unusable there for nothing. Any other error, EIO
+// or a full disk say, means the directory entry may not be durable.
+func SyncDir(dir string) error {
 	d, err := os.Open(dir)
 	if err != nil {
 		return err
 	}
 	err = d.Sync()
+	if errors.Is(err, syscall.EINVAL) {
+		err = nil
+	}
 	if cerr := d.Close(); err == nil {
 		err = cerr
 	}
 	return err
+}
+
+// WriteFile replaces path with data, with permissions perm, atomically: it is
+// Create, Write and Commit in one call, for a small file.
+func WriteFile(path string, data []byte, perm os.FileMode) error {
+	f, err := Create(path, perm)
+	if err != nil {
+		return err
+	}
+	defer f.Abort()
+	if _, err := f.Write(data); err != nil {
+		return err
+	}
+	return f.Commit()
 }

@@ -1,6 +1,6 @@
 //go:build linux
 
-package main
+package e2e
 
 // Registry credentials never show: not in what vmsnap prints (stdout,
 // stderr, --json errors, the termination log), not in the argv or the

@@ -1,4 +1,4 @@
-package main
+package e2e
 
 // Per-tenant images with real parts: the agent as its own process with
 // --allow-repository REG/vms/{namespace} and a layout root, callers in

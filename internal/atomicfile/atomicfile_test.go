@@ -1,4 +1,4 @@
-package rootfs
+package atomicfile
 
 import (
 	"bytes"
@@ -9,6 +9,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
 // sparseData is mostly zeros with a few scattered non-zero runs, some of them
@@ -39,7 +41,7 @@ func writeIn(t *testing.T, w io.Writer, data []byte, sizes ...int) {
 	}
 }
 
-// leftovers lists the temporary files CreateAtomic left in dir.
+// leftovers lists the temporary files Create left in dir.
 func leftovers(t *testing.T, dir string) []string {
 	t.Helper()
 	ents, err := os.ReadDir(dir)
@@ -69,7 +71,7 @@ func TestAtomicFileSparseCommit(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
 			path := filepath.Join(dir, "overlay.qcow2")
-			f, err := CreateAtomic(path, 0o640)
+			f, err := Create(path, 0o640)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -121,7 +123,7 @@ func TestAtomicFileAllZeroAndEmpty(t *testing.T) {
 	dir := t.TempDir()
 	for _, size := range []int{0, 5, 3 * sparseBlock} {
 		path := filepath.Join(dir, "z")
-		f, err := CreateAtomic(path, 0o600)
+		f, err := Create(path, 0o600)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -147,7 +149,7 @@ func TestAtomicFileReplacesExisting(t *testing.T) {
 	if err := os.WriteFile(path, bytes.Repeat([]byte("old"), 100_000), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	f, err := CreateAtomic(path, 0o644)
+	f, err := Create(path, 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +165,7 @@ func TestAtomicFileReplacesExisting(t *testing.T) {
 func TestAtomicFileAbort(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "disk")
-	f, err := CreateAtomic(path, 0o644)
+	f, err := Create(path, 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -201,7 +203,7 @@ func TestAtomicFileCrash(t *testing.T) {
 	if err := os.WriteFile(path, orig, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	f, err := CreateAtomic(path, 0o644)
+	f, err := Create(path, 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,7 +220,7 @@ func TestAtomicFileCrash(t *testing.T) {
 }
 
 func TestCreateAtomicMissingDir(t *testing.T) {
-	_, err := CreateAtomic(filepath.Join(t.TempDir(), "no", "such", "file"), 0o644)
+	_, err := Create(filepath.Join(t.TempDir(), "no", "such", "file"), 0o644)
 	wantCode(t, err, "INTERNAL")
 }
 
@@ -230,7 +232,7 @@ func TestAtomicFileSyncThenRead(t *testing.T) {
 	path := filepath.Join(dir, "disk")
 	data := sparseData(3*sparseBlock + 500)
 	data[sparseBlock+10] = 7 // a non-zero byte in the block that will be partial at Sync
-	f, err := CreateAtomic(path, 0o644)
+	f, err := Create(path, 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -259,5 +261,12 @@ func TestAtomicFileSyncThenRead(t *testing.T) {
 	}
 	if b, _ := os.ReadFile(path); !bytes.Equal(b, data) {
 		t.Fatal("committed bytes differ after Sync and further writes")
+	}
+}
+
+func wantCode(t testing.TB, err error, want errcode.Code) {
+	t.Helper()
+	if got := errcode.Of(err); got != want {
+		t.Fatalf("error code = %q, want %q (error: %v)", got, want, err)
 	}
 }

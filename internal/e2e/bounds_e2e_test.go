@@ -1,4 +1,4 @@
-package main
+package e2e
 
 // What a hostile QEMU in a pod can make the agent spend, against the real
 // agent binary: a real containerd runs a container labelled as the kubelet

@@ -1,4 +1,4 @@
-package main
+package e2e
 
 // The restore init container's hardening, proven rather than read: the
 // container that manifests.RestoreInit describes is translated into the OCI
@@ -78,7 +78,7 @@ func TestHardeningRestoreInitContainer(t *testing.T) {
 	// only a static probe program).
 	start := time.Now()
 	work := t.TempDir()
-	bin := hardBuildStatic(t, work, "vmsnap", ".", "")
+	bin := hardBuildStatic(t, work, "vmsnap", vmsnapPkg, "")
 	probeBin := hardBuildStatic(t, work, "probe", "", hardProbeSource)
 	timings.add("build static vmsnap and probe", start)
 

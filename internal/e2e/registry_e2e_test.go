@@ -1,4 +1,4 @@
-package main
+package e2e
 
 // End-to-end tests through a real registry: Debian's docker-registry
 // (distribution 2.8) with TLS from a test CA and htpasswd auth, started by
@@ -255,7 +255,12 @@ func TestRegistryE2ECheckpointAfterAChangeUploadsOnlyTheChange(t *testing.T) {
 		}
 	}
 	t.Logf("new chunks: %v of %d", newChunks, len(layers))
-	if len(newChunks) > len(layers)/5 {
+	// A shifted boundary makes every chunk after the insertion new (with
+	// fixed-size chunks, about half the stream). The instant the guest
+	// runs between the checkpoints changes a few chunks anywhere, more on
+	// a loaded machine (10 of 43 seen at a load average of 8): a third
+	// still tells the two apart.
+	if len(newChunks) > len(layers)/3 {
 		t.Fatalf("%d of the %d chunks are new after 2 MiB changed: boundaries shifted", len(newChunks), len(layers))
 	}
 	share := float64(second.UploadedBytes) / float64(first.StoredBytes)

@@ -1,6 +1,6 @@
 //go:build linux
 
-package main
+package e2e
 
 // The fault matrix, each fault injected into the real part where it lives:
 // a real registry (docker-registry with TLS and htpasswd, internal/testregistry)
@@ -618,7 +618,7 @@ func TestFaultStagingDiskFull(t *testing.T) {
 		}
 		// vmsnap stream refuses the partial staging.
 		var out bytes.Buffer
-		if code := run(context.Background(), []string{"stream", "--dir", staged}, &out, io.Discard); code == 0 || out.Len() > 0 {
+		if code := runBinary(t, []string{"stream", "--dir", staged}, &out, io.Discard); code == 0 || out.Len() > 0 {
 			t.Fatalf("vmsnap stream on a failed staging: exit %d, %d bytes on stdout", code, out.Len())
 		}
 	})
@@ -808,8 +808,7 @@ func TestFaultSlowRegistryBoundedMemory(t *testing.T) {
 	// The peak RSS of vmsnap's own address space, read while it runs:
 	// rusage's Maxrss of a child is no good here, since Linux counts in it
 	// the high-water RSS of the parent's address space that the child
-	// shared (vfork) until its exec, and this test binary runs other
-	// checkpoints in-process.
+	// shared (vfork) until its exec, and this test binary can be large.
 	hwm, exited := make(chan int64), make(chan struct{})
 	go func() {
 		var peak int64

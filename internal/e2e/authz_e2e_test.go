@@ -1,4 +1,4 @@
-package main
+package e2e
 
 // The agent's authorization with real parts: a real containerd and runc,
 // containers labelled as the kubelet labels them, the agent as its own

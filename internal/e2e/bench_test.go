@@ -1,6 +1,6 @@
 //go:build linux
 
-package main
+package e2e
 
 // BenchmarkE2E is `make bench`: vmsnap against QEMU's own stream rate and
 // against the pipeline a careful user would script, on real QEMU guests
@@ -29,7 +29,7 @@ package main
 //
 //	VMSNAP_BENCH_RUNS        runs of each timed measurement (default 5)
 //	VMSNAP_BIN               the vmsnap binary for the RSS runs (default: built here)
-//	VMSNAP_BENCH_CPUPROFILE  where the CPU profile of one in-process checkpoint goes
+//	VMSNAP_BENCH_CPUPROFILE  where the CPU profile of one checkpoint goes
 //	                         (default $TMPDIR/vmsnap-bench-cpu.pprof)
 //	VMSNAP_BENCH_IDLE        how long the guest runs before the "after running" checkpoint (default 10s)
 //	VMSNAP_BENCH_CHECKPOINT_ARGS  extra flags for every vmsnap checkpoint (e.g. "--chunk-size 8388608")
@@ -40,6 +40,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
@@ -47,7 +48,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"runtime/pprof"
 	"slices"
 	"sort"
 	"strconv"
@@ -89,6 +89,7 @@ type bench struct {
 	b       *testing.B
 	reg     *testregistry.Registry
 	bin     string
+	env     []string // added to the environment of vmsnap runs
 	runs    int
 	idle    time.Duration
 	profile string
@@ -459,31 +460,21 @@ func procCPU(pid int) float64 {
 	return ticks / 100 // USER_HZ
 }
 
-func selfCPU() float64 {
-	var ru syscall.Rusage
-	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano()).Seconds()
-}
-
 type cpuMeter struct {
-	qemuPid, regPid    int
-	qemu0, reg0, self0 float64
+	qemuPid, regPid int
+	qemu0, reg0     float64
 }
 
 func (bb *bench) meter(vm *testguest.VM) cpuMeter {
 	m := cpuMeter{qemuPid: vm.Process().Pid, regPid: bb.reg.Pid()}
-	m.qemu0, m.reg0, m.self0 = procCPU(m.qemuPid), procCPU(m.regPid), selfCPU()
+	m.qemu0, m.reg0 = procCPU(m.qemuPid), procCPU(m.regPid)
 	return m
 }
 
-// done returns the CPU used since meter; child is the CPU of a client
-// process (skopeo), or -1 to count this process instead (vmsnap in-process).
-func (m cpuMeter) done(child float64) cpuTimes {
-	c := cpuTimes{qemu: procCPU(m.qemuPid) - m.qemu0, registry: procCPU(m.regPid) - m.reg0, client: child}
-	if child < 0 {
-		c.client = selfCPU() - m.self0
-	}
-	return c
+// done returns the CPU used since meter; client is the CPU of the client
+// process (vmsnap, skopeo).
+func (m cpuMeter) done(client float64) cpuTimes {
+	return cpuTimes{qemu: procCPU(m.qemuPid) - m.qemu0, registry: procCPU(m.regPid) - m.reg0, client: client}
 }
 
 func childCPU(ps *os.ProcessState) float64 {
@@ -722,7 +713,24 @@ func (bb *bench) baselineRestore(im baseImage, src testguest.Status) timed {
 
 func (bb *bench) regArgs() []string { return regArgs(bb.reg) }
 
-// cli runs vmsnap in-process with --json and the registry's flags, and
+// vmsnap runs the vmsnap binary with args and returns its output, exit
+// status and CPU time.
+func (bb *bench) vmsnap(args []string) (stdout, stderr bytes.Buffer, code int, cpu float64) {
+	cmd := exec.Command(bb.bin, args...)
+	cmd.Env = append(os.Environ(), bb.env...)
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	var exit *exec.ExitError
+	switch {
+	case errors.As(err, &exit) && exit.Exited():
+		code = exit.ExitCode()
+	case err != nil:
+		bb.b.Fatalf("running vmsnap %s: %v", strings.Join(args, " "), err)
+	}
+	return stdout, stderr, code, childCPU(cmd.ProcessState)
+}
+
+// cli runs the vmsnap binary with --json and the registry's flags, and
 // decodes its result.
 func (bb *bench) cli(vm *testguest.VM, args ...string) (api.CheckpointResult, timed) {
 	var res api.CheckpointResult
@@ -733,11 +741,10 @@ func (bb *bench) cli(vm *testguest.VM, args ...string) (api.CheckpointResult, ti
 func (bb *bench) runCLI(vm *testguest.VM, result any, args ...string) timed {
 	b := bb.b
 	args = append(append(args, bb.regArgs()...), "--json")
-	var stdout, stderr bytes.Buffer
 	m := bb.meter(vm)
 	start := time.Now()
-	code := run(context.Background(), args, &stdout, &stderr)
-	t := timed{d: time.Since(start), cpu: m.done(-1)}
+	stdout, stderr, code, cpu := bb.vmsnap(args)
+	t := timed{d: time.Since(start), cpu: m.done(cpu)}
 	if code != 0 {
 		b.Fatalf("vmsnap %s: exit %d\n%s%s", strings.Join(args, " "), code, stderr.String(), stdout.String())
 	}
@@ -769,11 +776,10 @@ func (bb *bench) layoutCheckpoint(vm *testguest.VM) timed {
 	var cp api.CheckpointResult
 	args := append([]string{"checkpoint", "--qmp", vm.QMPPath(), "--image", "oci:" + dir + ":state", "--mode", "pause"}, benchCheckpointArgs()...)
 	args = append(args, "--json")
-	var stdout, stderr bytes.Buffer
 	m := bb.meter(vm)
 	start := time.Now()
-	code := run(context.Background(), args, &stdout, &stderr)
-	t := timed{d: time.Since(start), cpu: m.done(-1)}
+	stdout, stderr, code, cpu := bb.vmsnap(args)
+	t := timed{d: time.Since(start), cpu: m.done(cpu)}
 	if code != 0 {
 		bb.b.Fatalf("vmsnap %s: exit %d\n%s%s", strings.Join(args, " "), code, stderr.String(), stdout.String())
 	}
@@ -796,20 +802,23 @@ func (bb *bench) restoreState(image string, src testguest.Status) timed {
 	return t
 }
 
-// profileCheckpoint takes a CPU profile of one in-process checkpoint and
-// summarises it with go tool pprof.
+// profileCheckpoint takes a CPU profile of one checkpoint and summarises it
+// with go tool pprof. The checkpoint runs in cmd/vmsnap's test binary, which
+// runs as the CLI under a CPU profile when cliProfileEnv is set (see
+// cmd/vmsnap/main_test.go): the vmsnap binary has no profiling switch.
 func (bb *bench) profileCheckpoint(vm *testguest.VM) {
 	b := bb.b
-	f, err := os.Create(bb.profile)
-	if err != nil {
-		b.Fatal(err)
+	bin := filepath.Join(b.TempDir(), "vmsnap.test")
+	if out, err := exec.Command("go", "test", "-c", "-o", bin, vmsnapPkg).CombinedOutput(); err != nil {
+		b.Fatalf("building cmd/vmsnap's test binary: %v\n%s", err, out)
 	}
-	if err := pprof.StartCPUProfile(f); err != nil {
-		b.Fatal(err)
-	}
+	saved := bb.bin
+	bb.bin, bb.env = bin, []string{cliProfileEnv + "=" + bb.profile}
 	_, t := bb.checkpoint(vm)
-	pprof.StopCPUProfile()
-	f.Close()
+	bb.bin, bb.env = saved, nil
+	if fi, err := os.Stat(bb.profile); err != nil || fi.Size() == 0 {
+		b.Fatalf("the profiled checkpoint wrote no profile to %s: %v", bb.profile, err)
+	}
 	bb.rep.profiled = t.d
 	goTool, err := exec.LookPath("go")
 	if err != nil {
@@ -1200,7 +1209,7 @@ func (r *benchReport) print(w io.Writer, bb *bench) {
 		fmt.Fprintf(w, "The contiguous rewrite's %d pages lie among %s of data pages (the stream's bytes from its first page\nto its last, which varies with where the guest put its data): that row uploads at least the chunks over them.\n",
 			r.rewritePages, humanBytes(r.rewriteSpan))
 	}
-	fmt.Fprintf(w, "\nCPU profile of one in-process checkpoint (%.2fs): %s\n%s", r.profiled.Seconds(), bb.profile, r.profileCats)
+	fmt.Fprintf(w, "\nCPU profile of one checkpoint (%.2fs): %s\n%s", r.profiled.Seconds(), bb.profile, r.profileCats)
 	fmt.Fprintf(w, "top entries (go tool pprof -top):\n%s\n", indent(r.profileTop))
 	fmt.Fprintf(w, "benchmark wall time: %v\n\n", r.total.Round(time.Second))
 }
@@ -1250,3 +1259,7 @@ func (r *benchReport) metrics(b *testing.B) {
 		b.ReportMetric(100*inc, "incr-%")
 	}
 }
+
+// cliProfileEnv is cmd/vmsnap's test-binary switch (cmd/vmsnap/main_test.go):
+// set to a file, the test binary runs as vmsnap under a CPU profile.
+const cliProfileEnv = "VMSNAP_TEST_CLI_CPUPROFILE"

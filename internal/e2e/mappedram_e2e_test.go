@@ -1,4 +1,4 @@
-package main
+package e2e
 
 // End-to-end tests of the mapped-ram path on a real QEMU 10 (Debian
 // bookworm-backports' packages, unpacked into the test cache by

@@ -1,4 +1,4 @@
-package rootfs
+package atomicfile
 
 import (
 	"bytes"
@@ -34,7 +34,7 @@ func TestAtomicFileFullDisk(t *testing.T) {
 	if err := os.WriteFile(path, []byte("old"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	f, err := CreateAtomic(path, 0o600)
+	f, err := Create(path, 0o600)
 	if err != nil {
 		t.Fatal(err)
 	}

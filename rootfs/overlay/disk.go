@@ -1,4 +1,4 @@
-package rootfs
+package overlay
 
 import (
 	"bytes"
@@ -12,6 +12,7 @@ import (
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
@@ -31,10 +32,10 @@ type DiskConfig struct {
 	Created       time.Time `json:"created"`
 }
 
-// InspectOverlay reads and validates the qcow2 header of an overlay that is
+// Inspect reads and validates the qcow2 header of an overlay that is
 // to be captured, from f (open for reading), and returns it with the
 // file's size. name is what messages call the overlay.
-func InspectOverlay(f *os.File, name string) (Header, int64, error) {
+func Inspect(f *os.File, name string) (Header, int64, error) {
 	fi, err := f.Stat()
 	if err != nil {
 		return Header{}, 0, errcode.Wrap(errcode.Internal, err, "stat %s", name)
@@ -71,7 +72,7 @@ type CaptureResult struct {
 // stored (ociimage.TagManifest).
 func Capture(ctx context.Context, f *os.File, name string, repo ociimage.Repository, opts chunk.StreamOptions) (*CaptureResult, error) {
 	start := time.Now()
-	h, size, err := InspectOverlay(f, name)
+	h, size, err := Inspect(f, name)
 	if err != nil {
 		return nil, err
 	}
@@ -161,7 +162,7 @@ func Restore(ctx context.Context, repo ociimage.Repository, path string, opts ch
 		return nil, errcode.Wrap(errcode.Internal, err, "creating the overlay's directory")
 	}
 	// Guest data: readable by the owner and the group QEMU shares (fsGroup), no one else.
-	out, err := CreateAtomic(path, 0o660)
+	out, err := atomicfile.Create(path, 0o660)
 	if err != nil {
 		return nil, errcode.Ensure(errcode.Internal, err, "creating %s", path)
 	}

@@ -1,4 +1,4 @@
-package main
+package e2e
 
 // The node agent end to end: a real containerd running a container labelled
 // like a kubelet's, whose volume holds the QMP socket of a real QEMU guest;
@@ -8,6 +8,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -34,9 +36,12 @@ var vmsnapBinary struct {
 	err  error
 }
 
+// vmsnapPkg is the command these tests drive, built.
+const vmsnapPkg = "github.com/vmsnap/vmsnap/cmd/vmsnap"
+
 // binary builds vmsnap once per test run, static (no cgo), so that it
 // also runs inside the tests' busybox containers, which have no libc.
-func binary(t *testing.T) string {
+func binary(t testing.TB) string {
 	t.Helper()
 	vmsnapBinary.once.Do(func() {
 		dir, err := os.MkdirTemp("", "vmsnap-bin-")
@@ -45,7 +50,7 @@ func binary(t *testing.T) string {
 			return
 		}
 		vmsnapBinary.path = filepath.Join(dir, "vmsnap")
-		build := exec.Command("go", "build", "-o", vmsnapBinary.path, ".")
+		build := exec.Command("go", "build", "-o", vmsnapBinary.path, vmsnapPkg)
 		build.Env = append(os.Environ(), "CGO_ENABLED=0")
 		out, err := build.CombinedOutput()
 		if err != nil {
@@ -592,4 +597,21 @@ func TestAgentE2EQMPSocketBeyondAddressLimit(t *testing.T) {
 			t.Fatalf("%s holds the host path %s (%v)", b, dir, err)
 		}
 	}
+}
+
+// runBinary runs the built vmsnap with args, as a user would, and returns
+// its exit status; it fails the test if the binary cannot be started.
+func runBinary(t testing.TB, args []string, stdout, stderr io.Writer) int {
+	t.Helper()
+	cmd := exec.Command(binary(t), args...)
+	cmd.Stdout, cmd.Stderr = stdout, stderr
+	err := cmd.Run()
+	var exit *exec.ExitError
+	if errors.As(err, &exit) && exit.Exited() {
+		return exit.ExitCode()
+	}
+	if err != nil {
+		t.Fatalf("running vmsnap %s: %v", strings.Join(args, " "), err)
+	}
+	return 0
 }

@@ -1,7 +1,7 @@
-package main
+package e2e
 
 // End-to-end tests: real QEMU guests (TCG), the vmsnap commands as a user
-// runs them (in-process, same flags and JSON), an OCI layout on disk.
+// runs them (the built binary, same flags and JSON), an OCI layout on disk.
 
 import (
 	"bytes"
@@ -25,7 +25,7 @@ import (
 func cli(t testing.TB, args ...string) ([]byte, int) {
 	t.Helper()
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), args, &stdout, &stderr)
+	code := runBinary(t, args, &stdout, &stderr)
 	t.Logf("vmsnap %s -> exit %d\n%s%s", strings.Join(args, " "), code, stderr.String(), stdout.String())
 	return stdout.Bytes(), code
 }
