@@ -26,9 +26,8 @@ type Artifact struct {
 	Subject         *ocispec.Descriptor
 }
 
-// PushArtifact stores a's config blob and then its manifest, which
-// PutManifest tags if repo's reference has a tag. The layers must be stored
-// already. It returns the manifest's descriptor.
+// PushArtifact stores a's config blob and then its manifest, by digest
+// (TagManifest tags it). The layers must be stored already. It returns the manifest's descriptor.
 func PushArtifact(ctx context.Context, repo Repository, a Artifact) (ocispec.Descriptor, error) {
 	if a.ArtifactType == "" || a.ConfigMediaType == "" {
 		return ocispec.Descriptor{}, errcode.New(errcode.Internal, "PushArtifact needs an artifact type and a config media type")
@@ -66,19 +65,8 @@ func PushArtifact(ctx context.Context, repo Repository, a Artifact) (ocispec.Des
 // image. (It belongs with the other keys in mediatypes.go.)
 const AnnotationDiskRootfsPath = "dev.vmsnap.disk.rootfs-path"
 
-// ManifestTagger is a Repository that can point a tag at a manifest it
-// already holds. Layout and Registry are.
-type ManifestTagger interface {
-	TagManifest(ctx context.Context, desc ocispec.Descriptor, tag string) error
-}
-
-var (
-	_ ManifestTagger = (*Layout)(nil)
-	_ ManifestTagger = (*Registry)(nil)
-)
-
 // TagManifest points tag, in repo, at the manifest desc names, which repo
-// must already hold (stored by digest: through a reference without a tag).
+// must already hold (PutManifest stores by digest only).
 // Nothing else moves: the tag's previous manifest stays, reachable by its
 // digest. This is how the images of one checkpoint are committed together:
 // each is stored by digest first, and their tags move only once all of them
@@ -88,11 +76,7 @@ var (
 // not hold is REGISTRY_ERROR (a corrupt one DIGEST_MISMATCH); the store's own
 // failures keep their codes.
 func TagManifest(ctx context.Context, repo Repository, desc ocispec.Descriptor, tag string) error {
-	t, ok := repo.(ManifestTagger)
-	if !ok {
-		return errcode.New(errcode.Internal, "cannot tag a manifest in a %T", repo)
-	}
-	return t.TagManifest(ctx, desc, tag)
+	return repo.TagManifest(ctx, desc, tag)
 }
 
 // checkTagging refuses what TagManifest must not do, before the store is

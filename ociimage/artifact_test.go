@@ -19,7 +19,7 @@ func pushTestArtifact(t *testing.T, ref, artifactType, configType string, config
 	t.Helper()
 	repo := openLayout(t, ref)
 	chunk := putBlob(t, repo, MediaTypeChunk, []byte("compressed chunk"))
-	desc, err := PushArtifact(t.Context(), repo, Artifact{
+	desc, err := pushTagged(t.Context(), repo, Artifact{
 		ArtifactType:    artifactType,
 		ConfigMediaType: configType,
 		Config:          config,
@@ -83,7 +83,7 @@ func TestArtifactRefusesForeignLayers(t *testing.T) {
 	} {
 		dir := t.TempDir()
 		repo := openLayout(t, "oci:"+dir)
-		_, err := PushArtifact(ctx, repo, Artifact{ArtifactType: ArtifactTypeDisk, ConfigMediaType: MediaTypeDiskConfig,
+		_, err := pushTagged(ctx, repo, Artifact{ArtifactType: ArtifactTypeDisk, ConfigMediaType: MediaTypeDiskConfig,
 			Config: testConfig{}, Layers: []ocispec.Descriptor{layer}})
 		if errcode.Of(err) != errcode.InvalidInput {
 			t.Errorf("%s: PushArtifact = %v, want INVALID_INPUT", name, err)
@@ -116,12 +116,12 @@ func TestLayoutTagManifest(t *testing.T) {
 	ctx := t.Context()
 	dir := t.TempDir()
 	tagged := openLayout(t, "oci:"+dir+":v1")
-	old, err := tagged.PutManifest(ctx, testManifest(t, tagged, "old", "a"))
+	old, err := putTagged(ctx, tagged, testManifest(t, tagged, "old", "a"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	byDigest := openLayout(t, "oci:"+dir)
-	d, err := byDigest.PutManifest(ctx, testManifest(t, byDigest, "new", "b"))
+	d, err := putTagged(ctx, byDigest, testManifest(t, byDigest, "new", "b"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,11 +197,11 @@ func TestResolveTag(t *testing.T) {
 	t.Run("layout", func(t *testing.T) {
 		dir := t.TempDir()
 		repo := openLayout(t, "oci:"+dir)
-		a, err := repo.PutManifest(ctx, testManifest(t, repo, "a", "a"))
+		a, err := putTagged(ctx, repo, testManifest(t, repo, "a", "a"))
 		if err != nil {
 			t.Fatal(err)
 		}
-		b, err := repo.PutManifest(ctx, testManifest(t, repo, "b", "b"))
+		b, err := putTagged(ctx, repo, testManifest(t, repo, "b", "b"))
 		if err != nil {
 			t.Fatal(err)
 		}

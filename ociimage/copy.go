@@ -13,7 +13,8 @@ import (
 // dst, verifying every blob on the way, and returns the manifest's
 // descriptor. It refuses before copying anything if the image's blobs add up
 // to more than maxBytes (0: no limit). Blobs dst already has are skipped; the
-// manifest is stored last, so dst never names a partial copy.
+// manifest is stored last, by digest: the caller tags it (TagManifest), so
+// dst never names a partial copy.
 func Copy(ctx context.Context, src, dst Repository, maxBytes int64, jobs int) (ocispec.Descriptor, error) {
 	desc, err := src.Resolve(ctx)
 	if err != nil {

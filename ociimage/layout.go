@@ -155,8 +155,8 @@ func (l *Layout) lock(ctx context.Context) (unlock func(), err error) {
 	return unlock, nil
 }
 
-// PutManifest stores m and lists it in index.json, tagged with the
-// reference's tag if it has one. It refuses a manifest whose blobs are not
+// PutManifest stores m and lists it, untagged, in index.json (a manifest
+// listed already keeps its entry and tags). It refuses a manifest whose blobs are not
 // all stored: a manifest is never stored over missing blobs.
 func (l *Layout) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.Descriptor, error) {
 	if err := ctx.Err(); err != nil {
@@ -194,7 +194,7 @@ func (l *Layout) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.D
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	addToIndex(&idx, desc, l.ref.Tag)
+	addToIndex(&idx, desc, "")
 	if err := l.writeIndex(idx); err != nil {
 		return ocispec.Descriptor{}, err
 	}

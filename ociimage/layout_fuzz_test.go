@@ -63,7 +63,7 @@ func realLayout(tb testing.TB, dir string) (index, manifest, config []byte) {
 		off += int64(len(raw))
 		layers = append(layers, d)
 	}
-	desc, err := PushArtifact(ctx, repo, Artifact{
+	desc, err := pushTagged(ctx, repo, Artifact{
 		ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig,
 		Config: fuzzConfig{Record: map[string]any{"qemuVersion": "7.2.22", "arch": "x86_64"}, Mode: "pause", RawBytes: off, Compression: "zstd", ChunkSize: 4 << 20},
 		Layers: layers, Annotations: map[string]string{AnnotationMode: "pause", AnnotationCreated: time.Unix(0, 0).UTC().Format(time.RFC3339)},

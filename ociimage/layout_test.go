@@ -2,6 +2,7 @@ package ociimage
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -106,7 +107,7 @@ func TestLayoutRoundTrip(t *testing.T) {
 	repo := openLayout(t, "oci:"+dir+":v1")
 
 	m := testManifest(t, repo, "one", "chunk-0", "chunk-1")
-	desc, err := repo.PutManifest(ctx, m)
+	desc, err := putTagged(ctx, repo, m)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +115,7 @@ func TestLayoutRoundTrip(t *testing.T) {
 		t.Fatalf("manifest descriptor %+v", desc)
 	}
 	// Pushing the same manifest again must not add an entry.
-	if _, err := repo.PutManifest(ctx, m); err != nil {
+	if _, err := putTagged(ctx, repo, m); err != nil {
 		t.Fatal(err)
 	}
 
@@ -227,7 +228,7 @@ func TestLongerBlobIsCorrupt(t *testing.T) {
 func TestFlippedManifestByte(t *testing.T) {
 	dir := t.TempDir()
 	repo := openLayout(t, "oci:"+dir+":v1")
-	desc, err := repo.PutManifest(t.Context(), testManifest(t, repo, "m", "c"))
+	desc, err := putTagged(t.Context(), repo, testManifest(t, repo, "m", "c"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -243,7 +244,7 @@ func TestPutManifestMissingLayer(t *testing.T) {
 	missing := blobDesc(MediaTypeChunk, []byte("never stored"))
 	m.Layers = append(m.Layers, missing)
 
-	_, err := repo.PutManifest(t.Context(), m)
+	_, err := putTagged(t.Context(), repo, m)
 	wantCode(t, err, errcode.RegistryError, missing.Digest.String())
 	if idx := strictIndex(t, dir); len(idx.Manifests) != 0 {
 		t.Fatalf("a manifest over a missing blob is listed: %+v", idx.Manifests)
@@ -263,7 +264,7 @@ func TestPutManifestWrongBlobSize(t *testing.T) {
 	repo := openLayout(t, "oci:"+t.TempDir()+":v1")
 	m := testManifest(t, repo, "m", "chunk")
 	m.Layers[0].Size++
-	_, err := repo.PutManifest(t.Context(), m)
+	_, err := putTagged(t.Context(), repo, m)
 	wantCode(t, err, errcode.DigestMismatch, "not the 6 the manifest says")
 }
 
@@ -271,11 +272,11 @@ func TestRetagMovesTag(t *testing.T) {
 	ctx := t.Context()
 	dir := t.TempDir()
 	repo := openLayout(t, "oci:"+dir+":v1")
-	d1, err := repo.PutManifest(ctx, testManifest(t, repo, "first", "a"))
+	d1, err := putTagged(ctx, repo, testManifest(t, repo, "first", "a"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	d2, err := repo.PutManifest(ctx, testManifest(t, repo, "second", "b"))
+	d2, err := putTagged(ctx, repo, testManifest(t, repo, "second", "b"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -295,7 +296,7 @@ func TestRetagMovesTag(t *testing.T) {
 	}
 
 	// Tagging the untagged first manifest reuses its entry.
-	if _, err := openLayout(t, "oci:"+dir+":v0").PutManifest(ctx, testManifest(t, repo, "first", "a")); err != nil {
+	if _, err := putTagged(ctx, openLayout(t, "oci:"+dir+":v0"), testManifest(t, repo, "first", "a")); err != nil {
 		t.Fatal(err)
 	}
 	idx = strictIndex(t, dir)
@@ -303,7 +304,7 @@ func TestRetagMovesTag(t *testing.T) {
 		t.Fatalf("index after tagging v0: %+v", idx.Manifests)
 	}
 	// Pushing it untagged changes nothing: it is listed already.
-	if _, err := openLayout(t, "oci:"+dir).PutManifest(ctx, testManifest(t, repo, "first", "a")); err != nil {
+	if _, err := putTagged(ctx, openLayout(t, "oci:"+dir), testManifest(t, repo, "first", "a")); err != nil {
 		t.Fatal(err)
 	}
 	if n := len(strictIndex(t, dir).Manifests); n != 2 {
@@ -336,7 +337,7 @@ func TestConcurrentPutManifest(t *testing.T) {
 				errs <- err
 				return
 			}
-			_, err := repo.PutManifest(t.Context(), ocispec.Manifest{Config: cd, Layers: []ocispec.Descriptor{ld}})
+			_, err := putTagged(t.Context(), repo, ocispec.Manifest{Config: cd, Layers: []ocispec.Descriptor{ld}})
 			errs <- err
 		})
 	}
@@ -382,7 +383,7 @@ func TestBlobLimitCheckedBeforeRead(t *testing.T) {
 func TestDigestReferenceToMissingManifest(t *testing.T) {
 	dir := t.TempDir()
 	repo := openLayout(t, "oci:"+dir+":v1")
-	if _, err := repo.PutManifest(t.Context(), testManifest(t, repo, "m", "c")); err != nil {
+	if _, err := putTagged(t.Context(), repo, testManifest(t, repo, "m", "c")); err != nil {
 		t.Fatal(err)
 	}
 	d := digest.FromString("no such manifest")
@@ -394,7 +395,7 @@ func TestResolveUnknownTagListsTags(t *testing.T) {
 	dir := t.TempDir()
 	for _, tag := range []string{"b", "a"} {
 		repo := openLayout(t, "oci:"+dir+":"+tag)
-		if _, err := repo.PutManifest(t.Context(), testManifest(t, repo, tag, "c")); err != nil {
+		if _, err := putTagged(t.Context(), repo, testManifest(t, repo, tag, "c")); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -458,4 +459,24 @@ func TestManifestRefusesBadManifests(t *testing.T) {
 			t.Errorf("%s: Manifest = %v, want INVALID_INPUT", name, err)
 		}
 	}
+}
+
+// putTagged stores m as PutManifest did before tagging became a call of its
+// own: by digest, then under the tag of the reference repo was opened from.
+func putTagged(ctx context.Context, repo Repository, m ocispec.Manifest) (ocispec.Descriptor, error) {
+	desc, err := repo.PutManifest(ctx, m)
+	return tagAfter(ctx, repo, desc, err)
+}
+
+// pushTagged is PushArtifact, then the tag of repo's reference, if any.
+func pushTagged(ctx context.Context, repo Repository, a Artifact) (ocispec.Descriptor, error) {
+	desc, err := PushArtifact(ctx, repo, a)
+	return tagAfter(ctx, repo, desc, err)
+}
+
+func tagAfter(ctx context.Context, repo Repository, desc ocispec.Descriptor, err error) (ocispec.Descriptor, error) {
+	if tag := repo.Reference().Tag; err == nil && tag != "" {
+		err = TagManifest(ctx, repo, desc, tag)
+	}
+	return desc, err
 }

@@ -31,10 +31,14 @@ type Repository interface {
 	// digest or size differ from desc (DIGEST_MISMATCH). Concurrent puts of
 	// the same blob are fine. A blob is visible to Blob only once complete.
 	PutBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) error
-	// PutManifest stores the manifest and, if the reference has a tag, points
-	// the tag at it. Call it last, once every blob it names is stored: a
-	// failed snapshot must never be tagged.
+	// PutManifest stores the manifest by its digest, whatever tag the
+	// reference has: tagging is a call of its own (TagManifest), made once
+	// every manifest of a snapshot is stored, so that a failed snapshot is
+	// never tagged. Call it once every blob the manifest names is stored.
 	PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.Descriptor, error)
+	// TagManifest points tag at the manifest desc names, which the
+	// repository must hold already (see the package's TagManifest).
+	TagManifest(ctx context.Context, desc ocispec.Descriptor, tag string) error
 
 	// Resolve returns the descriptor of the manifest the reference names, by
 	// its digest, or by its tag.

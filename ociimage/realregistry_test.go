@@ -44,7 +44,7 @@ func TestRealRegistryRoundTripAndSkopeo(t *testing.T) {
 	putChunks(t, repo, descs, datas)
 	diskDesc := pushDisk(t, repo, descs[:4], nil)
 	subject := diskDesc
-	stateDesc, err := PushArtifact(ctx, openReal(t, reg, "vms/web:snap"), Artifact{
+	stateDesc, err := pushTagged(ctx, openReal(t, reg, "vms/web:snap"), Artifact{
 		ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig, Config: regConfig{Name: "state"},
 		Layers: descs[4:], Subject: &subject, Annotations: map[string]string{AnnotationMode: "pause"},
 	})
@@ -151,7 +151,7 @@ func TestRealRegistryRefusals(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = CheckAccess(ctx, noCA)
-	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "--ca-file") ||
+	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "caFile") ||
 		!strings.Contains(err.Error(), "certificate signed by unknown authority") {
 		t.Fatalf("unknown CA: %v", err)
 	}

@@ -83,7 +83,7 @@ func openRegistry(ref Reference, o openOptions) (*Registry, error) {
 	for _, h := range o.insecure {
 		h = strings.ToLower(strings.TrimSpace(h))
 		if !hostRE.MatchString(h) {
-			return nil, errcode.New(errcode.Usage, "--insecure-registry %q is not HOST[:PORT]", h)
+			return nil, errcode.New(errcode.Usage, "%s %q is not HOST[:PORT]", errcode.Field("insecureRegistry"), h)
 		}
 		insecure[h] = true
 	}
@@ -94,7 +94,7 @@ func openRegistry(ref Reference, o openOptions) (*Registry, error) {
 	for _, f := range o.caFiles {
 		pem, err := readLimited(f, 4<<20)
 		if err != nil {
-			return nil, errcode.Wrap(errcode.Usage, err, "cannot read the CA file %s given with --ca-file", f)
+			return nil, errcode.Wrap(errcode.Usage, err, "cannot read the CA file %s given with %s", f, errcode.Field("caFile"))
 		}
 		if !roots.AppendCertsFromPEM(pem) {
 			return nil, errcode.New(errcode.Usage, "the CA file %s holds no PEM certificate", f)
@@ -354,9 +354,8 @@ func (f *fencedReader) fence() {
 	f.mu.Unlock()
 }
 
-// PutManifest pushes the manifest's exact bytes with its media type, to the
-// reference's tag if it has one (so the tag moves only now, once everything
-// the manifest names is stored), else by digest. Like a layout it refuses a
+// PutManifest pushes the manifest's exact bytes with its media type, by
+// digest: no tag moves (TagManifest does that). Like a layout it refuses a
 // manifest whose blobs the registry does not hold. A manifest with a subject
 // is listed among the subject's referrers: by the registry if it has the
 // referrers API, else in the sha256-HEX tag (the referrers tag schema).
@@ -375,10 +374,7 @@ func (r *Registry) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec
 	if err := r.checkBlobs(ctx, m); err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	var target name.Reference = r.repo.Digest(desc.Digest.String())
-	if r.ref.Tag != "" {
-		target = r.repo.Tag(r.ref.Tag)
-	}
+	target := r.repo.Digest(desc.Digest.String())
 	raw := rawManifest{data: b, mediaType: types.MediaType(desc.MediaType)}
 	err = r.withRetry(ctx, "storing the manifest "+string(desc.Digest), desc.Size, func(ctx context.Context) error {
 		return r.pusher.Put(ctx, target, raw)
@@ -979,11 +975,11 @@ func (r *Registry) describe(ctx context.Context, what string, err error, tries i
 	}
 	if cve := tlsVerifyError(err); cve != nil {
 		return errcode.New(errcode.RegistryError,
-			"%s: cannot verify the TLS certificate of registry %s: %v; if the registry uses a private CA, pass the CA's certificate with --ca-file", what, host, cve)
+			"%s: cannot verify the TLS certificate of registry %s: %v; if the registry uses a private CA, pass the CA's certificate with %s", what, host, cve, errcode.Field("caFile"))
 	}
 	if plainHTTPAnswer(err) {
 		return errcode.New(errcode.RegistryError,
-			"%s: registry %s answers plain HTTP, not TLS; if that is intended, pass --insecure-registry %s", what, host, host)
+			"%s: registry %s answers plain HTTP, not TLS; if that is intended, pass %s %s", what, host, errcode.Field("insecureRegistry"), host)
 	}
 	return errcode.Wrap(errcode.RegistryError, withoutRefusals{err}, "%s: cannot reach registry %s%s", what, host, gaveUp)
 }

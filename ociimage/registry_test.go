@@ -200,7 +200,7 @@ type regConfig struct {
 
 func pushDisk(t testing.TB, repo Repository, layers []ocispec.Descriptor, subject *ocispec.Descriptor) ocispec.Descriptor {
 	t.Helper()
-	desc, err := PushArtifact(context.Background(), repo, Artifact{
+	desc, err := pushTagged(context.Background(), repo, Artifact{
 		ArtifactType: ArtifactTypeDisk, ConfigMediaType: MediaTypeDiskConfig,
 		Config: regConfig{Name: "disk"}, Layers: layers, Subject: subject,
 		Annotations: map[string]string{AnnotationTitle: "overlay.qcow2"},
@@ -349,7 +349,7 @@ func TestRegistryRefusesManifestWithMissingBlob(t *testing.T) {
 	repo := f.open(t, "vm:x")
 	descs, datas := testChunks(t, 2, 1024)
 	putChunks(t, repo, descs[:1], datas[:1])
-	_, err := PushArtifact(context.Background(), repo, Artifact{
+	_, err := pushTagged(context.Background(), repo, Artifact{
 		ArtifactType: ArtifactTypeDisk, ConfigMediaType: MediaTypeDiskConfig, Config: regConfig{}, Layers: descs,
 	})
 	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "layer 1 blob") {
@@ -572,7 +572,7 @@ func TestRegistryReferrers(t *testing.T) {
 
 			state := f.open(t, "vm:snap")
 			subject := diskDesc
-			stateDesc, err := PushArtifact(ctx, state, Artifact{
+			stateDesc, err := pushTagged(ctx, state, Artifact{
 				ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig, Config: regConfig{Name: "state"},
 				Layers: descs[1:], Subject: &subject, Annotations: map[string]string{AnnotationMode: "pause"},
 			})
@@ -616,7 +616,7 @@ func TestRegistryTLSAndPlainHTTP(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = CheckAccess(ctx, repo)
-	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "--ca-file") || !strings.Contains(err.Error(), "certificate") {
+	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "caFile") || !strings.Contains(err.Error(), "certificate") {
 		t.Fatalf("got %v, want REGISTRY_ERROR about the certificate and --ca-file", err)
 	}
 
@@ -628,7 +628,7 @@ func TestRegistryTLSAndPlainHTTP(t *testing.T) {
 	writeFile(t, filepath.Join(empty, "config.json"), "{}")
 	repo, _ = Open(ctx, pref, WithRegistryConfig(empty), WithRetry(1, 0))
 	err = CheckAccess(ctx, repo)
-	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "--insecure-registry "+host) {
+	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "insecureRegistry "+host) {
 		t.Fatalf("got %v, want REGISTRY_ERROR suggesting --insecure-registry", err)
 	}
 	repo, _ = Open(ctx, pref, WithRegistryConfig(empty), WithInsecureRegistry(host))
@@ -695,7 +695,7 @@ func TestLayoutReferrers(t *testing.T) {
 	var states []digest.Digest
 	for _, tag := range []string{":s1", ":s2"} {
 		s := diskDesc
-		d, err := PushArtifact(ctx, open(tag), Artifact{
+		d, err := pushTagged(ctx, open(tag), Artifact{
 			ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig, Config: regConfig{Name: tag},
 			Layers: descs, Subject: &s,
 		})

@@ -67,13 +67,14 @@ type CheckpointOptions struct {
 	WhileStopped func(ctx context.Context) (Link, error)
 	// Annotations are added to the state manifest.
 	Annotations map[string]string
-	// Commit, if set, runs once the state manifest is stored, as the last
-	// step of a checkpoint that has stored everything: it moves the tags of
-	// the checkpoint's images (ociimage.TagManifest), the state's last. For
-	// that, give Checkpoint (and WhileStopped's stores) repositories whose
-	// references have no tag, so that every manifest is stored by digest
-	// first and a failure before Commit leaves every tag where it was. A
-	// Commit error fails the checkpoint like any other.
+	// Commit runs once the state manifest is stored, as the last step of a
+	// checkpoint that has stored everything: it moves the tags of the
+	// checkpoint's images (ociimage.TagManifest), the state's last. Every
+	// manifest is stored by digest (PutManifest never tags), so a failure
+	// before Commit leaves every tag where it was. Without Commit, the tag
+	// of the reference Checkpoint's repository was opened from, if any,
+	// moves to the state manifest. A Commit error fails the checkpoint like
+	// any other.
 	Commit func(ctx context.Context, state ocispec.Descriptor) error
 	// Format is how the state is captured: FormatAuto (the zero value),
 	// FormatStream or FormatMappedRAM (see mappedram.go).
@@ -129,6 +130,11 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	if opts.Mode == "" {
 		opts.Mode = ModeSnapshot
 	}
+	// Not a cross-flag rule (agent/snapshot's CheckpointSpec.Validate
+	// refuses live mode with a disk or rootfs image, before this is
+	// reached): WhileStopped is defined to run while the VM is stopped,
+	// which live mode never does, so vmstate's public API refuses the pair
+	// on its own.
 	if opts.Mode == ModeLive && opts.WhileStopped != nil {
 		return nil, errcode.New(errcode.Usage, "live mode does not stop the VM, so a disk overlay captured beside it would not match memory: use snapshot or pause mode to capture the disk")
 	}

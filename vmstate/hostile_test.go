@@ -96,7 +96,7 @@ func TestLoadConfigAndDecodeRealLayoutWithHostileLayers(t *testing.T) {
 				os.WriteFile(filepath.Join(dir, "blobs", "sha256", l.Digest.Encoded()), bytes.Repeat([]byte("x"), int(l.Size)), 0o644)
 			}
 		}
-		if _, err := r.PutManifest(ctx, ocispec.Manifest{ArtifactType: ociimage.ArtifactTypeVMState, Config: cd, Layers: layers}); err != nil {
+		if _, err := putTagged(ctx, r, ocispec.Manifest{ArtifactType: ociimage.ArtifactTypeVMState, Config: cd, Layers: layers}); err != nil {
 			t.Fatalf("%s: %v", tag, err)
 		}
 	}
@@ -177,4 +177,13 @@ func dirList(t *testing.T, root string) string {
 		return nil
 	})
 	return b.String()
+}
+
+// putTagged stores m by digest, then under the tag of repo's reference.
+func putTagged(ctx context.Context, repo ociimage.Repository, m ocispec.Manifest) (ocispec.Descriptor, error) {
+	desc, err := repo.PutManifest(ctx, m)
+	if tag := repo.Reference().Tag; err == nil && tag != "" {
+		err = ociimage.TagManifest(ctx, repo, desc, tag)
+	}
+	return desc, err
 }

@@ -82,7 +82,7 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 		return FormatStream, nil
 	case FormatMappedRAM:
 		if opts.Mode == ModeLive {
-			return "", errcode.New(errcode.Usage, "the mapped-ram format captures a stopped VM: live mode keeps the VM running and needs the stream format (use --format auto or stream)")
+			return "", errcode.New(errcode.Usage, "the mapped-ram format captures a stopped VM: live mode keeps the VM running and needs the stream format (use %s auto or stream)", errcode.Field("format"))
 		}
 		explicit = true
 	default:
@@ -102,7 +102,7 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 	}
 	if _, ok := caps[capMappedRAM]; !ok {
 		if explicit {
-			return "", errcode.New(errcode.Usage, "the mapped-ram format needs QEMU 9.0 or later, and this QEMU (%s) lacks the mapped-ram migration capability: use --format auto or stream", record.QEMUVersion)
+			return "", errcode.New(errcode.Usage, "the mapped-ram format needs QEMU 9.0 or later, and this QEMU (%s) lacks the mapped-ram migration capability: use %s auto or stream", record.QEMUVersion, errcode.Field("format"))
 		}
 		return FormatStream, nil
 	}
@@ -120,9 +120,9 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 		return FormatStream, nil // the stream needs no staging space
 	}
 	if err != nil {
-		return "", errcode.Wrap(errcode.Internal, err, "staging directory %s (for the mapped-ram file; pick another with --staging-dir)", dir)
+		return "", errcode.Wrap(errcode.Internal, err, "staging directory %s (for the mapped-ram file; pick another with %s)", dir, errcode.Field("stagingDir"))
 	}
-	return "", errcode.New(errcode.Internal, "staging directory %s has %d MiB free, and a mapped-ram checkpoint of this VM may need up to %d MiB there: free space there or pick another directory with --staging-dir", dir, free>>20, need>>20)
+	return "", errcode.New(errcode.Internal, "staging directory %s has %d MiB free, and a mapped-ram checkpoint of this VM may need up to %d MiB there: free space there or pick another directory with %s", dir, free>>20, need>>20, errcode.Field("stagingDir"))
 }
 
 // stagingDir is where the mapped-ram file is staged: dir, else $TMPDIR.
@@ -249,7 +249,7 @@ func (s *stagingFile) qemuFull(errno syscall.Errno) error {
 // stagingError is INTERNAL and names the directory to change; a full disk
 // gets errcode.Wrap's advice (free space there).
 func stagingError(dir string, err error, what string) error {
-	return errcode.Wrap(errcode.Internal, err, "%s in the staging directory %s (pick another with --staging-dir)", what, dir)
+	return errcode.Wrap(errcode.Internal, err, "%s in the staging directory %s (pick another with %s)", what, dir, errcode.Field("stagingDir"))
 }
 
 // checkpointMappedRAM is Checkpoint's mapped-ram path: from Checkpoint,
@@ -502,7 +502,7 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	if free, err := freeSpace(dir); err != nil {
 		return nil, stagingError(dir, err, "checking the free space")
 	} else if need := cfg.DataBytes + stagingSlack; free < need {
-		return nil, errcode.New(errcode.Internal, "staging directory %s has %d MiB free, and this mapped-ram snapshot needs about %d MiB there: free space there or pick another directory with --staging-dir", dir, free>>20, need>>20)
+		return nil, errcode.New(errcode.Internal, "staging directory %s has %d MiB free, and this mapped-ram snapshot needs about %d MiB there: free space there or pick another directory with %s", dir, free>>20, need>>20, errcode.Field("stagingDir"))
 	}
 	staging, err := newStagingFile(dir, os.O_RDONLY, mon)
 	if err != nil {

@@ -351,7 +351,7 @@ func TestMappedRAMStagingFullContinuesVM(t *testing.T) {
 			if errcode.Of(err) != errcode.Internal || !strings.Contains(err.Error(), staging) || !strings.Contains(err.Error(), "full") {
 				t.Fatalf("err = %v, want INTERNAL naming the full staging directory %s", err, staging)
 			}
-			if msg := err.Error(); strings.Count(msg, "is full") != 1 || strings.Count(msg, "--staging-dir") != 1 {
+			if msg := err.Error(); strings.Count(msg, "is full") != 1 || strings.Count(msg, "stagingDir") != 1 {
 				t.Fatalf("err = %v: want the advice once", err)
 			}
 			if q.Status() != "running" {

@@ -5,6 +5,8 @@ import (
 	"strconv"
 	"time"
 
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
@@ -41,12 +43,26 @@ func pushStateManifest(ctx context.Context, repo ociimage.Repository, opts Check
 	if err != nil {
 		return errcode.Ensure(errcode.RegistryError, err, "storing the state manifest")
 	}
-	if opts.Commit != nil {
-		if err = opts.Commit(ctx, res.Manifest); err != nil {
-			return errcode.Ensure(errcode.RegistryError, err, "moving the checkpoint's tags")
-		}
+	commit := opts.Commit
+	if commit == nil {
+		commit = tagState(repo)
+	}
+	if err = commit(ctx, res.Manifest); err != nil {
+		return errcode.Ensure(errcode.RegistryError, err, "moving the checkpoint's tags")
 	}
 	res.Durations.Push = time.Since(pushStart)
 	res.Image = repo.Reference().WithDigest(res.Manifest.Digest)
 	return nil
+}
+
+// tagState is the Commit of a checkpoint given none: it points the tag of
+// the reference repo was opened from, if any, at the state manifest, which
+// PutManifest stored by digest only.
+func tagState(repo ociimage.Repository) func(context.Context, ocispec.Descriptor) error {
+	return func(ctx context.Context, state ocispec.Descriptor) error {
+		if tag := repo.Reference().Tag; tag != "" {
+			return ociimage.TagManifest(ctx, repo, state, tag)
+		}
+		return nil
+	}
 }

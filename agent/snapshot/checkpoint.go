@@ -105,7 +105,7 @@ func (s *CheckpointSpec) Validate() error {
 func (s CheckpointSpec) CheckDiskPlace() error {
 	if s.DiskPath != "" && s.DiskImage == "" && !(s.DiskInRootfs && s.RootfsImage != "") {
 		return errcode.New(errcode.Usage,
-			"the disk overlay %s is on a volume, not in the container's writable layer, so the rootfs image does not hold it: give it an image reference of its own (--disk-image)", s.diskName())
+			"the disk overlay %s is on a volume, not in the container's writable layer, so the rootfs image does not hold it: give it an image reference of its own (%s)", s.diskName(), errcode.Field("diskImage"))
 	}
 	return nil
 }
@@ -124,6 +124,13 @@ func (s CheckpointSpec) diskName() string {
 // it was: a disk or rootfs tag that had already moved is moved back, as far
 // as the store allows (moveTags says when it cannot be).
 func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, error) {
+	// The one check that the writable layer can be captured at all, first:
+	// the CLI relies on it, as the agent gives CaptureRootfs and refuses
+	// earlier where it cannot (Validate runs before it does).
+	if s.RootfsImage != "" && s.CaptureRootfs == nil {
+		return nil, errcode.New(errcode.Usage, "%s captures a container's writable layer through the node's containerd: use it with %s",
+			errcode.Field("rootfsImage"), errcode.Field("agent"))
+	}
 	if err := s.Validate(); err != nil {
 		return nil, err
 	}
@@ -141,9 +148,6 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 	var rootfsStore *store
 	if s.RootfsImage != "" {
-		if s.CaptureRootfs == nil {
-			return nil, errcode.New(errcode.Usage, "capturing the container's writable layer needs CaptureRootfs, which the node agent gives: it finds the container through containerd")
-		}
 		if rootfsStore, err = openStore(ctx, s.RootfsImage, s.Store); err != nil {
 			return nil, err
 		}

@@ -67,7 +67,7 @@ func Prune(ctx context.Context, s PruneSpec) (*api.PruneResult, error) {
 		return nil, errcode.New(errcode.Usage, "prune works on a whole repository: give %s without a tag or digest", ref.WithDigest(""))
 	}
 	if s.Keep < 1 {
-		return nil, errcode.New(errcode.Usage, "--keep %d: keep at least 1 checkpoint", s.Keep)
+		return nil, errcode.New(errcode.Usage, "%s %d: keep at least 1 checkpoint", errcode.Field("keep"), s.Keep)
 	}
 	r, err := ociimage.Open(ctx, ref, s.Store...)
 	if err != nil {

@@ -343,7 +343,7 @@ func TestPruneKeepsUndatedCheckpoints(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		desc, err := ociimage.PushArtifact(ctx, repo, ociimage.Artifact{
+		desc, err := pushTagged(ctx, repo, ociimage.Artifact{
 			ArtifactType: ociimage.ArtifactTypeVMState, ConfigMediaType: ociimage.MediaTypeVMStateConfig,
 			Config: map[string]int{"n": i}, Annotations: map[string]string{ociimage.AnnotationCreated: created},
 		})
@@ -397,7 +397,7 @@ func TestPruneKeepsWhatAKeptCheckpointNeeds(t *testing.T) {
 		if artifactType == ociimage.ArtifactTypeDisk {
 			cfgType = ociimage.MediaTypeDiskConfig
 		}
-		desc, err := ociimage.PushArtifact(ctx, repo, ociimage.Artifact{ArtifactType: artifactType, ConfigMediaType: cfgType,
+		desc, err := pushTagged(ctx, repo, ociimage.Artifact{ArtifactType: artifactType, ConfigMediaType: cfgType,
 			Config: config, Annotations: annotations, Subject: subject})
 		if err != nil {
 			t.Fatal(err)
@@ -455,7 +455,7 @@ func TestPruneDeletesOnlyWhatTheLinksSayTheyAre(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		desc, err := ociimage.PushArtifact(ctx, repo, ociimage.Artifact{ArtifactType: artifactType, ConfigMediaType: cfgType, Config: config, Annotations: annotations})
+		desc, err := pushTagged(ctx, repo, ociimage.Artifact{ArtifactType: artifactType, ConfigMediaType: cfgType, Config: config, Annotations: annotations})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -51,7 +51,7 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "creating the staging directory")
 	}
-	dst, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir, Tag: StagedTag})
+	dst, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir})
 	if err != nil {
 		return nil, err
 	}
@@ -59,7 +59,11 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, err := ociimage.Copy(ctx, pinned, dst, s.MaxBytes, max(s.Jobs, 4)); err != nil {
+	copied, err := ociimage.Copy(ctx, pinned, dst, s.MaxBytes, max(s.Jobs, 4))
+	if err != nil {
+		return nil, err
+	}
+	if err := ociimage.TagManifest(ctx, dst, copied, StagedTag); err != nil {
 		return nil, err
 	}
 	return &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Dir: dir, Bytes: sizeOf(m)}, nil
@@ -78,7 +82,7 @@ func sizeOf(m ocispec.Manifest) int64 {
 func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
-		return "", errcode.Wrap(errcode.Usage, err, "--state-dir %s", dir)
+		return "", errcode.Wrap(errcode.Usage, err, "%s %s", errcode.Field("stateDir"), dir)
 	}
 	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Tag: StagedTag})
 	var desc ocispec.Descriptor
@@ -86,7 +90,7 @@ func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
 		desc, err = repo.Resolve(ctx)
 	}
 	if err != nil {
-		return "", errcode.Wrap(errcode.InvalidInput, err, "no VM state staged in %s (did the restore init container run with --to-dir %s?)", dir, dir)
+		return "", errcode.Wrap(errcode.InvalidInput, err, "no VM state staged in %s (did the restore init container run with %s %s?)", dir, errcode.Field("toDir"), dir)
 	}
 	return desc.Digest, nil
 }
@@ -96,7 +100,7 @@ func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
 func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (int, error) }, o chunk.StreamOptions) error {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
-		return errcode.Wrap(errcode.Usage, err, "--dir %s", dir)
+		return errcode.Wrap(errcode.Usage, err, "%s %s", errcode.Field("dir"), dir)
 	}
 	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Tag: StagedTag})
 	if err != nil {

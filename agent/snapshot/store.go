@@ -14,9 +14,9 @@ import (
 
 // openStore parses a reference to write to, opens it and checks that we may
 // write there, so that credentials or a CA problem surface before a VM is
-// stopped. The repository is opened without the reference's tag, which the
-// store keeps: every manifest of a checkpoint is stored by digest, and the
-// tags move only once all of them are stored (moveTags).
+// stopped. The repository is opened from the reference as given: every
+// manifest of a checkpoint is stored by digest (PutManifest never tags), and
+// the reference's tag moves only once all of them are stored (moveTags).
 func openStore(ctx context.Context, s string, opts []ociimage.Option) (*store, error) {
 	ref, err := ociimage.ParseReference(s)
 	if err != nil {
@@ -26,8 +26,6 @@ func openStore(ctx context.Context, s string, opts []ociimage.Option) (*store, e
 		return nil, errcode.New(errcode.InvalidInput,
 			"cannot store a checkpoint at %s: a digest reference names an existing manifest; give REF or REF:TAG", s)
 	}
-	tag := ref.Tag
-	ref.Tag = ""
 	repo, err := ociimage.Open(ctx, ref, opts...)
 	if err != nil {
 		return nil, err
@@ -35,35 +33,29 @@ func openStore(ctx context.Context, s string, opts []ociimage.Option) (*store, e
 	if err := ociimage.CheckAccess(ctx, repo); err != nil {
 		return nil, err
 	}
-	return &store{repo, tag}, nil
+	return &store{repo}, nil
 }
 
-// store is where one image of a checkpoint goes: a repository opened
-// without its tag, and the tag to move once everything is stored.
+// store is where one image of a checkpoint goes: the repository opened from
+// the reference the checkpoint was given, tag included.
 type store struct {
 	repo ociimage.Repository
-	tag  string
 }
 
-// tagged is the store's reference with its tag.
-func (st *store) tagged() ociimage.Reference {
-	ref := st.repo.Reference()
-	ref.Tag = st.tag
-	return ref
-}
+// tag is the tag to move once everything is stored ("" for none).
+func (st *store) tag() string { return st.repo.Reference().Tag }
 
 // commit points the store's tag at desc.
 func (st *store) commit(ctx context.Context, desc ocispec.Descriptor) error {
-	if err := ociimage.TagManifest(ctx, st.repo, desc, st.tag); err != nil {
-		return errcode.Ensure(errcode.RegistryError, err, "tagging %s as %s", st.repo.Reference().WithDigest(desc.Digest), st.tag)
+	if err := ociimage.TagManifest(ctx, st.repo, desc, st.tag()); err != nil {
+		return errcode.Ensure(errcode.RegistryError, err, "tagging %s as %s", st.repo.Reference().WithDigest(desc.Digest), st.tag())
 	}
 	return nil
 }
 
-// current resolves the manifest the store's tag names now, through the
-// repository the checkpoint stores into.
+// current resolves the manifest the store's tag names now.
 func (st *store) current(ctx context.Context) (ocispec.Descriptor, error) {
-	return st.repo.ResolveTag(ctx, st.tag)
+	return st.repo.ResolveTag(ctx, st.tag())
 }
 
 // tagMove is one tag of a checkpoint to move: its store's tag to the
@@ -91,7 +83,7 @@ const rollbackTimeout = 30 * time.Second
 // failed move's code and lists, as details, what was moved back and what
 // was not.
 func moveTags(ctx context.Context, moves ...tagMove) error {
-	moves = slices.DeleteFunc(moves, func(m tagMove) bool { return m.st == nil || m.st.tag == "" })
+	moves = slices.DeleteFunc(moves, func(m tagMove) bool { return m.st == nil || m.st.tag() == "" })
 	for i := range moves[:max(len(moves)-1, 0)] {
 		moves[i].prev, moves[i].prevErr = moves[i].st.current(ctx)
 	}
@@ -113,7 +105,7 @@ func rollbackTags(ctx context.Context, moved []tagMove, failed tagMove, err erro
 	defer cancel()
 	var details []string
 	for _, m := range slices.Backward(moved) {
-		name := fmt.Sprintf("the %s tag %s", m.what, m.st.tagged())
+		name := fmt.Sprintf("the %s tag %s", m.what, m.st.repo.Reference())
 		if m.prevErr != nil {
 			details = append(details, fmt.Sprintf("%s is left on the new manifest %s: it named no manifest before, or none that could be resolved (%v), and vmsnap cannot delete a tag", name, m.to.Digest, m.prevErr))
 			continue
@@ -136,7 +128,7 @@ func openPinned(ctx context.Context, s, what string, allowTag bool, opts []ociim
 	}
 	if !ref.IsDigest() && !allowTag {
 		return nil, errcode.New(errcode.TagNotAllowed,
-			"%s %s names a tag, which can move: give the digest that checkpoint printed (REF@sha256:...), or allow tags explicitly (--allow-tag)", what, s)
+			"%s %s names a tag, which can move: give the digest that checkpoint printed (REF@sha256:...), or allow tags explicitly (%s)", what, s, errcode.Field("allowTag"))
 	}
 	return ociimage.Open(ctx, ref, opts...)
 }
@@ -146,7 +138,7 @@ func openPinned(ctx context.Context, s, what string, allowTag bool, opts []ociim
 // It is read before the VM is touched; a checkpoint of another VM that
 // moves the same tag meanwhile is not in the chain (tags are per VM).
 func (st *store) previousLink(ctx context.Context) (map[string]string, error) {
-	if st.tag == "" {
+	if st.tag() == "" {
 		return nil, nil
 	}
 	desc, err := st.current(ctx)
@@ -154,7 +146,7 @@ func (st *store) previousLink(ctx context.Context) (map[string]string, error) {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, errcode.Ensure(errcode.RegistryError, err, "reading where the tag %s points before the checkpoint", st.tagged())
+		return nil, errcode.Ensure(errcode.RegistryError, err, "reading where the tag %s points before the checkpoint", st.repo.Reference())
 	}
 	if desc.MediaType != ocispec.MediaTypeImageManifest {
 		return nil, nil

@@ -174,12 +174,9 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		}
 		res = o.Checkpoint
 	} else {
-		if f.rootfsImage != "" {
-			return errcode.New(errcode.Usage, "--rootfs-image captures a container's writable layer through the node's containerd: use it with --agent")
-		}
 		p := newPhasedProgress(out.stderr)
 		res, err = snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{
-			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, Mode: mode,
+			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: mode,
 			Stream: f.stream.options(), Store: f.registry.options(), Progress: p.update,
 			Format: format, StagingDir: f.stagingDir, Keep: f.keep,
 		})

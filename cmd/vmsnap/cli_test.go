@@ -140,3 +140,12 @@ func TestHelpIsComplete(t *testing.T) {
 		}
 	}
 }
+
+// --rootfs-image needs the agent; the refusal comes before any store or VM
+// is touched, in the words of the flags.
+func TestRootfsImageNeedsTheAgent(t *testing.T) {
+	doc := cliError(t, errcode.Usage, "checkpoint", "--qmp", "/nonexistent.sock", "--image", "127.0.0.1:1/vms/x:t", "--rootfs-image", "127.0.0.1:1/vms/x:r")
+	if want := "--rootfs-image captures a container's writable layer through the node's containerd: use it with --agent"; doc.Error.Message != want {
+		t.Fatalf("message %q, want %q", doc.Error.Message, want)
+	}
+}

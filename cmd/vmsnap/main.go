@@ -13,8 +13,10 @@ import (
 	"os"
 	"os/signal"
 	"slices"
+	"strings"
 	"syscall"
 	"time"
+	"unicode"
 
 	"github.com/spf13/cobra"
 
@@ -62,6 +64,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 }
 
 func reportError(out *globalOutput, err error) {
+	err = errcode.WithFieldNames(err, flagOf)
 	fmt.Fprintf(out.stderr, "vmsnap: %s: %v\n", errcode.Of(err), err)
 	doc := api.ErrorDoc{Error: api.ErrorOf(err)}
 	if out.json {
@@ -181,4 +184,19 @@ func explainTimeout(c *cobra.Command, err error, took time.Duration) error {
 // can tell them from cobra's parsing errors.
 func coded(err error) error {
 	return errcode.Ensure(errcode.Internal, err, "%s", "unexpected failure")
+}
+
+// flagOf is the flag that sets a request field the libraries name in their
+// errors: the field's API name in kebab case (stagingDir: --staging-dir).
+func flagOf(f errcode.Field) string {
+	var b strings.Builder
+	b.WriteString("--")
+	for _, r := range string(f) {
+		if unicode.IsUpper(r) {
+			b.WriteByte('-')
+			r = unicode.ToLower(r)
+		}
+		b.WriteRune(r)
+	}
+	return b.String()
 }

@@ -24,6 +24,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 )
@@ -71,6 +72,9 @@ type Error struct {
 	Msg     string
 	Details []string
 	Err     error
+
+	format string // Msg's format and arguments, when they name a Field
+	args   []any
 }
 
 func (e *Error) Error() string {
@@ -96,7 +100,7 @@ func (e *Error) ErrorCode() string { return string(e.Code) }
 
 // New returns an error with a code and a formatted message.
 func New(code Code, format string, args ...any) error {
-	return &Error{Code: code, Msg: fmt.Sprintf(format, args...)}
+	return keepFormat(&Error{Code: code, Msg: fmt.Sprintf(format, args...)}, format, args)
 }
 
 // Wrap returns an error with a code whose message is the formatted text
@@ -110,7 +114,7 @@ func Wrap(code Code, err error, format string, args ...any) error {
 	if errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
 		code, err = NoSpace, explainDiskFull(err)
 	}
-	return &Error{Code: code, Msg: fmt.Sprintf(format, args...), Err: err}
+	return keepFormat(&Error{Code: code, Msg: fmt.Sprintf(format, args...), Err: err}, format, args)
 }
 
 // NoSpace is the code of a full disk or an exhausted quota while writing
@@ -225,3 +229,72 @@ func DetailsOf(err error) []string {
 	}
 	return nil
 }
+
+// Field names, in an error message, the request field the error concerns:
+// its API name (format, stagingDir). A library states the problem in terms
+// of the request it was given; the CLI, which took the request as flags,
+// shows the flag instead (WithFieldNames). Pass it to New, Wrap or Ensure as
+// a format argument (%s); it formats as its API name.
+type Field string
+
+func (f Field) String() string { return string(f) }
+
+// New and Wrap keep the format and arguments of a message that names a
+// Field, so that WithFieldNames can write it again.
+func keepFormat(e *Error, format string, args []any) *Error {
+	for _, a := range args {
+		if _, ok := a.(Field); ok {
+			e.format, e.args = format, args
+			break
+		}
+	}
+	return e
+}
+
+// WithFieldNames returns err with every Field in its messages written as
+// name gives it (the CLI: as its flag). Messages of wrappers that are not an
+// *Error keep their own text around the renamed one; an error without
+// Fields is returned unchanged. Codes and details are kept.
+func WithFieldNames(err error, name func(Field) string) error {
+	switch e := err.(type) {
+	case nil:
+		return nil
+	case *Error:
+		inner := WithFieldNames(e.Err, name)
+		if e.format == "" && inner == e.Err {
+			return e
+		}
+		c := *e
+		c.Err = inner
+		if e.format != "" {
+			args := slices.Clone(e.args)
+			for i, a := range args {
+				if f, ok := a.(Field); ok {
+					args[i] = name(f)
+				}
+			}
+			c.Msg = fmt.Sprintf(e.format, args...)
+		}
+		return &c
+	}
+	u, ok := err.(interface{ Unwrap() error })
+	if !ok || u.Unwrap() == nil {
+		return err
+	}
+	inner := u.Unwrap()
+	renamed := WithFieldNames(inner, name)
+	if renamed == inner {
+		return err
+	}
+	return &renamedError{err: err, msg: strings.Replace(err.Error(), inner.Error(), renamed.Error(), 1)}
+}
+
+// renamedError is a wrapper from elsewhere (fmt.Errorf) whose message
+// WithFieldNames wrote again; its chain is the original's.
+type renamedError struct {
+	err error
+	msg string
+}
+
+func (e *renamedError) Error() string { return e.msg }
+func (e *renamedError) Unwrap() error { return e.err }

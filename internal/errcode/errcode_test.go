@@ -55,3 +55,31 @@ func TestFullDiskIsAlwaysNoSpace(t *testing.T) {
 		t.Errorf("no path: %s (%s)", bare, Of(bare))
 	}
 }
+
+// A library names the request field; WithFieldNames writes it as the CLI
+// names it, through *Error wrappers and wrappers from elsewhere, keeping the
+// code, the details and the rest of every message.
+func TestWithFieldNames(t *testing.T) {
+	inner := New(Internal, "staging directory /s is full: pick another with %s", Field("stagingDir"))
+	if inner.Error() != "staging directory /s is full: pick another with stagingDir" {
+		t.Fatalf("library text: %q", inner.Error())
+	}
+	err := WithDetails(RegistryError, []string{"d1"}, "outer")
+	err.(*Error).Err = fmt.Errorf("%w; the VM was continued", Wrap(Usage, inner, "saving"))
+	flag := func(f Field) string { return "--staging-dir" }
+	got := WithFieldNames(err, flag)
+	want := "outer: d1: saving: staging directory /s is full: pick another with --staging-dir; the VM was continued"
+	if got.Error() != want {
+		t.Fatalf("CLI text:\n%q\nwant\n%q", got.Error(), want)
+	}
+	if Of(got) != RegistryError || len(DetailsOf(got)) != 1 || !errors.Is(got, inner) {
+		t.Fatalf("renamed error lost its code, details or chain: %v", got)
+	}
+	if strings.Contains(err.Error(), "--") {
+		t.Fatalf("the original error changed: %v", err)
+	}
+	plain := New(Usage, "no field here: 100%%")
+	if WithFieldNames(plain, flag) != plain {
+		t.Fatal("an error without fields was copied")
+	}
+}
