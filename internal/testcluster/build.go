@@ -8,7 +8,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/vmsnap/vmsnap/internal/testguest"
@@ -64,7 +63,7 @@ func Binaries() (string, error) {
 	if err := os.MkdirAll(base, 0o755); err != nil {
 		return "", err
 	}
-	unlock, err := flock(filepath.Join(base, "build.lock"))
+	unlock, err := testguest.LockFile(filepath.Join(base, "build.lock"))
 	if err != nil {
 		return "", err
 	}
@@ -169,23 +168,4 @@ func tail(b []byte, n int) string {
 		b = b[len(b)-n:]
 	}
 	return string(b)
-}
-
-// flock takes an exclusive lock on path, waiting for it.
-func flock(path string) (unlock func(), err error) {
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
-	if err != nil {
-		return nil, err
-	}
-	for {
-		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX)
-		if err != syscall.EINTR {
-			break
-		}
-	}
-	if err != nil {
-		f.Close()
-		return nil, err
-	}
-	return func() { f.Close() }, nil
 }

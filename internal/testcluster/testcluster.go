@@ -45,6 +45,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	"github.com/vmsnap/vmsnap/internal/testguest"
 )
 
 // RequireEnv turns skips into failures.
@@ -149,7 +150,7 @@ func start(t testing.TB, lock bool) *Cluster {
 	}
 	t.Logf("testcluster: binaries ready in %v", time.Since(began).Round(time.Millisecond))
 	if lock {
-		unlock, err := flock(hostLock)
+		unlock, err := testguest.LockFile(hostLock)
 		if err != nil {
 			t.Fatal(err)
 		}

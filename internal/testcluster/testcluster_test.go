@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	"github.com/vmsnap/vmsnap/internal/testguest"
 )
 
 const busyboxImage = "vmsnap.test/busybox:1"
@@ -32,7 +33,7 @@ func TestCluster(t *testing.T) {
 	Require(t)
 	// Hold the host lock across both looks at the host: another package's
 	// cluster (the scenario's) may run meanwhile under go test ./...
-	unlock, err := flock(hostLock)
+	unlock, err := testguest.LockFile(hostLock)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -90,7 +90,7 @@ func setupQEMU10() {
 		qemu10.skip = fmt.Sprintf("cannot create %s: %v", dir, err)
 		return
 	}
-	unlock, err := lockFile(filepath.Join(dir, ".lock"))
+	unlock, err := LockFile(filepath.Join(dir, ".lock"))
 	if err != nil {
 		qemu10.err = fmt.Errorf("locking %s: %w", dir, err)
 		return

@@ -7,9 +7,10 @@ import (
 	"syscall"
 )
 
-// lockFile takes an exclusive flock on path, creating it; the returned
-// function releases it.
-func lockFile(path string) (unlock func(), err error) {
+// LockFile takes an exclusive flock on path, creating it, and waits for
+// it; the returned function releases it. Test harnesses share caches and
+// hosts between test binaries through such locks.
+func LockFile(path string) (unlock func(), err error) {
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, err

@@ -4,7 +4,7 @@ package testguest
 
 import "syscall"
 
-func lockFile(path string) (unlock func(), err error) { return func() {}, nil }
+func LockFile(path string) (unlock func(), err error) { return func() {}, nil }
 
 func sysProcAttr() *syscall.SysProcAttr { return nil }
 

@@ -141,7 +141,7 @@ func buildAssets() {
 		assets.skip = fmt.Sprintf("cannot create the guest cache %s: %v", out, err)
 		return
 	}
-	unlock, err := lockFile(filepath.Join(cache, "assets.lock"))
+	unlock, err := LockFile(filepath.Join(cache, "assets.lock"))
 	if err != nil {
 		assets.err = fmt.Errorf("locking %s: %w", cache, err)
 		return
