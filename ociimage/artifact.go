@@ -107,15 +107,11 @@ func (l *Layout) TagManifest(ctx context.Context, desc ocispec.Descriptor, tag s
 	if _, err := l.readBlob(ctx, "manifest", desc, MaxManifestSize); err != nil {
 		return err
 	}
-	unlock, err := l.lock(ctx)
+	idx, unlock, err := l.lockedIndex(ctx)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	idx, err := l.readIndex()
-	if err != nil {
-		return err
-	}
 	addToIndex(&idx, ocispec.Descriptor{MediaType: desc.MediaType, Digest: desc.Digest, Size: desc.Size, ArtifactType: desc.ArtifactType}, tag)
 	return l.writeIndex(idx)
 }

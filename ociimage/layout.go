@@ -244,10 +244,7 @@ func (l *Layout) resolveRef(ctx context.Context, ref Reference) (ocispec.Descrip
 		return ocispec.Descriptor{}, errcode.New(errcode.InvalidInput,
 			"%s names neither a tag nor a digest; use %s:TAG or %s@sha256:HEX", ref, ref, ref)
 	}
-	if err := l.checkLayout(); err != nil {
-		return ocispec.Descriptor{}, err
-	}
-	idx, err := l.readIndex()
+	idx, err := l.index()
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
@@ -385,15 +382,35 @@ func (l *Layout) readBlob(ctx context.Context, what string, desc ocispec.Descrip
 	return buf[:n], nil
 }
 
+// index checks the layout and reads its index.json. Readers take no lock:
+// a writer replaces the index by rename, so it is read whole, before or
+// after.
+func (l *Layout) index() (ocispec.Index, error) {
+	if err := l.checkLayout(); err != nil {
+		return ocispec.Index{}, err
+	}
+	return l.readIndex()
+}
+
+// lockedIndex takes the layout's lock and reads index.json under it, for a
+// writer; the caller releases the lock with unlock.
+func (l *Layout) lockedIndex(ctx context.Context) (idx ocispec.Index, unlock func(), err error) {
+	if unlock, err = l.lock(ctx); err != nil {
+		return ocispec.Index{}, nil, err
+	}
+	if idx, err = l.readIndex(); err != nil {
+		unlock()
+		return ocispec.Index{}, nil, err
+	}
+	return idx, unlock, nil
+}
+
 // Tags lists the tags in the layout's index.json, sorted.
 func (l *Layout) Tags(ctx context.Context) ([]string, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	if err := l.checkLayout(); err != nil {
-		return nil, err
-	}
-	idx, err := l.readIndex()
+	idx, err := l.index()
 	if err != nil {
 		return nil, err
 	}

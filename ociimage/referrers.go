@@ -19,10 +19,7 @@ func (l *Layout) Referrers(ctx context.Context, desc ocispec.Descriptor) ([]ocis
 	if _, err := parseDigest(string(desc.Digest)); err != nil {
 		return nil, errcode.Wrap(errcode.InvalidInput, err, "invalid manifest digest %q", desc.Digest)
 	}
-	if err := l.checkLayout(); err != nil {
-		return nil, err
-	}
-	idx, err := l.readIndex()
+	idx, err := l.index()
 	if err != nil {
 		return nil, err
 	}

@@ -98,10 +98,7 @@ func (l *Layout) ListTags(ctx context.Context) ([]TaggedManifest, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	if err := l.checkLayout(); err != nil {
-		return nil, err
-	}
-	idx, err := l.readIndex()
+	idx, err := l.index()
 	if err != nil {
 		return nil, err
 	}
@@ -128,10 +125,7 @@ func (l *Layout) ResolveDigest(ctx context.Context, d digest.Digest) (ocispec.De
 	if _, err := parseDigest(string(d)); err != nil {
 		return ocispec.Descriptor{}, errcode.Wrap(errcode.InvalidInput, err, "invalid manifest digest %q", d)
 	}
-	if err := l.checkLayout(); err != nil {
-		return ocispec.Descriptor{}, err
-	}
-	idx, err := l.readIndex()
+	idx, err := l.index()
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
@@ -152,15 +146,11 @@ func (l *Layout) DeleteManifest(ctx context.Context, d digest.Digest) error {
 	if err := l.checkLayout(); err != nil {
 		return err
 	}
-	unlock, err := l.lock(ctx)
+	idx, unlock, err := l.lockedIndex(ctx)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	idx, err := l.readIndex()
-	if err != nil {
-		return err
-	}
 	n := len(idx.Manifests)
 	idx.Manifests = slices.DeleteFunc(idx.Manifests, func(e ocispec.Descriptor) bool { return e.Digest == d })
 	if len(idx.Manifests) == n {
@@ -179,15 +169,11 @@ func (l *Layout) CollectGarbage(ctx context.Context, before time.Time, roots []d
 	if err := l.checkLayout(); err != nil {
 		return nil, err
 	}
-	unlock, err := l.lock(ctx)
+	idx, unlock, err := l.lockedIndex(ctx)
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	idx, err := l.readIndex()
-	if err != nil {
-		return nil, err
-	}
 	live := map[digest.Digest]bool{}
 	var manifests []digest.Digest // to read: they name more
 	for _, e := range idx.Manifests {
