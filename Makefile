@@ -42,7 +42,7 @@ vet:
 # $(VMSNAP_TEST_CACHE)/k8s (about 6 minutes on 2 cores from a cold Go cache),
 # before the tests that measure time run beside the build.
 k8s:
-	$(GO) test -count=1 -run '^TestBinaries$$' ./internal/testcluster
+	$(GO) test -count=1 -timeout 40m -run '^TestBinaries$$' ./internal/testcluster
 
 # All tests, including the end-to-end ones on real QEMU guests (TCG) and on
 # a real single-node Kubernetes cluster. Installs what they need first. The
