@@ -219,7 +219,7 @@ func TestAgentCheckpointDiskInWritableLayer(t *testing.T) {
 	req.DiskImage = ""
 	// The API's caller is told the request field it lacks (the CLI's flag
 	// names are the CLI's to add).
-	if _, err := a.client.Checkpoint(ctx, req); !errcode.Is(err, errcode.Usage) || !strings.Contains(err.Error(), "(diskImage)") {
+	if _, err := a.client.Checkpoint(ctx, req); !errcode.Is(err, errcode.Usage) || !strings.Contains(err.Error(), "(`diskImage`)") {
 		t.Fatalf("disk on a volume with a rootfs image only: %v, want USAGE", err)
 	}
 }

@@ -628,7 +628,7 @@ func TestRegistryTLSAndPlainHTTP(t *testing.T) {
 	writeFile(t, filepath.Join(empty, "config.json"), "{}")
 	repo, _ = Open(ctx, pref, WithRegistryConfig(empty), WithRetry(1, 0))
 	err = CheckAccess(ctx, repo)
-	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "insecureRegistry "+host) {
+	if !errcode.Is(err, errcode.RegistryError) || !strings.Contains(err.Error(), "`insecureRegistry` "+host) {
 		t.Fatalf("got %v, want REGISTRY_ERROR suggesting --insecure-registry", err)
 	}
 	repo, _ = Open(ctx, pref, WithRegistryConfig(empty), WithInsecureRegistry(host))

@@ -231,7 +231,7 @@ func viaAgent(ctx context.Context, out *globalOutput, address string, start func
 	}
 	o, err := start(c)
 	if err != nil {
-		return o, err
+		return o, fromAgent(err)
 	}
 	fmt.Fprintf(out.stderr, "vmsnap: %s %s of pod %s accepted by the agent (%s)\n", o.Kind, o.ID, o.VM.PodUID, o.State)
 	last := o.State
@@ -247,7 +247,24 @@ func viaAgent(ctx context.Context, out *globalOutput, address string, start func
 		}
 	})
 	if err != nil {
-		return o, err
+		return o, fromAgent(err)
 	}
-	return o, agent.Result(o)
+	return o, fromAgent(agent.Result(o))
+}
+
+// fromAgent writes the request fields an agent's error names as this CLI's
+// flags, as for a local error: the error crossed the agent's API as text,
+// its fields quoted (errcode.Field).
+func fromAgent(err error) error {
+	e, ok := err.(*api.Error)
+	if !ok {
+		return err
+	}
+	c := *e
+	c.Message = errcode.RenameQuotedFields(c.Message, flagOf)
+	c.Details = nil
+	for _, d := range e.Details {
+		c.Details = append(c.Details, errcode.RenameQuotedFields(d, flagOf))
+	}
+	return &c
 }

@@ -24,6 +24,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"syscall"
@@ -234,10 +235,23 @@ func DetailsOf(err error) []string {
 // its API name (format, stagingDir). A library states the problem in terms
 // of the request it was given; the CLI, which took the request as flags,
 // shows the flag instead (WithFieldNames). Pass it to New, Wrap or Ensure as
-// a format argument (%s); it formats as its API name.
+// a format argument (%s); it formats as its API name in backquotes
+// (`stagingDir`), so that a message that crossed the agent's API as text
+// still says which words are fields (RenameQuotedFields).
 type Field string
 
-func (f Field) String() string { return string(f) }
+func (f Field) String() string { return "`" + string(f) + "`" }
+
+var quotedField = regexp.MustCompile("`([a-z][A-Za-z0-9]*)`")
+
+// RenameQuotedFields writes every field a message names (as Field formats
+// it) as name gives it: for a message that arrived as text, such as an
+// agent's error, whose Fields WithFieldNames can no longer see.
+func RenameQuotedFields(msg string, name func(Field) string) string {
+	return quotedField.ReplaceAllStringFunc(msg, func(q string) string {
+		return name(Field(strings.Trim(q, "`")))
+	})
+}
 
 // New and Wrap keep the format and arguments of a message that names a
 // Field, so that WithFieldNames can write it again.

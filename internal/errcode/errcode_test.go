@@ -61,7 +61,7 @@ func TestFullDiskIsAlwaysNoSpace(t *testing.T) {
 // code, the details and the rest of every message.
 func TestWithFieldNames(t *testing.T) {
 	inner := New(Internal, "staging directory /s is full: pick another with %s", Field("stagingDir"))
-	if inner.Error() != "staging directory /s is full: pick another with stagingDir" {
+	if inner.Error() != "staging directory /s is full: pick another with `stagingDir`" {
 		t.Fatalf("library text: %q", inner.Error())
 	}
 	err := WithDetails(RegistryError, []string{"d1"}, "outer")
@@ -81,5 +81,18 @@ func TestWithFieldNames(t *testing.T) {
 	plain := New(Usage, "no field here: 100%%")
 	if WithFieldNames(plain, flag) != plain {
 		t.Fatal("an error without fields was copied")
+	}
+}
+
+// A message that crossed the agent's API as text names its fields quoted:
+// the CLI renames those, and nothing else in the message.
+func TestRenameQuotedFields(t *testing.T) {
+	msg := New(Usage, "the format of %s is wrong: give %s", Field("format"), Field("stagingDir")).Error()
+	got := RenameQuotedFields(msg, func(f Field) string { return "--" + string(f) })
+	if want := "the format of --format is wrong: give --stagingDir"; got != want {
+		t.Fatalf("%q, want %q", got, want)
+	}
+	if plain := "no `Field` here, nor `two words`"; RenameQuotedFields(plain, func(Field) string { return "X" }) != plain {
+		t.Fatal("renamed what is no field name")
 	}
 }
