@@ -48,9 +48,6 @@ import (
 	"github.com/vmsnap/vmsnap/internal/testguest"
 )
 
-// RequireEnv turns skips into failures.
-const RequireEnv = testcontainerd.RequireEnv
-
 const (
 	dirPrefix   = "vmsnap-k8s-"
 	hostLock    = "/tmp/vmsnap-k8s.lock"
@@ -121,15 +118,9 @@ func Require(t testing.TB) {
 	if testing.Short() {
 		t.Skip("SKIPPING: Kubernetes cluster test in -short mode")
 	}
-	why := Missing()
-	if why == "" {
-		return
+	if why := Missing(); why != "" {
+		testguest.SkipOrFail(t, "Kubernetes cluster", why)
 	}
-	if os.Getenv(RequireEnv) == "1" {
-		t.Fatalf("a Kubernetes test cluster is required (%s=1) but cannot run: %s", RequireEnv, why)
-	}
-	fmt.Fprintf(os.Stderr, "*** SKIP Kubernetes cluster test: %s\n", why)
-	t.Skipf("SKIPPING Kubernetes cluster test: %s", why)
 }
 
 // Start runs a cluster for t and waits until its node is Ready.

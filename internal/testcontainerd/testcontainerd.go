@@ -41,6 +41,8 @@ import (
 	"time"
 
 	"github.com/containerd/containerd/v2/client"
+
+	"github.com/vmsnap/vmsnap/internal/testguest"
 )
 
 // Namespace is the containerd namespace the harness uses: the one the
@@ -49,9 +51,6 @@ const Namespace = "k8s.io"
 
 // Snapshotter is the snapshotter containers are created with.
 const Snapshotter = "overlayfs"
-
-// RequireEnv names the environment variable that turns skips into failures.
-const RequireEnv = "VMSNAP_TEST_REQUIRE_QEMU"
 
 // dirPrefix starts the name of every daemon's directory under /tmp. It is
 // short on purpose: unix socket paths are limited to 108 bytes.
@@ -112,14 +111,9 @@ func Require(t testing.TB) {
 	if testing.Short() {
 		t.Skip("SKIPPING: real containerd test in -short mode")
 	}
-	why := Missing()
-	if why == "" {
-		return
+	if why := Missing(); why != "" {
+		testguest.SkipOrFail(t, "real containerd", why)
 	}
-	if os.Getenv(RequireEnv) == "1" {
-		t.Fatalf("a real containerd is required (%s=1) but cannot run: %s", RequireEnv, why)
-	}
-	t.Skipf("SKIPPING real containerd test: %s", why)
 }
 
 // lookPath finds a program also in the sbin directories, which a non-login

@@ -66,22 +66,29 @@ var assets struct {
 	err            error  // the build itself failed
 }
 
-var skipNoticeOnce sync.Once
+var skipNotices sync.Map // what -> printed
 
-// skipf skips t with a loud, specific reason, or fails it when
-// VMSNAP_TEST_REQUIRE_QEMU is set.
-func skipf(t testing.TB, format string, args ...any) {
+// SkipOrFail is how every test harness here treats a real part the machine
+// lacks: it skips t, loudly, saying why and what to install, or fails it when
+// VMSNAP_TEST_REQUIRE_QEMU is set (CI: a missing part is never a silent
+// pass). what names the part ("real-QEMU", "real containerd"...).
+func SkipOrFail(t testing.TB, what, reason string) {
 	t.Helper()
-	reason := fmt.Sprintf(format, args...)
 	if os.Getenv(EnvRequireQEMU) != "" {
-		t.Fatalf("real-QEMU test cannot run (%s is set): %s", EnvRequireQEMU, reason)
+		t.Fatalf("%s test cannot run (%s is set): %s", what, EnvRequireQEMU, reason)
 	}
 	// go test hides a passing package's output; stderr at least shows up
 	// with -v and in the test binary's own output.
-	skipNoticeOnce.Do(func() {
-		fmt.Fprintf(os.Stderr, "*** SKIP real-QEMU tests: %s\n", reason)
-	})
-	t.Skipf("SKIP real-QEMU test: %s", reason)
+	if _, printed := skipNotices.LoadOrStore(what, true); !printed {
+		fmt.Fprintf(os.Stderr, "*** SKIP %s tests: %s\n", what, reason)
+	}
+	t.Skipf("SKIP %s test: %s", what, reason)
+}
+
+// skipf is SkipOrFail for the real-QEMU tests.
+func skipf(t testing.TB, format string, args ...any) {
+	t.Helper()
+	SkipOrFail(t, "real-QEMU", fmt.Sprintf(format, args...))
 }
 
 // Assets returns the guest kernel and initramfs, building them on first use

@@ -41,13 +41,14 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/vmsnap/vmsnap/internal/testguest"
 )
 
 // Binaries the harness runs.
 const (
 	RegistryBinary = "/usr/bin/docker-registry"
 	HtpasswdBinary = "htpasswd"
-	envRequire     = "VMSNAP_TEST_REQUIRE_QEMU"
 )
 
 // Registry is a running docker-registry. Its fields are fixed for its life,
@@ -186,12 +187,7 @@ func requireTools(t testing.TB) {
 	if len(missing) == 0 {
 		return
 	}
-	reason := "real-registry test cannot run: missing " + strings.Join(missing, ", ") + "; run make deps"
-	if os.Getenv(envRequire) != "" {
-		t.Fatalf("%s (%s is set)", reason, envRequire)
-	}
-	fmt.Fprintf(os.Stderr, "*** SKIP %s\n", reason)
-	t.Skipf("SKIP %s", reason)
+	testguest.SkipOrFail(t, "real-registry", "missing "+strings.Join(missing, ", ")+"; run make deps")
 }
 
 // start runs the registry and waits until it answers /v2/.
@@ -468,11 +464,7 @@ func randomString(t testing.TB, n int) string {
 func Skopeo(t testing.TB, ctx context.Context, args ...string) ([]byte, error) {
 	t.Helper()
 	if _, err := exec.LookPath("skopeo"); err != nil {
-		reason := "skopeo not installed (apt-get install skopeo; make deps)"
-		if os.Getenv(envRequire) != "" {
-			t.Fatalf("%s (%s is set)", reason, envRequire)
-		}
-		t.Skipf("SKIP %s", reason)
+		testguest.SkipOrFail(t, "skopeo", "skopeo not installed (apt-get install skopeo; make deps)")
 	}
 	cmd := exec.CommandContext(ctx, "skopeo", args...)
 	var stdout, stderr bytes.Buffer
