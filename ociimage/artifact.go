@@ -182,11 +182,14 @@ func PullArtifact(ctx context.Context, repo Repository, artifactType string, con
 	return desc, m, nil
 }
 
-// checkChunkLayers checks that every layer is a chunk vmsnap can hold in
-// memory. Errors are INVALID_INPUT.
+// checkChunkLayers checks that every layer is a blob of vmsnap's (a
+// stream's chunk or a RAM file's region or page map) that vmsnap can hold
+// in memory. Errors are INVALID_INPUT.
 func checkChunkLayers(layers []ocispec.Descriptor) error {
 	for i, l := range layers {
-		if l.MediaType != MediaTypeChunk {
+		switch l.MediaType {
+		case MediaTypeChunk, MediaTypeRAMRegion, MediaTypeRAMPageMap:
+		default:
 			return errcode.New(errcode.InvalidInput, "layer %d has media type %q, not %s", i, l.MediaType, MediaTypeChunk)
 		}
 		if l.Size < 0 || l.Size > MaxChunkSize {

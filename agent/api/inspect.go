@@ -8,14 +8,18 @@ import (
 // InspectResult is what vmsnap inspect prints: one image, and for a VM
 // state image the images of its checkpoint.
 type InspectResult struct {
-	Image        string              `json:"image"`
-	Digest       string              `json:"digest"`
-	ArtifactType string              `json:"artifactType"`
-	Chunks       int                 `json:"chunks"`
-	StoredBytes  int64               `json:"storedBytes"`
-	Annotations  map[string]string   `json:"annotations,omitempty"`
-	VMState      *vmstate.Config     `json:"vmstate,omitempty"`
-	Disk         *overlay.DiskConfig `json:"disk,omitempty"`
+	Image        string            `json:"image"`
+	Digest       string            `json:"digest"`
+	ArtifactType string            `json:"artifactType"`
+	Chunks       int               `json:"chunks"`
+	StoredBytes  int64             `json:"storedBytes"`
+	Annotations  map[string]string `json:"annotations,omitempty"`
+	// Layers are the image's layers by kind ("chunk": a stream's,
+	// "ram-pagemap" and "ram-region": a memory-file image's RAM file),
+	// with their stored sizes.
+	Layers  []LayerKind         `json:"layers,omitempty"`
+	VMState *vmstate.Config     `json:"vmstate,omitempty"`
+	Disk    *overlay.DiskConfig `json:"disk,omitempty"`
 	// Checkpoint lists, for a VM state image, the images of its checkpoint
 	// together.
 	Checkpoint *CheckpointImages `json:"checkpoint,omitempty"`
@@ -54,4 +58,12 @@ type Referrer struct {
 	Digest       string            `json:"digest"`
 	ArtifactType string            `json:"artifactType"`
 	Annotations  map[string]string `json:"annotations,omitempty"`
+}
+
+// LayerKind is how many layers of one kind an image has, and their bytes.
+type LayerKind struct {
+	Kind    string `json:"kind"`
+	Count   int    `json:"count"`
+	Bytes   int64  `json:"bytes"`
+	Largest int64  `json:"largest"`
 }

@@ -1,0 +1,165 @@
+package e2e
+
+// End-to-end tests of the memory-file format: a guest whose RAM is a shared
+// memory-backend-file, checkpointed as a chain of page deltas, prepared into
+// a node cache and restored into QEMUs that map that file private.
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/vmstate"
+)
+
+// shmDir is a fresh directory on tmpfs, where guest RAM files belong.
+func shmDir(t testing.TB) string {
+	t.Helper()
+	if fi, err := os.Stat("/dev/shm"); err != nil || !fi.IsDir() {
+		testguest.SkipOrFail(t, "tmpfs", "no /dev/shm for the guest's RAM file")
+	}
+	dir, err := os.MkdirTemp("/dev/shm", "vmsnap-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// fileRAMArgs are the QEMU arguments of a guest whose memMB of RAM is the
+// shared file path.
+func fileRAMArgs(path string, memMB int) []string {
+	return []string{"-object", fmt.Sprintf("memory-backend-file,id=ram0,mem-path=%s,share=on,size=%dM", path, memMB), "-machine", "memory-backend=ram0"}
+}
+
+func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
+	testguest.Assets(t)
+	dir := testguest.FreeShortDir(t)
+	shm := shmDir(t)
+	overlay := testguest.NewDisk(t, dir)
+	const memMB = 256
+	src := testguest.Start(t, testguest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
+	if _, err := src.WaitReady(waitCtx(t)); err != nil {
+		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
+	}
+	before, err := src.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := filepath.Join(t.TempDir(), "store")
+	image := "oci:" + store + ":vm"
+
+	// 1. A base: auto picks memory-file for a shared RAM file; the VM runs
+	// again before the pages are stored.
+	cp1 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", image, "--mode", "snapshot")
+	if cp1.VMState.Format != string(vmstate.FormatMemoryFile) || cp1.VMState.RAM == nil {
+		t.Fatalf("format %q, ram %+v: want a memory-file image", cp1.VMState.Format, cp1.VMState.RAM)
+	}
+	ram1 := cp1.VMState.RAM
+	if len(ram1.Chain) != 1 || ram1.Parent != "" || ram1.Bytes != memMB<<20 {
+		t.Fatalf("first checkpoint is not a base of the whole RAM: %+v", ram1)
+	}
+	if ram1.DataBytes < 16<<20 || ram1.DataBytes >= memMB<<20 {
+		t.Fatalf("the base holds %d bytes of data: the guest has 16 MiB of random data in %d MiB", ram1.DataBytes, memMB)
+	}
+	if !cp1.VMRunning || cp1.DowntimeMs <= 0 || cp1.DowntimeMs >= cp1.TotalMs {
+		t.Fatalf("snapshot mode: running %v, downtime %.0f ms of %.0f ms", cp1.VMRunning, cp1.DowntimeMs, cp1.TotalMs)
+	}
+	t.Logf("base: downtime %.0f ms, total %.0f ms, %d MiB stored, device state %d KiB", cp1.DowntimeMs, cp1.TotalMs, cp1.VMState.StoredBytes>>20, cp1.VMState.RawBytes>>10)
+
+	// 2. The guest runs on; the next checkpoint under the tag is a delta
+	// that uploads a small part of the image.
+	last, _ := src.LastStatus()
+	if _, err := src.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter > last.Counter+1 }); err != nil {
+		t.Fatal(err)
+	}
+	cp2 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", image, "--mode", "snapshot")
+	ram2 := cp2.VMState.RAM
+	if ram2 == nil || len(ram2.Chain) != 2 || ram2.Parent != cp1.VMState.Digest {
+		t.Fatalf("second checkpoint is not a delta on the first: %+v", ram2)
+	}
+	if cp2.VMState.StoredBytes < cp1.VMState.StoredBytes {
+		t.Errorf("a delta's image stores %d bytes, less than its parent's %d: storedBytes must count the parent's layers", cp2.VMState.StoredBytes, cp1.VMState.StoredBytes)
+	}
+	ratio := float64(cp2.VMState.UploadedBytes) / float64(cp2.VMState.StoredBytes)
+	t.Logf("delta: %d changed pages, uploaded %d KiB of %d MiB (%.1f%%)", ram2.Chain[1].ChangedPages, cp2.VMState.UploadedBytes>>10, cp2.VMState.StoredBytes>>20, 100*ratio)
+	if ratio > 0.05 {
+		t.Errorf("a delta after a second of an idle guest uploaded %.1f%% of its image", 100*ratio)
+	}
+
+	// 3. A delta on the delta, in pause mode, with the disk.
+	cp3 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", image, "--mode", "pause",
+		"--disk", overlay, "--disk-image", "oci:"+store+":vm-disk")
+	if r := cp3.VMState.RAM; r == nil || len(r.Chain) != 3 || r.Parent != cp2.VMState.Digest || r.Chain[0].Manifest != cp1.VMState.Digest {
+		t.Fatalf("third checkpoint is not base + 2 deltas: %+v", cp3.VMState.RAM)
+	}
+	resume := src.ResumeCounter()
+	src.Kill()
+
+	// inspect shows the chain.
+	ins := cliJSON[api.InspectResult](t, "inspect", cp3.VMState.Image)
+	if ins.VMState == nil || ins.VMState.Format != vmstate.FormatMemoryFile || ins.VMState.RAM == nil || len(ins.VMState.RAM.Chain) != 3 {
+		t.Fatalf("inspect does not show the chain: %+v", ins)
+	}
+
+	// 4. Prepare: the first fetches, the second finds the file.
+	cache := filepath.Join(shm, "cache")
+	p1 := cliJSON[api.PrepareResult](t, "prepare", cp3.VMState.Image, "--cache-dir", cache)
+	if p1.FetchedBytes <= 0 || !strings.HasPrefix(p1.MemoryFile, cache+"/") || len(p1.QEMUArgs) != 4 {
+		t.Fatalf("first prepare: %+v", p1)
+	}
+	p2 := cliJSON[api.PrepareResult](t, "prepare", cp3.VMState.Image, "--cache-dir", cache)
+	if p2.FetchedBytes != 0 || p2.MemoryFile != p1.MemoryFile {
+		t.Fatalf("second prepare fetched %d bytes (file %s, first %s): the cache held it", p2.FetchedBytes, p2.MemoryFile, p1.MemoryFile)
+	}
+	fileBefore := fileDigest(t, p1.MemoryFile)
+
+	// 5. A target that does not map the prepared file is refused before
+	// anything is loaded.
+	tdir := targetDir(t, dir)
+	// (Private, as prepare's arguments map it, but another file.)
+	wrongArgs := fileRAMArgs(filepath.Join(shm, "other.ram"), memMB)
+	wrongArgs[1] = strings.Replace(wrongArgs[1], "share=on", "share=off", 1)
+	wrong := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: restoreDisk(t, cp3, tdir, "wrong.qcow2"), ExtraArgs: wrongArgs})
+	doc := cliError(t, errcode.CompatMismatch, "restore", "--qmp", wrong.QMPPath(), "--image", cp3.VMState.Image)
+	if !strings.Contains(strings.Join(doc.Error.Details, "\n"), "not the RAM file of this image") {
+		t.Errorf("the refusal does not name the RAM file: %+v", doc.Error)
+	}
+	if runState(t, wrong) != "inmigrate" {
+		t.Errorf("the refused target is %s, want still waiting", runState(t, wrong))
+	}
+
+	// 6. Two clones map the one file; both resume exactly, and the file is
+	// unchanged after both guests ran.
+	var clones []*testguest.VM
+	for i := range 2 {
+		disk := restoreDisk(t, cp3, tdir, fmt.Sprintf("clone%d.qcow2", i))
+		args := append([]string(nil), p1.QEMUArgs...)
+		vm := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: disk, ExtraArgs: args})
+		rs := cliJSON[api.RestoreResult](t, "restore", "--qmp", vm.QMPPath(), "--image", cp3.VMState.Image)
+		if rs.VMState == nil || !rs.VMState.VMRunning {
+			t.Fatalf("clone %d: %+v", i, rs)
+		}
+		t.Logf("clone %d: restore %.0f ms", i, rs.VMState.DurationsMs["total"])
+		clones = append(clones, vm)
+	}
+	for _, vm := range clones {
+		assertResumed(t, vm, before, resume, resume)
+	}
+	if fileDigest(t, p1.MemoryFile) != fileBefore {
+		t.Fatal("the cached RAM file changed while clones ran on it")
+	}
+}
+
+// restoreDisk restores cp's disk overlay as name in dir.
+func restoreDisk(t *testing.T, cp api.CheckpointResult, dir, name string) string {
+	t.Helper()
+	disk := filepath.Join(dir, name)
+	cliJSON[api.RestoreResult](t, "restore", "--disk-image", cp.Disk.Image, "--disk", disk)
+	return disk
+}
