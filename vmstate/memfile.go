@@ -416,8 +416,20 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 		return nil, err
 	}
 	res := &PrepareResult{Manifest: desc, Config: cfg}
+	if cfg.RAM.DataBytes < 0 || cfg.RAM.DataBytes > cfg.RAM.Bytes {
+		return nil, errcode.New(errcode.InvalidInput, "the image declares %d bytes of data in a %d-byte RAM file", cfg.RAM.DataBytes, cfg.RAM.Bytes)
+	}
+	if opts.MaxCacheBytes > 0 && cfg.RAM.DataBytes > opts.MaxCacheBytes {
+		return nil, errcode.New(errcode.Usage, "the image's RAM file holds %d MiB of data, more than the cache may hold (%d MiB)", cfg.RAM.DataBytes>>20, opts.MaxCacheBytes>>20)
+	}
 	res.MemoryFile, res.FetchedBytes, err = opts.Cache.Fill(ctx, desc.Digest, cfg.RAM.Bytes, func(f *os.File) (int64, error) {
-		return ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{Workers: opts.Workers, Progress: opts.Progress})
+		if free, err := freeSpace(opts.Cache.Dir); err == nil && free < cfg.RAM.DataBytes {
+			return 0, errcode.New(errcode.Internal, "the RAM cache %s has %d MiB free, and this image's RAM file needs %d MiB: free space there or pick another directory with %s", opts.Cache.Dir, free>>20, cfg.RAM.DataBytes>>20, errcode.Field("cacheDir"))
+		}
+		// The file may hold what the config declares, and a region's
+		// worth of rounding (a filesystem allocates whole blocks).
+		return ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{
+			Workers: opts.Workers, Progress: opts.Progress, MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize})
 	})
 	if err != nil {
 		return nil, err

@@ -163,3 +163,77 @@ func restoreDisk(t *testing.T, cp api.CheckpointResult, dir, name string) string
 	cliJSON[api.RestoreResult](t, "restore", "--disk-image", cp.Disk.Image, "--disk", disk)
 	return disk
 }
+
+// On QEMU 8.2 and later, prepare's arguments add readonly=on,rom=off:
+// QEMU opens the cached file read-only, and the guest still writes (to its
+// private pages).
+func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
+	root := testguest.QEMU10(t)
+	testguest.Assets(t)
+	dir := testguest.FreeShortDir(t)
+	shm := shmDir(t)
+	overlay := testguest.NewDisk(t, dir)
+	const memMB = 256
+	src := testguest.Start(t, testguest.Options{Disk: overlay, Dir: dir, QEMURoot: root, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
+	if _, err := src.WaitReady(waitCtx(t)); err != nil {
+		t.Fatalf("QEMU 10 guest did not boot: %v\n%s", err, src.SerialTail(20))
+	}
+	before, err := src.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := filepath.Join(t.TempDir(), "store")
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm", "--mode", "pause",
+		"--disk", overlay, "--disk-image", "oci:"+store+":vm-disk")
+	if cp.VMState.Format != string(vmstate.FormatMemoryFile) {
+		t.Fatalf("QEMU 10 with a shared RAM file: format %q", cp.VMState.Format)
+	}
+	resume := src.ResumeCounter()
+	src.Kill()
+
+	p := cliJSON[api.PrepareResult](t, "prepare", cp.VMState.Image, "--cache-dir", filepath.Join(shm, "cache"))
+	if !strings.Contains(strings.Join(p.QEMUArgs, " "), "readonly=on,rom=off") {
+		t.Fatalf("prepare's arguments for a QEMU 10 image do not map the file read-only: %q", p.QEMUArgs)
+	}
+	fileBefore := fileDigest(t, p.MemoryFile)
+	tdir := targetDir(t, dir)
+	target := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, QEMURoot: root,
+		Disk: restoreDisk(t, cp, tdir, "overlay.qcow2"), ExtraArgs: p.QEMUArgs})
+	rs := cliJSON[api.RestoreResult](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
+	if rs.VMState == nil || !rs.VMState.VMRunning {
+		t.Fatalf("restore: %+v", rs)
+	}
+	assertResumed(t, target, before, resume, resume)
+
+	// QEMU holds the file open read-only.
+	fds, err := filepath.Glob(fmt.Sprintf("/proc/%d/fd/*", target.Process().Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, fd := range fds {
+		if dest, err := os.Readlink(fd); err != nil || dest != p.MemoryFile {
+			continue
+		}
+		found = true
+		info, err := os.ReadFile(strings.Replace(fd, "/fd/", "/fdinfo/", 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var flags int
+		for _, line := range strings.Split(string(info), "\n") {
+			if v, ok := strings.CutPrefix(line, "flags:"); ok {
+				fmt.Sscanf(strings.TrimSpace(v), "%o", &flags)
+			}
+		}
+		if flags&3 != os.O_RDONLY {
+			t.Errorf("QEMU 10 holds the cached RAM file open with flags %o, not read-only", flags)
+		}
+	}
+	if !found {
+		t.Fatalf("QEMU 10 holds no descriptor of %s", p.MemoryFile)
+	}
+	if fileDigest(t, p.MemoryFile) != fileBefore {
+		t.Fatal("the cached RAM file changed while the guest ran on it")
+	}
+}

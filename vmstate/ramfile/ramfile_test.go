@@ -268,3 +268,24 @@ func TestCacheFillsOnceAndRefusesAForeignDirectory(t *testing.T) {
 		t.Errorf("a world-writable cache directory: got %v, want FORBIDDEN", err)
 	}
 }
+
+func TestMaterializeRefusesMoreDataThanDeclared(t *testing.T) {
+	rng := rand.New(rand.NewPCG(11, 12))
+	repo := layout(t)
+	l, c, _ := checkpoint(t, repo, ramFile(t, rng), nil, Layers{})
+	out, _ := os.Create(filepath.Join(t.TempDir(), "out"))
+	defer out.Close()
+	declared := c.StagedBytes / 4 // an image that claims a quarter of what it writes
+	_, err := Materialize(context.Background(), l, repo, out, testSize, MaterializeOptions{MaxDataBytes: declared})
+	if errcode.Of(err) != errcode.InvalidInput {
+		t.Fatalf("an image writing %d bytes while declaring %d: got %v, want INVALID_INPUT", c.StagedBytes, declared, err)
+	}
+	var st unix.Stat_t
+	unix.Fstat(int(out.Fd()), &st)
+	if st.Blocks*512 > declared+RegionSize*2 {
+		t.Errorf("it was stopped only after %d bytes", st.Blocks*512)
+	}
+	if _, err := Materialize(context.Background(), l, repo, out, testSize, MaterializeOptions{MaxDataBytes: c.StagedBytes + RegionSize}); err != nil {
+		t.Fatalf("the true size refused: %v", err)
+	}
+}
