@@ -168,7 +168,7 @@ func TestMemoryFileRestoreRefusesATargetNotMappingThePreparedFile(t *testing.T) 
 	}{
 		"no backend":      {nil, "names none"},
 		"another file":    {&qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: "/elsewhere/ram"}, "not the RAM file of this image"},
-		"shared mapping":  {&qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: prepared, Share: true}, "share=off"},
+		"shared cache":    {&qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: prepared, Share: true}, "share=off"},
 		"anonymous":       {&qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-ram"}, "is not one"},
 		"another backend": {&qmptest.FakeBackend{ID: "mem1", Type: "memory-backend-file", MemPath: prepared}, "memory backend ID"},
 	} {
@@ -186,15 +186,22 @@ func TestMemoryFileRestoreRefusesATargetNotMappingThePreparedFile(t *testing.T) 
 			}
 		})
 	}
-	// The prepared file, private: loads (the device state only).
-	target := qmptest.NewFakeQEMU(t, "inmigrate", q.State)
-	target.Memory = fakeRAM
-	target.Caps[capIgnoreShared] = false
-	target.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: prepared}
-	if _, err := Restore(context.Background(), target.Dial(t), openLayout(t, "oci:"+dir+"@"+res.Manifest.Digest.String()), RestoreOptions{}); err != nil {
-		t.Fatalf("the prepared file was refused: %v", err)
-	}
-	if !target.Caps[capIgnoreShared] {
-		t.Fatal("the target loaded without x-ignore-shared")
+	// The prepared file, private, and a VM's own copy, shared: load (the
+	// device state only).
+	ownCopy := filepath.Join("/vms", "vm-1234."+filepath.Base(prepared))
+	for _, b := range []*qmptest.FakeBackend{
+		{ID: "ram0", Type: "memory-backend-file", MemPath: prepared},
+		{ID: "ram0", Type: "memory-backend-file", MemPath: ownCopy, Share: true},
+	} {
+		target := qmptest.NewFakeQEMU(t, "inmigrate", q.State)
+		target.Memory = fakeRAM
+		target.Caps[capIgnoreShared] = false
+		target.RAMBackend = b
+		if _, err := Restore(context.Background(), target.Dial(t), openLayout(t, "oci:"+dir+"@"+res.Manifest.Digest.String()), RestoreOptions{}); err != nil {
+			t.Fatalf("%s (share %v) was refused: %v", b.MemPath, b.Share, err)
+		}
+		if !target.Caps[capIgnoreShared] {
+			t.Fatal("the target loaded without x-ignore-shared")
+		}
 	}
 }

@@ -154,6 +154,35 @@ func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
 	if fileDigest(t, p1.MemoryFile) != fileBefore {
 		t.Fatal("the cached RAM file changed while clones ran on it")
 	}
+
+	// 7. Pause and resume one VM again: restored on its own copy (shared),
+	// its next checkpoint under the tag is a small delta on cp3, which
+	// restores exactly.
+	own := cliJSON[api.PrepareResult](t, "prepare", cp3.VMState.Image, "--cache-dir", cache, "--copy-to", shm)
+	if own.FetchedBytes != 0 || own.MemoryFile == p1.MemoryFile || !strings.Contains(strings.Join(own.QEMUArgs, " "), "share=on") {
+		t.Fatalf("prepare --copy-to: %+v", own)
+	}
+	vm := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: restoreDisk(t, cp3, tdir, "again.qcow2"), ExtraArgs: own.QEMUArgs})
+	cliJSON[api.RestoreResult](t, "restore", "--qmp", vm.QMPPath(), "--image", cp3.VMState.Image)
+	assertResumed(t, vm, before, resume, resume)
+	cp4 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", vm.QMPPath(), "--image", image, "--mode", "pause",
+		"--disk", filepath.Join(tdir, "again.qcow2"), "--disk-image", "oci:"+store+":vm-disk")
+	ram4 := cp4.VMState.RAM
+	if ram4 == nil || ram4.Parent != cp3.VMState.Digest || len(ram4.Chain) != 4 {
+		t.Fatalf("the resumed VM's checkpoint is not a delta on the one it was restored from: %+v", ram4)
+	}
+	t.Logf("after a resume: %d changed pages, uploaded %d KiB of %d MiB", ram4.Chain[3].ChangedPages, cp4.VMState.UploadedBytes>>10, cp4.VMState.StoredBytes>>20)
+	if float64(cp4.VMState.UploadedBytes) > 0.05*float64(cp4.VMState.StoredBytes) {
+		t.Errorf("the resumed VM's delta uploaded %d of %d bytes", cp4.VMState.UploadedBytes, cp4.VMState.StoredBytes)
+	}
+	resume4 := vm.ResumeCounter()
+	last4, _ := vm.LastStatus()
+	vm.Kill()
+	p4 := cliJSON[api.PrepareResult](t, "prepare", cp4.VMState.Image, "--cache-dir", cache)
+	vm5 := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: restoreDisk(t, cp4, tdir, "fifth.qcow2"), ExtraArgs: p4.QEMUArgs})
+	cliJSON[api.RestoreResult](t, "restore", "--qmp", vm5.QMPPath(), "--image", cp4.VMState.Image)
+	last4.Mem0 = before.Mem0
+	assertResumed(t, vm5, last4, resume4, resume4)
 }
 
 // restoreDisk restores cp's disk overlay as name in dir.

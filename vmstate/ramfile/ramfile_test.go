@@ -237,8 +237,29 @@ func TestCacheFillsOnceAndRefusesAForeignDirectory(t *testing.T) {
 	if err != nil || n2 != 0 || p2 != p1 {
 		t.Fatalf("second fill: %v, fetched %d, path %s (first %s)", err, n2, p2, p1)
 	}
-	if KeyOf(p1) != key {
-		t.Errorf("KeyOf(%s) = %s, want %s", p1, KeyOf(p1), key)
+	if KeyOf(p1) != key || IsOwnCopy(p1) {
+		t.Errorf("KeyOf(%s) = %s (own copy %v), want %s", p1, KeyOf(p1), IsOwnCopy(p1), key)
+	}
+	// A VM's own copy: the same bytes, as sparse, named for the same image.
+	own, err := c.CopyFor(key, testSize, t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, _ := os.ReadFile(p1)
+	b, _ := os.ReadFile(own)
+	if !bytes.Equal(a, b) || KeyOf(own) != key || !IsOwnCopy(own) {
+		t.Fatalf("own copy %s: equal %v, key %s, own %v", own, bytes.Equal(a, b), KeyOf(own), IsOwnCopy(own))
+	}
+	var sa, sb unix.Stat_t
+	unix.Stat(p1, &sa)
+	unix.Stat(own, &sb)
+	if sb.Blocks > sa.Blocks+RegionSize/512 {
+		t.Errorf("the copy allocates %d blocks, the cache file %d: holes were copied", sb.Blocks, sa.Blocks)
+	}
+	for _, bad := range []string{"x.ram", "sha256-zz.ram", "vm.sha256-" + key.Encoded() + ".raw", ".ram"} {
+		if KeyOf(bad) != "" {
+			t.Errorf("KeyOf(%q) = %s, want none", bad, KeyOf(bad))
+		}
 	}
 	// A failed fill leaves nothing under the name.
 	other := l.Regions[1].Digest
