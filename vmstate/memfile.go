@@ -180,7 +180,7 @@ type parentImage struct {
 	desc    ocispec.Descriptor
 	cfg     Config
 	ram     ramfile.Layers
-	pageMap ramfile.PageMap
+	pageMap *ramfile.PageMap
 }
 
 // findParent picks the parent of a memory-file checkpoint: opts.Parent,
@@ -286,7 +286,7 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		return nil, err
 	}
 	res.RAMParentNote = why
-	var parentMap ramfile.PageMap
+	var parentMap *ramfile.PageMap
 	if parent != nil {
 		parentMap = parent.pageMap
 	}
@@ -334,8 +334,8 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 			return err
 		}
 		dataBytes := int64(0)
-		for _, h := range capture.Map {
-			if h != 0 {
+		for i := range capture.Map.Len() {
+			if !capture.Map.IsZero(i) {
 				dataBytes += ramfile.PageSize
 			}
 		}
@@ -434,8 +434,19 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 		}
 		// The file may hold what the config declares, and a region's
 		// worth of rounding (a filesystem allocates whole blocks).
-		return ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{
+		n, err := ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{
 			Workers: opts.Workers, Progress: opts.Progress, MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize})
+		if err != nil {
+			return n, err
+		}
+		// Every page against the image's own page map: the regions of a
+		// parent are taken on its map's word at checkpoint, and checked
+		// here, before any QEMU maps the file.
+		pageMap, err := ramfile.LoadPageMap(ctx, ram, repo, cfg.RAM.Bytes)
+		if err != nil {
+			return n, err
+		}
+		return n, ramfile.Verify(ctx, f, cfg.RAM.Bytes, pageMap, max(opts.Workers, 2))
 	})
 	if err != nil {
 		return nil, err

@@ -10,7 +10,10 @@ import (
 	"strings"
 	"testing"
 
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
@@ -203,5 +206,76 @@ func TestMemoryFileRestoreRefusesATargetNotMappingThePreparedFile(t *testing.T) 
 		if !target.Caps[capIgnoreShared] {
 			t.Fatal("the target loaded without x-ignore-shared")
 		}
+	}
+}
+
+// An attacker who can move the tag points it at a forged parent: its own
+// RAM's regions under the victim's page map. The victim's next checkpoint
+// finds no page changed and lists those regions; prepare of that pinned
+// digest must refuse the file (the pages do not match the victim's strong
+// hashes) rather than hand the victim's next VM the attacker's memory.
+func TestMemoryFilePrepareRefusesAForgedParentsPages(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	victim, victimRAM := fakeFileVM(t)
+	v1, err := Checkpoint(ctx, victim.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// As much data as the victim's, so that the declared size does not
+	// give it away.
+	evilRAM := filepath.Join(t.TempDir(), "evil")
+	if err := os.WriteFile(evilRAM, randomBytes(666, 4<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(evilRAM, fakeRAM); err != nil {
+		t.Fatal(err)
+	}
+	attacker, _ := fakeFileVMAt(t, evilRAM)
+	e1, err := Checkpoint(ctx, attacker.Dial(t), openLayout(t, "oci:"+dir+":evil"), CheckpointOptions{StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	repo := openLayout(t, "oci:"+dir+":vm")
+	vm, err := repo.Manifest(ctx, v1.Manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	forged, err := repo.Manifest(ctx, e1.Manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var layers []ocispec.Descriptor
+	for _, l := range forged.Layers {
+		if l.MediaType != ociimage.MediaTypeRAMPageMap {
+			layers = append(layers, l)
+		}
+	}
+	for _, l := range vm.Layers {
+		if l.MediaType == ociimage.MediaTypeRAMPageMap {
+			layers = append(layers, l)
+		}
+	}
+	forged.Layers = layers
+	fdesc, err := repo.PutManifest(ctx, forged)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ociimage.TagManifest(ctx, repo, fdesc, "vm"); err != nil {
+		t.Fatal(err)
+	}
+
+	// The victim, unchanged, checkpoints again under its tag.
+	victim2, _ := fakeFileVMAt(t, victimRAM)
+	v2, err := Checkpoint(ctx, victim2.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v2.Config.RAM.Parent() != fdesc.Digest {
+		t.Fatalf("the victim's checkpoint did not build on the forged parent (%s): the test does not attack anything", v2.Config.RAM.Parent())
+	}
+	_, err = Prepare(ctx, openLayout(t, "oci:"+dir+"@"+v2.Manifest.Digest.String()), PrepareOptions{Cache: ramfile.Cache{Dir: filepath.Join(t.TempDir(), "cache")}})
+	if errcode.Of(err) != errcode.DigestMismatch {
+		t.Fatalf("prepare of a checkpoint built on a forged parent: %v, want DIGEST_MISMATCH", err)
 	}
 }

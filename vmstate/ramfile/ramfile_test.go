@@ -73,7 +73,7 @@ func readAll(t *testing.T, f *os.File) []byte {
 
 // checkpoint scans f against parent and stores it, returning the layers a
 // manifest would list: the page map and the parent's regions then these.
-func checkpoint(t *testing.T, repo ociimage.Repository, f *os.File, parent PageMap, parentRegions Layers) (Layers, *Capture, Stored) {
+func checkpoint(t *testing.T, repo ociimage.Repository, f *os.File, parent *PageMap, parentRegions Layers) (Layers, *Capture, Stored) {
 	t.Helper()
 	c, err := Scan(f, testSize, parent, t.TempDir())
 	if err != nil {
