@@ -12,6 +12,8 @@ import (
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -36,10 +38,7 @@ func fakeFileVM(t *testing.T) (*qmptest.FakeQEMU, string) {
 	if _, err := f.WriteAt(randomBytes(1, 4<<20), 0); err != nil {
 		t.Fatal(err)
 	}
-	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 64<<10))
-	q.Memory = fakeRAM
-	q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: path, Share: true}
-	return q, path
+	return fakeFileVMAt(t, path)
 }
 
 func materialized(t *testing.T, dir string, ref string) []byte {
@@ -115,8 +114,10 @@ func TestMemoryFileCheckpointChainsDeltasUnderItsTag(t *testing.T) {
 	}
 }
 
-// fakeFileVMAt is a running fake QEMU on an existing RAM file.
+// fakeFileVMAt is a running fake QEMU on an existing RAM file, which it
+// maps, as QEMU does (the fake runs in this process).
 func fakeFileVMAt(t *testing.T, path string) (*qmptest.FakeQEMU, string) {
+	qmptest.MapFile(t, path)
 	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 64<<10))
 	q.Memory = fakeRAM
 	q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: path, Share: true}
@@ -277,5 +278,39 @@ func TestMemoryFilePrepareRefusesAForgedParentsPages(t *testing.T) {
 	_, err = Prepare(ctx, openLayout(t, "oci:"+dir+"@"+v2.Manifest.Digest.String()), PrepareOptions{Cache: ramfile.Cache{Dir: filepath.Join(t.TempDir(), "cache")}})
 	if errcode.Of(err) != errcode.DigestMismatch {
 		t.Fatalf("prepare of a checkpoint built on a forged parent: %v, want DIGEST_MISMATCH", err)
+	}
+}
+
+// A QEMU may name any file as its RAM: vmsnap reads only a regular file on
+// a RAM filesystem that this QEMU maps, and touches the VM not at all
+// otherwise.
+func TestMemoryFileReadsOnlyTheFileQEMUMaps(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	unmapped := filepath.Join(t.TempDir(), "other.ram")
+	if err := os.WriteFile(unmapped, make([]byte, fakeRAM), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(t.TempDir(), "link.ram")
+	os.Symlink(unmapped, link)
+	for name, path := range map[string]string{
+		"a file QEMU does not map": unmapped,
+		"a FIFO":                   fifo,
+		"procfs":                   "/proc/self/environ",
+		"a link":                   link,
+	} {
+		t.Run(name, func(t *testing.T) {
+			q, _ := fakeFileVM(t)
+			q.RAMBackend.MemPath = path
+			_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":vm"), CheckpointOptions{StagingDir: t.TempDir()})
+			if errcode.Of(err) != errcode.InvalidInput {
+				t.Fatalf("mem-path %s: got %v, want INVALID_INPUT", path, err)
+			}
+			if slices.Contains(q.Commands(), "stop") {
+				t.Fatal("the VM was stopped before the RAM file was refused")
+			}
+		})
 	}
 }

@@ -56,15 +56,20 @@ checkpoint under the same tag is a delta of the pages it changed. The copy
 costs time in proportion to the snapshot's data (durationsMs.copy); without
 it, a restored VM is checkpointed with the stream.
 
+Every page of the materialized file is checked against the image's page map
+(SHA-256): a snapshot built on a parent whose layers do not hold what its map
+says fails with DIGEST_MISMATCH before any QEMU maps it.
+
 Trust: QEMU before 8.2 opens a share=off file read-write (its readonly=on
 would make the guest's RAM read-only), so a compromised QEMU could change
-the file under every VM that maps it. Keep a cache per tenant (the agent keeps
-one per namespace). For snapshots taken by QEMU 8.2 or later the arguments
-add readonly=on,rom=off and QEMU opens the file read-only.
+the file under every VM that maps it: keep a cache per tenant. For snapshots
+taken by QEMU 8.2 or later the arguments add readonly=on,rom=off, QEMU opens
+the file read-only, and the file is mode 0444.
 
-The cache directory is created with mode 0700 and must be owned by you and
-writable by nobody else (FORBIDDEN otherwise: a file someone else put there
-would become a VM's memory). The default is on tmpfs, whose pages QEMU maps
+The cache directory is created with mode 0700 and must be yours; every
+directory above it must be yours or root's and writable by nobody else, or
+root's and sticky like /dev/shm (FORBIDDEN otherwise: a file someone else put
+there would become a VM's memory). The default is on tmpfs, whose pages QEMU maps
 directly; a cache on disk works too, through the page cache.
 
 Registry access works as for checkpoint (--registry-config, --ca-file,

@@ -40,6 +40,17 @@ type Capture struct {
 // base): what the checkpoint stores.
 func (c *Capture) Changed() int { return len(c.changed) }
 
+// Regions is how many region layers Store will make.
+func (c *Capture) Regions() int {
+	n, last := 0, int64(-1)
+	for _, p := range c.changed {
+		if r := int64(p) * PageSize / RegionSize; r != last {
+			n, last = n+1, r
+		}
+	}
+	return n
+}
+
 // Close frees the staging file.
 func (c *Capture) Close() {
 	if c.staging != nil {

@@ -53,8 +53,16 @@ const (
 	maxRegionRaw = headerSize + RegionSize
 
 	// MaxRAMBytes bounds the RAM file an image may declare (1 TiB): it
-	// sizes the page map vmsnap holds (8 bytes a page).
+	// sizes the page map vmsnap holds (24 bytes a page).
 	MaxRAMBytes = 1 << 40
+	// MaxRegionLayers is how many region layers one manifest may list,
+	// parents' included: a layer's descriptor takes about 250 bytes of a
+	// manifest, which may not pass ociimage.MaxManifestSize (4 MiB).
+	MaxRegionLayers = 12000
+	// MaxFileBytes is the largest RAM file whose base fits in
+	// MaxRegionLayers (23 GiB): the memory-file format holds guests up to
+	// that size.
+	MaxFileBytes = MaxRegionLayers * RegionSize
 	// pageMapPiece is how many pages one page-map layer covers (24 MiB of
 	// hashes for 4 GiB of RAM).
 	pageMapPiece = 1 << 20
