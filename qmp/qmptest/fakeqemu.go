@@ -52,6 +52,12 @@ type FakeQEMU struct {
 	// QEMU for another architecture does.
 	FeatureWords     []FeatureWord
 	FilteredFeatures []FeatureWord
+
+	// MemPath, if set, makes the machine's RAM a shared
+	// memory-backend-file "ram0" of Memory bytes whose mem-path QEMU
+	// reports as MemPath (a hostile QEMU may name any path). Empty: plain
+	// -m, no backend named.
+	MemPath string
 }
 
 // NewFakeQEMU starts a fake QEMU in the given run state ("running",
@@ -149,7 +155,23 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 		var a struct{ Path, Property string }
 		_ = cmd.Args(&a)
 		if a.Path == "/machine" {
+			if a.Property == "memory-backend" {
+				if f.MemPath == "" {
+					return "", nil
+				}
+				return "/objects/ram0", nil
+			}
 			return "pc-i440fx-7.2-machine", nil
+		}
+		if a.Path == "/objects/ram0" && f.MemPath != "" {
+			switch a.Property {
+			case "type":
+				return "memory-backend-file", nil
+			case "mem-path":
+				return f.MemPath, nil
+			case "readonly":
+				return false, nil
+			}
 		}
 		switch a.Property {
 		case "feature-words", "filtered-features":
@@ -163,6 +185,11 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 			return words, nil
 		}
 		return "qemu64-x86_64-cpu", nil
+	case "query-memdev":
+		if f.MemPath == "" {
+			return []map[string]any{}, nil
+		}
+		return []map[string]any{{"id": "ram0", "size": f.Memory, "share": true, "merge": true, "dump": true, "prealloc": false, "policy": "default", "host-nodes": []int{}}}, nil
 	case "query-cpus-fast":
 		return []map[string]any{{"cpu-index": 0, "qom-path": "/machine/unattached/device[0]"}}, nil
 	case "query-memory-size-summary":
