@@ -181,6 +181,9 @@ type StagedState struct {
 	Digest string `json:"digest"`
 	Dir    string `json:"dir"`
 	Bytes  int64  `json:"bytes"`
+	// Format is the image's state format; "memory-file": only its device
+	// state was staged, its RAM file is prepared apart (vmsnap prepare).
+	Format string `json:"format,omitempty"`
 }
 
 // Endpoint is where a restored VM now lives. Whoever routes to the VM

@@ -26,6 +26,7 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 		timeout  time.Duration
 		agentAt  string
 		ns       string
+		stateDir string
 	)
 	c := &cobra.Command{
 		Use:   "prepare REF@DIGEST [--cache-dir DIR] [--json]",
@@ -74,7 +75,14 @@ and --layout-root allow (FORBIDDEN otherwise), and bounds the cache with its
 --ram-cache-max-bytes; --cache-dir and --max-cache-bytes are then the
 agent's, not flags. --qemu-dir names that cache as the target QEMU sees it.
 In Kubernetes the restore pod prepares into a volume of its own instead
-(vmsnap manifests --part restore --memory-file): see vmsnap manifests --help.`,
+(vmsnap manifests --part restore --memory-file): see vmsnap manifests --help.
+
+For vmsnap launch (a restored pod's QEMU): after vmsnap restore --to-dir DIR
+staged the snapshot's device state, vmsnap prepare REF@sha256:... --cache-dir
+RAM_DIR --state-dir DIR records its result in DIR/prepared.json, and vmsnap
+launch --state-dir DIR starts QEMU with those arguments and -incoming defer
+and loads the device state over QMP. The RAM volume must be mounted at the
+same path in the QEMU container (or give --qemu-dir).`,
 		Example: `  vmsnap prepare oci:/var/lib/snapshots:vm1@sha256:4f... --json
   vmsnap prepare --agent unix:///run/vmsnap/agent.sock registry.example.com/vms/vm1@sha256:4f... --json
   vmsnap prepare registry.example.com/vms/vm1@sha256:4f... --cache-dir /dev/shm/vmsnap --max-cache-bytes 64G`,
@@ -103,6 +111,17 @@ In Kubernetes the restore pod prepares into a volume of its own instead
 			if ns != "" {
 				return coded(errcode.New(errcode.Usage, "--namespace names the agent's cache to fill: add --agent unix:///PATH/agent.sock"))
 			}
+			if stateDir != "" {
+				// Staged first (restore --to-dir): the result is for the
+				// staged snapshot, and launch checks that it is.
+				d, err := snapshot.StagedDigest(ctx, stateDir)
+				if err != nil {
+					return coded(err)
+				}
+				if !strings.HasSuffix(args[0], "@"+d.String()) {
+					return coded(errcode.New(errcode.Usage, "%s staged snapshot %s, not %s: prepare the snapshot restore --to-dir staged there", stateDir, d, args[0]))
+				}
+			}
 			p := newPhasedProgress(out.stderr)
 			defer p.finish()
 			res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
@@ -113,6 +132,11 @@ In Kubernetes the restore pod prepares into a volume of its own instead
 			if err != nil {
 				return coded(err)
 			}
+			if stateDir != "" {
+				if err := snapshot.WritePrepared(stateDir, res); err != nil {
+					return coded(err)
+				}
+			}
 			report(out, res, func(w io.Writer) { printPrepare(w, res) })
 			return nil
 		},
@@ -122,6 +146,7 @@ In Kubernetes the restore pod prepares into a volume of its own instead
 	c.Flags().StringVar(&qemuDir, "qemu-dir", "", "the cache directory as the target QEMU sees it (a container's mount), for the printed arguments (default --cache-dir)")
 	c.Flags().BoolVar(&allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&timeout, "timeout", 30*time.Minute, "give up after this long")
+	c.Flags().StringVar(&stateDir, "state-dir", "", "where restore --to-dir staged this snapshot: record the result there (prepared.json) for vmsnap launch --state-dir")
 	c.Flags().StringVar(&agentAt, "agent", "", "ask the node agent at unix:///PATH to prepare the file in its cache of your namespace instead of here")
 	c.Flags().StringVar(&ns, "namespace", "", "with --agent, for an admin caller: the namespace whose cache to fill (default the caller's)")
 	stream.add(c)
