@@ -57,7 +57,7 @@ func newRAMPod(t *testing.T, d *testcontainerd.Daemon, podsDir, namespace string
 	rand.Read(state)
 	p.vm = qmptest.NewFakeQEMU(t, "running", state)
 	p.vm.Memory = memfileTestRAM
-	p.vm.MemPath = "/run/vm/guest.ram"
+	p.vm.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: "/run/vm/guest.ram", Share: true}
 	p.vm.Caps["x-ignore-shared"] = false
 	if err := os.Rename(p.vm.Path(), filepath.Join(p.vol, "qmp.sock")); err != nil {
 		t.Fatal(err)
@@ -68,7 +68,7 @@ func newRAMPod(t *testing.T, d *testcontainerd.Daemon, podsDir, namespace string
 
 func (p *ramPod) setMemPath(memPath string) {
 	p.vm.Lock()
-	p.vm.MemPath = memPath
+	p.vm.RAMBackend.MemPath = memPath
 	p.vm.Unlock()
 }
 

@@ -31,7 +31,8 @@ func memoryFileImage(t *testing.T, dir string, size int) (string, []byte) {
 	state := make([]byte, 32<<10)
 	rand.Read(state)
 	vm := qmptest.NewFakeQEMU(t, "running", state)
-	vm.Memory, vm.MemPath = int64(size), ramPath
+	vm.Memory = int64(size)
+	vm.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: ramPath, Share: true}
 	vm.Caps["x-ignore-shared"] = false
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -381,7 +381,12 @@ type PrepareOptions struct {
 	MaxCacheBytes int64
 	// QEMUDir is the cache directory as the target QEMU sees it (a
 	// container's mount of it), for QEMUArgs; default Cache.Dir.
-	QEMUDir  string
+	QEMUDir string
+	// CopyTo, if set, is a directory where the VM gets its own copy of the
+	// file, which it maps shared (share=on): its RAM is then a shared file
+	// again, so that it can be checkpointed as a delta on this image. It
+	// costs a copy of the image's data; the copy is the caller's to remove.
+	CopyTo   string
 	Workers  int
 	Progress func(fetched int64)
 }
@@ -395,6 +400,7 @@ type PrepareResult struct {
 	FetchedBytes int64    // compressed bytes fetched: 0 if the cache had it
 	Evicted      []ramfile.Entry
 	Duration     time.Duration
+	CopyDuration time.Duration // of the VM's own copy (CopyTo)
 }
 
 // Prepare readies a restore of a memory-file image on this node: it
@@ -416,8 +422,20 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 		return nil, err
 	}
 	res := &PrepareResult{Manifest: desc, Config: cfg}
+	if cfg.RAM.DataBytes < 0 || cfg.RAM.DataBytes > cfg.RAM.Bytes {
+		return nil, errcode.New(errcode.InvalidInput, "the image declares %d bytes of data in a %d-byte RAM file", cfg.RAM.DataBytes, cfg.RAM.Bytes)
+	}
+	if opts.MaxCacheBytes > 0 && cfg.RAM.DataBytes > opts.MaxCacheBytes {
+		return nil, errcode.New(errcode.Usage, "the image's RAM file holds %d MiB of data, more than the cache may hold (%d MiB)", cfg.RAM.DataBytes>>20, opts.MaxCacheBytes>>20)
+	}
 	res.MemoryFile, res.FetchedBytes, err = opts.Cache.Fill(ctx, desc.Digest, cfg.RAM.Bytes, func(f *os.File) (int64, error) {
-		return ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{Workers: opts.Workers, Progress: opts.Progress})
+		if free, err := freeSpace(opts.Cache.Dir); err == nil && free < cfg.RAM.DataBytes {
+			return 0, errcode.New(errcode.Internal, "the RAM cache %s has %d MiB free, and this image's RAM file needs %d MiB: free space there or pick another directory with %s", opts.Cache.Dir, free>>20, cfg.RAM.DataBytes>>20, errcode.Field("cacheDir"))
+		}
+		// The file may hold what the config declares, and a region's
+		// worth of rounding (a filesystem allocates whole blocks).
+		return ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{
+			Workers: opts.Workers, Progress: opts.Progress, MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize})
 	})
 	if err != nil {
 		return nil, err
@@ -429,28 +447,42 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 	if dir == "" {
 		dir = opts.Cache.Dir
 	}
-	res.QEMUArgs = QEMUArgs(cfg, path.Join(dir, path.Base(res.MemoryFile)))
+	shared := false
+	if opts.CopyTo != "" {
+		copyStart := time.Now()
+		if res.MemoryFile, err = opts.Cache.CopyFor(desc.Digest, cfg.RAM.Bytes, opts.CopyTo); err != nil {
+			return nil, err
+		}
+		res.CopyDuration = time.Since(copyStart)
+		dir, shared = opts.CopyTo, true
+	}
+	res.QEMUArgs = QEMUArgs(cfg, path.Join(dir, path.Base(res.MemoryFile)), shared)
 	res.Duration = time.Since(start)
 	return res, nil
 }
 
 // QEMUArgs are the arguments that map a memory-file image's RAM file at
-// memPath, private: the guest's writes stay in the VM, the file is never
-// written. QEMU 8.2 and later open it read-only too (readonly=on,rom=off);
-// before 8.2, readonly=on would make the guest's RAM read-only, so QEMU
-// opens the file read-write (see ramfile.Cache on what that allows). A
-// target may be newer than the source, never older, so the source's
-// version decides.
-func QEMUArgs(cfg Config, memPath string) []string {
+// memPath. A cache file is mapped private (shared false): the guest's
+// writes stay in the VM, the file is never written. QEMU 8.2 and later
+// open it read-only too (readonly=on,rom=off); before 8.2, readonly=on
+// would make the guest's RAM read-only, so QEMU opens the file read-write
+// (see ramfile.Cache on what that allows). A target may be newer than the
+// source, never older, so the source's version decides. A VM's own copy
+// is mapped shared, as its source's file was.
+func QEMUArgs(cfg Config, memPath string, shared bool) []string {
 	opts := []string{
 		"memory-backend-file",
 		"id=" + qemuOptEscape(cfg.RAM.Backend),
 		"mem-path=" + qemuOptEscape(memPath),
 		"size=" + strconv.FormatInt(cfg.RAM.Bytes, 10),
-		"share=off",
 	}
-	if cmpVersion(majorMinor(cfg.Record.QEMUVersion), "8.2") >= 0 {
-		opts = append(opts, "readonly=on", "rom=off")
+	switch {
+	case shared:
+		opts = append(opts, "share=on")
+	case cmpVersion(majorMinor(cfg.Record.QEMUVersion), "8.2") >= 0:
+		opts = append(opts, "share=off", "readonly=on", "rom=off")
+	default:
+		opts = append(opts, "share=off")
 	}
 	return []string{"-object", strings.Join(opts, ","), "-machine", "memory-backend=" + qemuOptEscape(cfg.RAM.Backend)}
 }
@@ -470,17 +502,17 @@ func checkMemoryFileTarget(ctx context.Context, mon Executor, cfg Config, manife
 	if _, ok := caps[capIgnoreShared]; !ok {
 		diffs = append(diffs, fmt.Sprintf("migration format: snapshot is %s, target QEMU %s lacks the x-ignore-shared capability (QEMU 4.0 or later)", FormatMemoryFile, target.QEMUVersion))
 	}
-	want := fmt.Sprintf("start it with the arguments vmsnap prepare printed for this image (%s)", strings.Join(QEMUArgs(cfg, ramfile.Cache{}.Path(manifest)), " "))
+	want := fmt.Sprintf("start it with the arguments vmsnap prepare printed for this image (%s)", strings.Join(QEMUArgs(cfg, ramfile.Cache{}.Path(manifest), false), " "))
 	b := target.RAM
 	switch {
 	case b == nil || b.Type != "memory-backend-file":
 		diffs = append(diffs, "memory backend: snapshot's RAM is a file, the target's is not one: "+want)
 	case b.ID != cfg.RAM.Backend:
 		// Compare reports the ID.
-	case b.Share:
-		diffs = append(diffs, "memory backend: the target maps its RAM file shared (share=on), so the guest would write into the snapshot's file: map it with share=off")
 	case ramfile.KeyOf(b.MemPath) != manifest:
 		diffs = append(diffs, fmt.Sprintf("memory backend: the target maps %s, not the RAM file of this image: %s", b.MemPath, want))
+	case b.Share && !ramfile.IsOwnCopy(b.MemPath):
+		diffs = append(diffs, "memory backend: the target maps the cached RAM file shared (share=on), so the guest would write into the file every restore of this image uses: map it with share=off, or give the VM its own copy (vmsnap prepare --copy-to DIR)")
 	case b.Bytes != cfg.RAM.Bytes:
 		diffs = append(diffs, fmt.Sprintf("memory backend: snapshot's RAM file is %d bytes, target's backend %d", cfg.RAM.Bytes, b.Bytes))
 	}

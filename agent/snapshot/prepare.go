@@ -31,7 +31,11 @@ type PrepareSpec struct {
 	MaxCacheBytes int64
 	// QEMUDir is CacheDir as the target QEMU sees it (its container's
 	// mount), for the QEMU arguments; default CacheDir.
-	QEMUDir  string
+	QEMUDir string
+	// CopyTo gives the VM its own copy of the file in this directory,
+	// mapped shared, so that it can be checkpointed as a delta on this
+	// image (vmstate.PrepareOptions.CopyTo).
+	CopyTo   string
 	Workers  int
 	Store    []ociimage.Option
 	Progress Progress
@@ -60,7 +64,7 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 		return nil, err
 	}
 	res, err := vmstate.Prepare(ctx, repo, vmstate.PrepareOptions{
-		Cache: ramfile.Cache{Dir: s.CacheDir}, MaxCacheBytes: s.MaxCacheBytes, QEMUDir: s.QEMUDir,
+		Cache: ramfile.Cache{Dir: s.CacheDir}, MaxCacheBytes: s.MaxCacheBytes, QEMUDir: s.QEMUDir, CopyTo: s.CopyTo,
 		Workers: s.Workers, Progress: s.Progress.bytes("prepare"),
 	})
 	if err != nil {
@@ -70,7 +74,7 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
 		QEMUArgs: res.QEMUArgs, MemoryFile: res.MemoryFile, FetchedBytes: res.FetchedBytes,
 		MemoryBytes: res.Config.RAM.Bytes, DataBytes: res.Config.RAM.DataBytes,
-		DurationsMs: map[string]float64{"total": api.Ms(res.Duration)},
+		DurationsMs: map[string]float64{"total": api.Ms(res.Duration), "copy": api.Ms(res.CopyDuration)},
 	}
 	for _, e := range res.Evicted {
 		out.Evicted = append(out.Evicted, string(e.Key))
@@ -136,7 +140,9 @@ func PreparedArgs(ctx context.Context, dir string) (digest.Digest, []string, err
 	if ramfile.KeyOf(res.MemoryFile) != d || !filepath.IsAbs(res.MemoryFile) || filepath.Clean(res.MemoryFile) != res.MemoryFile {
 		return "", nil, errcode.New(errcode.InvalidInput, "%s names the RAM file %q, which is not the file prepared for %s", p, clipped(res.MemoryFile), d)
 	}
-	want := vmstate.QEMUArgs(cfg, res.MemoryFile)
+	// A VM's own copy (prepare --copy-to) is mapped shared, a cache file
+	// private: the name says which, and the arguments must agree.
+	want := vmstate.QEMUArgs(cfg, res.MemoryFile, ramfile.IsOwnCopy(res.MemoryFile))
 	if !slices.Equal(res.QEMUArgs, want) {
 		return "", nil, errcode.New(errcode.InvalidInput, "%s has QEMU arguments %q, not those of the staged snapshot's RAM file (%q): run vmsnap prepare again", p, res.QEMUArgs, want)
 	}

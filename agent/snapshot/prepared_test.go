@@ -35,7 +35,8 @@ func TestStageAndPreparedArgsMemoryFile(t *testing.T) {
 	state := make([]byte, 64<<10)
 	rand.Read(state)
 	vm := qmptest.NewFakeQEMU(t, "running", state)
-	vm.Memory, vm.MemPath = size, ramPath
+	vm.Memory = size
+	vm.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: ramPath, Share: true}
 	vm.Caps["x-ignore-shared"] = false
 	store := filepath.Join(t.TempDir(), "store")
 	cp, err := Checkpoint(ctx, CheckpointSpec{QMPPath: vm.Path(), Image: "oci:" + store + ":vm", Mode: "snapshot"})

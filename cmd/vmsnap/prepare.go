@@ -22,6 +22,7 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 		cacheDir string
 		maxCache int64
 		qemuDir  string
+		copyTo   string
 		allowTag bool
 		timeout  time.Duration
 		agentAt  string
@@ -52,6 +53,13 @@ the file is never changed, so several VMs restored from one snapshot on one
 node share the pages they only read. The cache holds one file per snapshot,
 named by its manifest digest, complete or absent: an interrupted prepare
 leaves nothing, and concurrent prepares of one snapshot wait for each other.
+
+To pause and resume the same VM again and again, give it its own copy with
+--copy-to DIR: the copy (DIR/vm-RANDOM.sha256-HEX.ram, only the data copied)
+is mapped shared, so the restored VM's RAM is a shared file again and its next
+checkpoint under the same tag is a delta of the pages it changed. The copy
+costs time in proportion to the snapshot's data (durationsMs.copy); without
+it, a restored VM is checkpointed with the stream.
 
 Trust: QEMU before 8.2 opens a share=off file read-write (its readonly=on
 would make the guest's RAM read-only), so a compromised QEMU could change
@@ -125,7 +133,7 @@ same path in the QEMU container (or give --qemu-dir).`,
 			p := newPhasedProgress(out.stderr)
 			defer p.finish()
 			res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
-				Image: args[0], AllowTag: allowTag, CacheDir: cacheDir, MaxCacheBytes: maxCache, QEMUDir: qemuDir,
+				Image: args[0], AllowTag: allowTag, CacheDir: cacheDir, MaxCacheBytes: maxCache, QEMUDir: qemuDir, CopyTo: copyTo,
 				Workers: stream.workers, Store: reg.options(), Progress: p.update,
 			})
 			p.finish()
@@ -144,6 +152,7 @@ same path in the QEMU container (or give --qemu-dir).`,
 	c.Flags().StringVar(&cacheDir, "cache-dir", "", "where RAM files are kept, one per snapshot (default "+snapshot.DefaultCacheDir()+")")
 	c.Flags().Int64Var(&maxCache, "max-cache-bytes", 0, "once the file is ready, remove the least recently used others past this many allocated bytes (0: no bound)")
 	c.Flags().StringVar(&qemuDir, "qemu-dir", "", "the cache directory as the target QEMU sees it (a container's mount), for the printed arguments (default --cache-dir)")
+	c.Flags().StringVar(&copyTo, "copy-to", "", "give the VM its own copy of the RAM file in this directory, mapped shared (share=on), so that it can be checkpointed again as a delta on this snapshot; costs a copy of the snapshot's data, and the copy is yours to remove with the VM")
 	c.Flags().BoolVar(&allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&timeout, "timeout", 30*time.Minute, "give up after this long")
 	c.Flags().StringVar(&stateDir, "state-dir", "", "where restore --to-dir staged this snapshot: record the result there (prepared.json) for vmsnap launch --state-dir")
@@ -157,6 +166,9 @@ same path in the QEMU container (or give --qemu-dir).`,
 
 func printPrepare(w io.Writer, r *api.PrepareResult) {
 	how := fmt.Sprintf("fetched %s", humanBytes(r.FetchedBytes))
+	if r.DurationsMs["copy"] > 0 {
+		how += fmt.Sprintf("; the VM's own copy took %.2fs", r.DurationsMs["copy"]/1000)
+	}
 	if r.FetchedBytes == 0 {
 		how = "already on this node"
 	}

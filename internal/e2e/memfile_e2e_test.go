@@ -157,6 +157,35 @@ func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
 	if fileDigest(t, p1.MemoryFile) != fileBefore {
 		t.Fatal("the cached RAM file changed while clones ran on it")
 	}
+
+	// 7. Pause and resume one VM again: restored on its own copy (shared),
+	// its next checkpoint under the tag is a small delta on cp3, which
+	// restores exactly.
+	own := cliJSON[api.PrepareResult](t, "prepare", cp3.VMState.Image, "--cache-dir", cache, "--copy-to", shm)
+	if own.FetchedBytes != 0 || own.MemoryFile == p1.MemoryFile || !strings.Contains(strings.Join(own.QEMUArgs, " "), "share=on") {
+		t.Fatalf("prepare --copy-to: %+v", own)
+	}
+	vm := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: restoreDisk(t, cp3, tdir, "again.qcow2"), ExtraArgs: own.QEMUArgs})
+	cliJSON[api.RestoreResult](t, "restore", "--qmp", vm.QMPPath(), "--image", cp3.VMState.Image)
+	assertResumed(t, vm, before, resume, resume)
+	cp4 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", vm.QMPPath(), "--image", image, "--mode", "pause",
+		"--disk", filepath.Join(tdir, "again.qcow2"), "--disk-image", "oci:"+store+":vm-disk")
+	ram4 := cp4.VMState.RAM
+	if ram4 == nil || ram4.Parent != cp3.VMState.Digest || len(ram4.Chain) != 4 {
+		t.Fatalf("the resumed VM's checkpoint is not a delta on the one it was restored from: %+v", ram4)
+	}
+	t.Logf("after a resume: %d changed pages, uploaded %d KiB of %d MiB", ram4.Chain[3].ChangedPages, cp4.VMState.UploadedBytes>>10, cp4.VMState.StoredBytes>>20)
+	if float64(cp4.VMState.UploadedBytes) > 0.05*float64(cp4.VMState.StoredBytes) {
+		t.Errorf("the resumed VM's delta uploaded %d of %d bytes", cp4.VMState.UploadedBytes, cp4.VMState.StoredBytes)
+	}
+	resume4 := vm.ResumeCounter()
+	last4, _ := vm.LastStatus()
+	vm.Kill()
+	p4 := cliJSON[api.PrepareResult](t, "prepare", cp4.VMState.Image, "--cache-dir", cache)
+	vm5 := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: restoreDisk(t, cp4, tdir, "fifth.qcow2"), ExtraArgs: p4.QEMUArgs})
+	cliJSON[api.RestoreResult](t, "restore", "--qmp", vm5.QMPPath(), "--image", cp4.VMState.Image)
+	last4.Mem0 = before.Mem0
+	assertResumed(t, vm5, last4, resume4, resume4)
 }
 
 // restoreDisk restores cp's disk overlay as name in dir.
@@ -165,6 +194,80 @@ func restoreDisk(t *testing.T, cp api.CheckpointResult, dir, name string) string
 	disk := filepath.Join(dir, name)
 	cliJSON[api.RestoreResult](t, "restore", "--disk-image", cp.Disk.Image, "--disk", disk)
 	return disk
+}
+
+// On QEMU 8.2 and later, prepare's arguments add readonly=on,rom=off:
+// QEMU opens the cached file read-only, and the guest still writes (to its
+// private pages).
+func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
+	root := testguest.QEMU10(t)
+	testguest.Assets(t)
+	dir := testguest.FreeShortDir(t)
+	shm := shmDir(t)
+	overlay := testguest.NewDisk(t, dir)
+	const memMB = 256
+	src := testguest.Start(t, testguest.Options{Disk: overlay, Dir: dir, QEMURoot: root, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
+	if _, err := src.WaitReady(waitCtx(t)); err != nil {
+		t.Fatalf("QEMU 10 guest did not boot: %v\n%s", err, src.SerialTail(20))
+	}
+	before, err := src.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := filepath.Join(t.TempDir(), "store")
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm", "--mode", "pause",
+		"--disk", overlay, "--disk-image", "oci:"+store+":vm-disk")
+	if cp.VMState.Format != string(vmstate.FormatMemoryFile) {
+		t.Fatalf("QEMU 10 with a shared RAM file: format %q", cp.VMState.Format)
+	}
+	resume := src.ResumeCounter()
+	src.Kill()
+
+	p := cliJSON[api.PrepareResult](t, "prepare", cp.VMState.Image, "--cache-dir", filepath.Join(shm, "cache"))
+	if !strings.Contains(strings.Join(p.QEMUArgs, " "), "readonly=on,rom=off") {
+		t.Fatalf("prepare's arguments for a QEMU 10 image do not map the file read-only: %q", p.QEMUArgs)
+	}
+	fileBefore := fileDigest(t, p.MemoryFile)
+	tdir := targetDir(t, dir)
+	target := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, QEMURoot: root,
+		Disk: restoreDisk(t, cp, tdir, "overlay.qcow2"), ExtraArgs: p.QEMUArgs})
+	rs := cliJSON[api.RestoreResult](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
+	if rs.VMState == nil || !rs.VMState.VMRunning {
+		t.Fatalf("restore: %+v", rs)
+	}
+	assertResumed(t, target, before, resume, resume)
+
+	// QEMU holds the file open read-only.
+	fds, err := filepath.Glob(fmt.Sprintf("/proc/%d/fd/*", target.Process().Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, fd := range fds {
+		if dest, err := os.Readlink(fd); err != nil || dest != p.MemoryFile {
+			continue
+		}
+		found = true
+		info, err := os.ReadFile(strings.Replace(fd, "/fd/", "/fdinfo/", 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var flags int
+		for _, line := range strings.Split(string(info), "\n") {
+			if v, ok := strings.CutPrefix(line, "flags:"); ok {
+				fmt.Sscanf(strings.TrimSpace(v), "%o", &flags)
+			}
+		}
+		if flags&3 != os.O_RDONLY {
+			t.Errorf("QEMU 10 holds the cached RAM file open with flags %o, not read-only", flags)
+		}
+	}
+	if !found {
+		t.Fatalf("QEMU 10 holds no descriptor of %s", p.MemoryFile)
+	}
+	if fileDigest(t, p.MemoryFile) != fileBefore {
+		t.Fatal("the cached RAM file changed while the guest ran on it")
+	}
 }
 
 // The Kubernetes restore pod's path for a memory-file snapshot, on a real

@@ -53,11 +53,17 @@ type FakeQEMU struct {
 	FeatureWords     []FeatureWord
 	FilteredFeatures []FeatureWord
 
-	// MemPath, if set, makes the machine's RAM a shared
-	// memory-backend-file "ram0" of Memory bytes whose mem-path QEMU
-	// reports as MemPath (a hostile QEMU may name any path). Empty: plain
-	// -m, no backend named.
-	MemPath string
+	// RAMBackend, if set, is the machine's memory backend (-machine
+	// memory-backend=ID): its QOM type, mem-path and share, and size
+	// Memory. Nil: a plain -m, no backend named.
+	RAMBackend *FakeBackend
+}
+
+// FakeBackend is a memory backend of a FakeQEMU.
+type FakeBackend struct {
+	ID, Type, MemPath string
+	Share             bool
+	Size              int64 // 0: the guest's Memory
 }
 
 // NewFakeQEMU starts a fake QEMU in the given run state ("running",
@@ -154,24 +160,25 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 	case "qom-get":
 		var a struct{ Path, Property string }
 		_ = cmd.Args(&a)
-		if a.Path == "/machine" {
-			if a.Property == "memory-backend" {
-				if f.MemPath == "" {
-					return "", nil
-				}
-				return "/objects/ram0", nil
-			}
-			return "pc-i440fx-7.2-machine", nil
-		}
-		if a.Path == "/objects/ram0" && f.MemPath != "" {
+		if b := f.RAMBackend; b != nil && a.Path == "/objects/"+b.ID {
 			switch a.Property {
 			case "type":
-				return "memory-backend-file", nil
+				return b.Type, nil
 			case "mem-path":
-				return f.MemPath, nil
+				return b.MemPath, nil
 			case "readonly":
 				return false, nil
 			}
+			return nil, gerr("Property '" + a.Property + "' not found")
+		}
+		if a.Path == "/machine" && a.Property == "memory-backend" {
+			if f.RAMBackend == nil {
+				return "", nil
+			}
+			return "/objects/" + f.RAMBackend.ID, nil
+		}
+		if a.Path == "/machine" {
+			return "pc-i440fx-7.2-machine", nil
 		}
 		switch a.Property {
 		case "feature-words", "filtered-features":
@@ -185,13 +192,18 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 			return words, nil
 		}
 		return "qemu64-x86_64-cpu", nil
-	case "query-memdev":
-		if f.MemPath == "" {
-			return []map[string]any{}, nil
-		}
-		return []map[string]any{{"id": "ram0", "size": f.Memory, "share": true, "merge": true, "dump": true, "prealloc": false, "policy": "default", "host-nodes": []int{}}}, nil
 	case "query-cpus-fast":
 		return []map[string]any{{"cpu-index": 0, "qom-path": "/machine/unattached/device[0]"}}, nil
+	case "query-memdev":
+		out := []map[string]any{}
+		if b := f.RAMBackend; b != nil {
+			size := b.Size
+			if size == 0 {
+				size = f.Memory
+			}
+			out = append(out, map[string]any{"id": b.ID, "size": size, "share": b.Share, "merge": true, "dump": true, "prealloc": false, "policy": "default", "host-nodes": []int{}})
+		}
+		return out, nil
 	case "query-memory-size-summary":
 		return map[string]int64{"base-memory": f.Memory, "plugged-memory": 0}, nil
 	case "query-pci":

@@ -42,12 +42,19 @@ func (c Cache) Path(key digest.Digest) string {
 	return filepath.Join(c.Dir, key.Algorithm().String()+"-"+key.Encoded()+suffix)
 }
 
-// KeyOf is the manifest digest a cache file's name carries, or "" if the
-// name is not one of a cache file.
+// KeyOf is the manifest digest a RAM file's name carries, or "" if the
+// name is not one of vmsnap's: sha256-HEX.ram (a cache file) or
+// NAME.sha256-HEX.ram (a VM's own copy, CopyFor).
 func KeyOf(path string) digest.Digest {
-	name := strings.TrimSuffix(filepath.Base(path), suffix)
+	name, ok := strings.CutSuffix(filepath.Base(path), suffix)
+	if !ok {
+		return ""
+	}
+	if i := strings.LastIndexByte(name, '.'); i >= 0 {
+		name = name[i+1:]
+	}
 	alg, hex, ok := strings.Cut(name, "-")
-	if !ok || !strings.HasSuffix(filepath.Base(path), suffix) {
+	if !ok {
 		return ""
 	}
 	d := digest.NewDigestFromEncoded(digest.Algorithm(alg), hex)
@@ -55,6 +62,63 @@ func KeyOf(path string) digest.Digest {
 		return ""
 	}
 	return d
+}
+
+// IsOwnCopy says whether a RAM file's name is that of a VM's own copy
+// (NAME.sha256-HEX.ram), which one VM maps shared, rather than of a cache
+// file, which VMs map private.
+func IsOwnCopy(path string) bool {
+	name := strings.TrimSuffix(filepath.Base(path), suffix)
+	return KeyOf(path) != "" && strings.Contains(name, ".")
+}
+
+// CopyFor makes a VM's own copy of key's complete cache file in dir
+// (vm-RANDOM.sha256-HEX.ram, sparse: only data extents are copied), for a
+// VM that maps its RAM shared so that it can be checkpointed in the
+// memory-file format again. The copy is the caller's to remove.
+func (c Cache) CopyFor(key digest.Digest, size int64, dir string) (string, error) {
+	src, ok := c.Get(key, size)
+	if !ok {
+		return "", errcode.New(errcode.Internal, "the RAM cache has no file for %s to copy", key)
+	}
+	in, err := os.Open(src)
+	if err != nil {
+		return "", errcode.Wrap(errcode.Internal, err, "RAM cache")
+	}
+	defer in.Close()
+	out, err := os.CreateTemp(dir, "vm-*."+filepath.Base(c.Path(key)))
+	if err != nil {
+		return "", errcode.Wrap(errcode.Internal, err, "creating the VM's own RAM file in %s (%s)", dir, errcode.Field("copyTo"))
+	}
+	ok = false
+	defer func() {
+		out.Close()
+		if !ok {
+			os.Remove(out.Name())
+		}
+	}()
+	if err := out.Truncate(size); err != nil {
+		return "", errcode.Wrap(errcode.Internal, err, "sizing the VM's own RAM file")
+	}
+	err = dataExtents(in, size, func(start, end int64) error {
+		for off := start; off < end; {
+			roff, woff := off, off
+			n, err := unix.CopyFileRange(int(in.Fd()), &roff, int(out.Fd()), &woff, int(end-off), 0)
+			if err != nil {
+				return errcode.Wrap(errcode.Internal, err, "copying the RAM file")
+			}
+			if n == 0 {
+				return errcode.New(errcode.Internal, "the cached RAM file ended early")
+			}
+			off += int64(n)
+		}
+		return nil
+	})
+	if err != nil {
+		return "", err
+	}
+	ok = true
+	return out.Name(), nil
 }
 
 // open makes the cache directory if needed (mode 0700) and checks that it

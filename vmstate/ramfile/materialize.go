@@ -66,6 +66,11 @@ func fetch(ctx context.Context, src chunk.BlobSource, dec interface {
 type MaterializeOptions struct {
 	Workers  int                   // regions fetched and written at once (default 2)
 	Progress func(bytesDone int64) // compressed bytes fetched so far
+	// MaxDataBytes, if above 0, is the most the file may allocate (the
+	// image's declared data, with room for rounding): an image whose
+	// layers write more than it declares is refused part-way, instead of
+	// filling the disk.
+	MaxDataBytes int64
 }
 
 // Materialize writes the RAM file the region layers make into f, which
@@ -106,6 +111,9 @@ func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os
 		if err := materializeRun(ctx, regions[:n], src, f, size, opts, &fetched); err != nil {
 			return fetched.Load(), err
 		}
+		if err := checkAllocated(f, opts.MaxDataBytes); err != nil {
+			return fetched.Load(), err
+		}
 		regions = regions[n:]
 	}
 	return fetched.Load(), nil
@@ -132,6 +140,10 @@ func materializeRun(ctx context.Context, run []ocispec.Descriptor, src chunk.Blo
 					continue
 				}
 				if err := writeRegion(ctx, l, src, dec, buf, f, size); err != nil {
+					cancel(err)
+					continue
+				}
+				if err := checkAllocated(f, opts.MaxDataBytes); err != nil {
 					cancel(err)
 					continue
 				}
@@ -223,4 +235,20 @@ func rawRegionSize(l ocispec.Descriptor) (int, error) {
 		return 0, errcode.New(errcode.InvalidInput, "RAM region %s declares raw size %q: want a header and whole pages, at most %d bytes", l.Digest, l.Annotations[ociimage.AnnotationRawSize], maxRegionRaw)
 	}
 	return n, nil
+}
+
+// checkAllocated refuses a file that allocates more than max bytes (0: no
+// bound).
+func checkAllocated(f *os.File, max int64) error {
+	if max <= 0 {
+		return nil
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return errcode.Wrap(errcode.Internal, err, "checking the RAM file")
+	}
+	if got := st.Blocks * 512; got > max {
+		return errcode.New(errcode.InvalidInput, "the image's RAM layers write more than the %d bytes of data its config declares (%d so far): refused", max, got)
+	}
+	return nil
 }

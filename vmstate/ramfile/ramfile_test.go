@@ -237,8 +237,29 @@ func TestCacheFillsOnceAndRefusesAForeignDirectory(t *testing.T) {
 	if err != nil || n2 != 0 || p2 != p1 {
 		t.Fatalf("second fill: %v, fetched %d, path %s (first %s)", err, n2, p2, p1)
 	}
-	if KeyOf(p1) != key {
-		t.Errorf("KeyOf(%s) = %s, want %s", p1, KeyOf(p1), key)
+	if KeyOf(p1) != key || IsOwnCopy(p1) {
+		t.Errorf("KeyOf(%s) = %s (own copy %v), want %s", p1, KeyOf(p1), IsOwnCopy(p1), key)
+	}
+	// A VM's own copy: the same bytes, as sparse, named for the same image.
+	own, err := c.CopyFor(key, testSize, t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, _ := os.ReadFile(p1)
+	b, _ := os.ReadFile(own)
+	if !bytes.Equal(a, b) || KeyOf(own) != key || !IsOwnCopy(own) {
+		t.Fatalf("own copy %s: equal %v, key %s, own %v", own, bytes.Equal(a, b), KeyOf(own), IsOwnCopy(own))
+	}
+	var sa, sb unix.Stat_t
+	unix.Stat(p1, &sa)
+	unix.Stat(own, &sb)
+	if sb.Blocks > sa.Blocks+RegionSize/512 {
+		t.Errorf("the copy allocates %d blocks, the cache file %d: holes were copied", sb.Blocks, sa.Blocks)
+	}
+	for _, bad := range []string{"x.ram", "sha256-zz.ram", "vm.sha256-" + key.Encoded() + ".raw", ".ram"} {
+		if KeyOf(bad) != "" {
+			t.Errorf("KeyOf(%q) = %s, want none", bad, KeyOf(bad))
+		}
 	}
 	// A failed fill leaves nothing under the name.
 	other := l.Regions[1].Digest
@@ -266,5 +287,26 @@ func TestCacheFillsOnceAndRefusesAForeignDirectory(t *testing.T) {
 	}
 	if _, _, err := c.Fill(context.Background(), key, testSize, fill); errcode.Of(err) != errcode.Forbidden {
 		t.Errorf("a world-writable cache directory: got %v, want FORBIDDEN", err)
+	}
+}
+
+func TestMaterializeRefusesMoreDataThanDeclared(t *testing.T) {
+	rng := rand.New(rand.NewPCG(11, 12))
+	repo := layout(t)
+	l, c, _ := checkpoint(t, repo, ramFile(t, rng), nil, Layers{})
+	out, _ := os.Create(filepath.Join(t.TempDir(), "out"))
+	defer out.Close()
+	declared := c.StagedBytes / 4 // an image that claims a quarter of what it writes
+	_, err := Materialize(context.Background(), l, repo, out, testSize, MaterializeOptions{MaxDataBytes: declared})
+	if errcode.Of(err) != errcode.InvalidInput {
+		t.Fatalf("an image writing %d bytes while declaring %d: got %v, want INVALID_INPUT", c.StagedBytes, declared, err)
+	}
+	var st unix.Stat_t
+	unix.Fstat(int(out.Fd()), &st)
+	if st.Blocks*512 > declared+RegionSize*2 {
+		t.Errorf("it was stopped only after %d bytes", st.Blocks*512)
+	}
+	if _, err := Materialize(context.Background(), l, repo, out, testSize, MaterializeOptions{MaxDataBytes: c.StagedBytes + RegionSize}); err != nil {
+		t.Fatalf("the true size refused: %v", err)
 	}
 }
