@@ -143,12 +143,15 @@ type Options struct {
 	// are allowed (--layout-root, mounted at the same path; empty: none).
 	// OperationTimeout bounds each operation (--operation-timeout; zero:
 	// the agent's default). MaxWorkers caps a request's workers
-	// (--max-workers; zero: the agent's default).
+	// (--max-workers; zero: the agent's default). RAMCacheMaxBytes bounds
+	// each namespace's RAM file cache, filled by prepare requests
+	// (--ram-cache-max-bytes; zero: no bound).
 	AllowRepositories []string
 	AdminNamespaces   []string
 	LayoutRoot        string
 	OperationTimeout  time.Duration
 	MaxWorkers        int
+	RAMCacheMaxBytes  int64
 
 	// Host paths of the agent, each mounted at the same path in its
 	// container so that paths containerd reports are valid there as is.
@@ -391,8 +394,8 @@ func (o Options) Validate() error {
 			bad("AdminNamespaces: %q is not a namespace name", n)
 		}
 	}
-	if o.OperationTimeout < 0 || o.MaxWorkers < 0 {
-		bad("OperationTimeout and MaxWorkers must not be negative")
+	if o.OperationTimeout < 0 || o.MaxWorkers < 0 || o.RAMCacheMaxBytes < 0 {
+		bad("OperationTimeout, MaxWorkers and RAMCacheMaxBytes must not be negative")
 	}
 	if len(o.Name) > 40 {
 		bad("Name %q is too long to prefix object names", o.Name)

@@ -96,6 +96,7 @@ Not with --restore-via-agent.`,
 	c.Flags().StringVar(&o.LayoutRoot, "layout-root", "", "agent: host directory under which oci: layouts are allowed over the API (default: none)")
 	c.Flags().DurationVar(&o.OperationTimeout, "operation-timeout", 0, "agent: bound on each operation (default: the agent's)")
 	c.Flags().IntVar(&o.MaxWorkers, "max-workers", 0, "agent: cap on a request's workers (default: the agent's)")
+	c.Flags().Int64Var(&o.RAMCacheMaxBytes, "ram-cache-max-bytes", 0, "agent: bound of each namespace's RAM file cache, in bytes (prepare requests; default: none)")
 	c.Flags().StringVar(&o.OnRestart, "on-restart", "", "restore: when the restored QEMU container restarts, cold (boot from its disk; default) or fail")
 	c.Flags().BoolVar(&o.RestoreViaAgent, "restore-via-agent", false, "restore: the init container restores the disk alone and QEMU waits (-incoming defer) for the agent to load the state")
 	c.Flags().BoolVar(&o.MemoryFile, "memory-file", false, "restore: the snapshot is in the memory-file format: an init container prepares its RAM file into the pod's own emptyDir (medium: Memory) and launch maps it")
