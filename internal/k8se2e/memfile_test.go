@@ -77,7 +77,7 @@ func (s *scenario) memoryFile(t *testing.T) {
 	msg := c.JobTerminationMessage(t, ctx, job.Namespace, job.Name)
 	var out struct {
 		VMState struct{ Image, Digest, Format string } `json:"vmstate"`
-		Disk    *struct{ Digest string }              `json:"disk"`
+		Disk    *struct{ Digest string }               `json:"disk"`
 	}
 	if err := json.Unmarshal([]byte(msg), &out); err != nil || out.Disk == nil || !isDigest(out.VMState.Digest) {
 		t.Fatalf("termination message %q: %v", msg, err)
