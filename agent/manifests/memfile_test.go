@@ -58,7 +58,7 @@ func TestRestorePodMemoryFileFilledAsDocumented(t *testing.T) {
 		t.Fatalf("containers %q: want the prepare after the restore (it needs the staged state), before QEMU", names)
 	}
 	restore, prepare, qemu := all[1], all[2], all[3]
-	wantPrepare := []string{"vmsnap", "prepare", "10.0.0.5:5000/vms/state@" + d1, "--cache-dir", "/vm/ram/cache", "--state-dir", "/vm/state", "--json",
+	wantPrepare := []string{"vmsnap", "prepare", "10.0.0.5:5000/vms/state@" + d1, "--cache-dir", "/vm/ram/cache", "--private-volume", "--state-dir", "/vm/state", "--json",
 		"--ca-file", "/etc/vmsnap/ca/ca.pem"}
 	if !slices.Equal(prepare.Command, wantPrepare) || prepare.Image != o.Image {
 		t.Errorf("prepare init container %q (%s), want %q", prepare.Command, prepare.Image, wantPrepare)

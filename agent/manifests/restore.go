@@ -38,7 +38,8 @@ const PrepareContainerName = "vmsnap-prepare"
 // and the QEMU arguments recorded in the state directory for vmsnap launch.
 func PrepareArgs(o Options, r Restore) []string {
 	o = o.withDefaults()
-	args := []string{"vmsnap", "prepare", r.Image, "--cache-dir", path.Join(o.RestoreRAMDir, "cache"), "--state-dir", o.RestoreStateDir, "--json"}
+	// The emptyDir's root is world-writable, but only this pod sees it.
+	args := []string{"vmsnap", "prepare", r.Image, "--cache-dir", path.Join(o.RestoreRAMDir, "cache"), "--private-volume", "--state-dir", o.RestoreStateDir, "--json"}
 	if o.RegistryCAConfigMap != "" {
 		args = append(args, "--ca-file", RegistryCADir+"/"+RegistryCAKey)
 	}

@@ -26,6 +26,9 @@ type PrepareSpec struct {
 	// CacheDir holds the node's RAM files, one per image (ramfile.Cache):
 	// one trust domain's (see its doc). Default DefaultCacheDir().
 	CacheDir string
+	// PrivateParent: the directories above CacheDir are not shared with
+	// other users (ramfile.Cache.PrivateParent).
+	PrivateParent bool
 	// MaxCacheBytes, if above 0, evicts the least recently used RAM files
 	// past it once this one is ready.
 	MaxCacheBytes int64
@@ -64,7 +67,7 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 		return nil, err
 	}
 	res, err := vmstate.Prepare(ctx, repo, vmstate.PrepareOptions{
-		Cache: ramfile.Cache{Dir: s.CacheDir}, MaxCacheBytes: s.MaxCacheBytes, QEMUDir: s.QEMUDir, CopyTo: s.CopyTo,
+		Cache: ramfile.Cache{Dir: s.CacheDir, PrivateParent: s.PrivateParent}, MaxCacheBytes: s.MaxCacheBytes, QEMUDir: s.QEMUDir, CopyTo: s.CopyTo,
 		Workers: s.Workers, Progress: s.Progress.bytes("prepare"),
 	})
 	if err != nil {

@@ -32,6 +32,7 @@ func TestStageAndPreparedArgsMemoryFile(t *testing.T) {
 	if err := os.WriteFile(ramPath, ram, 0o600); err != nil {
 		t.Fatal(err)
 	}
+	qmptest.MapFile(t, ramPath) // as QEMU does: vmsnap reads only a file its QEMU maps
 	state := make([]byte, 64<<10)
 	rand.Read(state)
 	vm := qmptest.NewFakeQEMU(t, "running", state)

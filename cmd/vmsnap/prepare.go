@@ -20,6 +20,7 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 		reg      registryFlags
 		stream   streamFlags
 		cacheDir string
+		private  bool
 		maxCache int64
 		qemuDir  string
 		copyTo   string
@@ -98,7 +99,7 @@ and loads the device state over QMP. The RAM volume must be mounted at the
 same path in the QEMU container (or give --qemu-dir).`,
 		Example: `  vmsnap prepare oci:/var/lib/snapshots:vm1@sha256:4f... --json
   vmsnap prepare --agent unix:///run/vmsnap/agent.sock registry.example.com/vms/vm1@sha256:4f... --json
-  vmsnap prepare registry.example.com/vms/vm1@sha256:4f... --cache-dir /dev/shm/vmsnap --max-cache-bytes 64G`,
+  vmsnap prepare registry.example.com/vms/vm1@sha256:4f... --cache-dir /dev/shm/vmsnap --max-cache-bytes 68719476736`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(c.Context(), timeout)
@@ -138,7 +139,7 @@ same path in the QEMU container (or give --qemu-dir).`,
 			p := newPhasedProgress(out.stderr)
 			defer p.finish()
 			res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
-				Image: args[0], AllowTag: allowTag, CacheDir: cacheDir, MaxCacheBytes: maxCache, QEMUDir: qemuDir, CopyTo: copyTo,
+				Image: args[0], AllowTag: allowTag, CacheDir: cacheDir, PrivateParent: private, MaxCacheBytes: maxCache, QEMUDir: qemuDir, CopyTo: copyTo,
 				Workers: stream.workers, Store: reg.options(), Progress: p.update,
 			})
 			p.finish()
@@ -155,6 +156,7 @@ same path in the QEMU container (or give --qemu-dir).`,
 		},
 	}
 	c.Flags().StringVar(&cacheDir, "cache-dir", "", "where RAM files are kept, one per snapshot (default "+snapshot.DefaultCacheDir()+")")
+	c.Flags().BoolVar(&private, "private-volume", false, "the directories above --cache-dir are not shared with other users (a pod's own emptyDir, whose root Kubernetes makes world-writable): check only --cache-dir itself")
 	c.Flags().Int64Var(&maxCache, "max-cache-bytes", 0, "once the file is ready, remove the least recently used others past this many allocated bytes (0: no bound)")
 	c.Flags().StringVar(&qemuDir, "qemu-dir", "", "the cache directory as the target QEMU sees it (a container's mount), for the printed arguments (default --cache-dir)")
 	c.Flags().StringVar(&copyTo, "copy-to", "", "give the VM its own copy of the RAM file in this directory, mapped shared (share=on), so that it can be checkpointed again as a delta on this snapshot; costs a copy of the snapshot's data, and the copy is yours to remove with the VM")

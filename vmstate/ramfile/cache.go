@@ -32,6 +32,11 @@ import (
 // of mode 0444 (ReadOnly).
 type Cache struct {
 	Dir string
+	// PrivateParent says the directories above Dir are not shared with
+	// other users (a pod's own volume, whose root Kubernetes makes
+	// world-writable, seen only by that pod's containers): only Dir itself
+	// is checked then.
+	PrivateParent bool
 	// ReadOnly makes the files it fills mode 0444 rather than 0644: for
 	// QEMUs that open them read-only (8.2 and later, readonly=on), so that
 	// a QEMU running as the cache's user cannot reopen one for writing
@@ -154,6 +159,9 @@ func (c Cache) open() error {
 		}
 		if err != nil {
 			return errcode.Wrap(errcode.Internal, err, "RAM cache %s", d)
+		}
+		if c.PrivateParent && d != dir {
+			continue
 		}
 		if err := safeDir(d, fi, d == dir); err != nil {
 			return err
