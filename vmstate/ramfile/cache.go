@@ -240,6 +240,13 @@ func (c Cache) Fill(ctx context.Context, key digest.Digest, size int64, fill fun
 	if p, ok := c.Get(key, size); ok { // another fill made it meanwhile
 		return p, 0, nil
 	}
+	// Partial files of this key are a killed fill's: nobody else fills it
+	// while we hold its lock.
+	if stale, err := filepath.Glob(filepath.Join(c.Dir, "."+filepath.Base(c.Path(key))+".*")); err == nil {
+		for _, p := range stale {
+			os.Remove(p)
+		}
+	}
 	tmp, err := os.CreateTemp(c.Dir, "."+filepath.Base(c.Path(key))+".*")
 	if err != nil {
 		return "", 0, errcode.Wrap(errcode.Internal, err, "creating a file in the RAM cache %s", c.Dir)

@@ -230,7 +230,14 @@ func TestCacheFillsOnceAndRefusesAForeignDirectory(t *testing.T) {
 	fill := func(f *os.File) (int64, error) {
 		return Materialize(context.Background(), l, repo, f, testSize, MaterializeOptions{})
 	}
+	// A killed fill's partial file goes with the next fill of its key.
+	os.MkdirAll(c.Dir, 0o700)
+	stale := filepath.Join(c.Dir, "."+filepath.Base(c.Path(key))+".12345")
+	os.WriteFile(stale, []byte("partial"), 0o600)
 	p1, n1, err := c.Fill(context.Background(), key, testSize, fill)
+	if _, err := os.Stat(stale); !os.IsNotExist(err) {
+		t.Errorf("a killed fill's partial file is still there: %v", err)
+	}
 	if err != nil || n1 == 0 {
 		t.Fatalf("first fill: %v, fetched %d", err, n1)
 	}
