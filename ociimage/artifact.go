@@ -161,7 +161,7 @@ func PullArtifact(ctx context.Context, repo Repository, artifactType string, con
 			"%s has a config of type %q, not %s; it was not written by this version of vmsnap", ref, m.Config.MediaType, wantConfig)
 	}
 	if err := checkChunkLayers(m.Layers); err != nil {
-		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.Wrap(errcode.InvalidInput, err, "%s", ref)
+		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.Ensure(errcode.InvalidInput, err, "%s", ref)
 	}
 
 	cfg, err := repo.Blob(ctx, m.Config, MaxConfigSize)
@@ -186,6 +186,9 @@ func PullArtifact(ctx context.Context, repo Repository, artifactType string, con
 // memory. Errors are INVALID_INPUT.
 func checkChunkLayers(layers []ocispec.Descriptor) error {
 	for i, l := range layers {
+		if IsEncrypted(l) {
+			return notForTheseKeys(l, nil)
+		}
 		if l.MediaType != MediaTypeChunk {
 			return errcode.New(errcode.InvalidInput, "layer %d has media type %q, not %s", i, l.MediaType, MediaTypeChunk)
 		}
