@@ -113,6 +113,18 @@ type Unwrapper interface {
 	Unwrap() Repository
 }
 
+// Underlying returns the store under any wrappers (Encrypt, Decrypt): the
+// manifests and blobs as stored.
+func Underlying(repo Repository) Repository {
+	for {
+		u, ok := repo.(Unwrapper)
+		if !ok {
+			return repo
+		}
+		repo = u.Unwrap()
+	}
+}
+
 // Decrypting reports whether repo reads encrypted layers as plaintext
 // (Decrypt), so that its manifests differ from the stored ones.
 func Decrypting(repo Repository) bool {

@@ -319,5 +319,3 @@ func checkMAC(k layerKey, ct, want []byte, enc digest.Digest) error {
 	}
 	return nil
 }
-
-

@@ -117,14 +117,7 @@ func Open(ctx context.Context, ref Reference, opts ...Option) (Repository, error
 // (REGISTRY_ERROR) are reported before any work starts, for instance before
 // a VM is stopped. A layout needs no such check.
 func CheckAccess(ctx context.Context, repo Repository) error {
-	for {
-		u, ok := repo.(Unwrapper)
-		if !ok {
-			break
-		}
-		repo = u.Unwrap()
-	}
-	if r, ok := repo.(*Registry); ok {
+	if r, ok := Underlying(repo).(*Registry); ok {
 		return r.checkAccess(ctx)
 	}
 	return ctx.Err()

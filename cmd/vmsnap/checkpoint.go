@@ -63,6 +63,7 @@ type checkpointFlags struct {
 	timeout                           time.Duration
 	stream                            streamFlags
 	registry                          registryFlags
+	encrypt                           encryptFlags
 	agent                             agentFlags
 }
 
@@ -133,6 +134,7 @@ does not fail the checkpoint: "pruned.error" says why.`,
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
 	f.stream.add(c)
 	f.registry.add(c)
+	f.encrypt.add(c)
 	f.agent.add(c)
 	addOutputFlags(c, out, true)
 	return c
@@ -153,6 +155,13 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		return err
 	}
 	format, err := vmstate.ParseFormat(f.format)
+	if err != nil {
+		return err
+	}
+	if f.agent.address != "" && f.encrypt.set() {
+		return errcode.New(errcode.Usage, "--encrypt-recipient and --encrypt-dedup-key apply to a local checkpoint; through --agent, the agent does not encrypt yet")
+	}
+	encrypt, err := f.encrypt.options()
 	if err != nil {
 		return err
 	}
@@ -177,7 +186,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		p := newPhasedProgress(out.stderr)
 		res, err = snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{
 			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: mode,
-			Stream: f.stream.options(), Store: f.registry.options(), Progress: p.update,
+			Stream: f.stream.options(), Store: append(f.registry.options(), encrypt...), Progress: p.update,
 			Format: format, StagingDir: f.stagingDir, Keep: f.keep,
 		})
 		p.finish()
