@@ -115,9 +115,10 @@ func checkKeyType(k any) (crypto.PublicKey, error) {
 }
 
 // LoadDecryptionKey reads a PEM private key (PKCS#8, PKCS#1 or SEC 1) from
-// path. It refuses a file that its group or others may read or write
-// (USAGE: chmod 600 it, or mount the Secret with defaultMode 0400), as ssh
-// refuses such an identity file. Errors never quote the file's content.
+// path. It refuses a file that others may read or write, or its group
+// write (USAGE: chmod 600 it). Group read is allowed: it is how a
+// Kubernetes Secret reaches a container that is not root (defaultMode 0440
+// and the pod's fsGroup). Errors never quote the file's content.
 func LoadDecryptionKey(path string) (DecryptionKey, error) {
 	fi, err := os.Stat(path)
 	if err != nil {
@@ -126,9 +127,8 @@ func LoadDecryptionKey(path string) (DecryptionKey, error) {
 	if !fi.Mode().IsRegular() {
 		return DecryptionKey{}, errcode.New(errcode.Usage, "decryption key %s is not a regular file", path)
 	}
-	if perm := fi.Mode().Perm(); perm&0o077 != 0 {
-		return DecryptionKey{}, errcode.New(errcode.Usage,
-			"decryption key %s has mode %04o: its group or others may read it; chmod 600 it (in Kubernetes, mount the Secret with defaultMode: 0400)", path, perm)
+	if err := checkKeyMode(path, "decryption key", fi.Mode().Perm()); err != nil {
+		return DecryptionKey{}, err
 	}
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -222,9 +222,8 @@ func LoadDedupSecret(path string) ([]byte, error) {
 	if err != nil {
 		return nil, errcode.Wrap(errcode.Usage, err, "dedup key %s", path)
 	}
-	if perm := fi.Mode().Perm(); perm&0o077 != 0 {
-		return nil, errcode.New(errcode.Usage,
-			"dedup key %s has mode %04o: its group or others may read it; chmod 600 it (in Kubernetes, mount the Secret with defaultMode: 0400)", path, perm)
+	if err := checkKeyMode(path, "dedup key", fi.Mode().Perm()); err != nil {
+		return nil, err
 	}
 	b, err := os.ReadFile(path)
 	if err != nil {
@@ -234,6 +233,18 @@ func LoadDedupSecret(path string) ([]byte, error) {
 		return nil, errcode.New(errcode.Usage, "dedup key %s has %d bytes; it needs 32 or more random bytes (openssl rand -out FILE 32)", path, len(b))
 	}
 	return b, nil
+}
+
+// keyModeRefused are the permission bits a secret file must not have:
+// any for others, write for its group.
+const keyModeRefused = 0o027
+
+func checkKeyMode(path, what string, perm os.FileMode) error {
+	if perm&keyModeRefused != 0 {
+		return errcode.New(errcode.Usage,
+			"%s %s has mode %04o: others may read it or its group may change it; chmod 600 it (in Kubernetes, mount the Secret with defaultMode: 0400, or 0440 with the pod's fsGroup)", what, path, perm)
+	}
+	return nil
 }
 
 // keyIDs lists the IDs of keys, sorted, for messages.

@@ -382,16 +382,21 @@ func TestDecryptionKeyFileMode(t *testing.T) {
 	_, err := LoadDecryptionKey(p)
 	wantCode(t, err, errcode.Usage, "chmod 600")
 	noKeyMaterial(t, err.Error(), f)
-	if err := os.Chmod(p, 0o640); err != nil {
-		t.Fatal(err)
+	for _, bad := range []os.FileMode{0o604, 0o660, 0o602} {
+		if err := os.Chmod(p, bad); err != nil {
+			t.Fatal(err)
+		}
+		_, err = LoadDecryptionKey(p)
+		wantCode(t, err, errcode.Usage, "chmod 600")
 	}
-	_, err = LoadDecryptionKey(p)
-	wantCode(t, err, errcode.Usage, "0640")
-	if err := os.Chmod(p, 0o400); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := LoadDecryptionKey(p); err != nil {
-		t.Fatal(err)
+	// Group read is how a Secret reaches a non-root container (fsGroup).
+	for _, good := range []os.FileMode{0o400, 0o600, 0o440, 0o640} {
+		if err := os.Chmod(p, good); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := LoadDecryptionKey(p); err != nil {
+			t.Fatalf("mode %04o: %v", good, err)
+		}
 	}
 	// A public key where a private one belongs: refused without quoting it.
 	pub := filepath.Join(t.TempDir(), "pub")

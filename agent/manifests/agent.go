@@ -36,6 +36,9 @@ const (
 	// and in the restored pod.
 	VolumeRegistryCA = "vmsnap-registry-ca"
 	volLayoutRoot    = "layout-root"
+	// VolumeDecryptionKey is the volume of DecryptionKeySecret, in the
+	// restored pod's init container.
+	VolumeDecryptionKey = "vmsnap-decryption-key"
 )
 
 // AgentCapability is the only capability the agent keeps. Root without it
@@ -115,6 +118,20 @@ func registryCAVolume(o Options) corev1.Volume {
 		ConfigMap: &corev1.ConfigMapVolumeSource{
 			LocalObjectReference: corev1.LocalObjectReference{Name: o.RegistryCAConfigMap},
 			Items:                []corev1.KeyToPath{{Key: RegistryCAKey, Path: RegistryCAKey}},
+		},
+	}}
+}
+
+// decryptionKeyVolume mounts DecryptionKeySecret's key.pem with mode 0440:
+// readable by root and by the pod's fsGroup, which Kubernetes adds to
+// every container's groups, never by others (vmsnap refuses a key file
+// others may read).
+func decryptionKeyVolume(o Options) corev1.Volume {
+	return corev1.Volume{Name: VolumeDecryptionKey, VolumeSource: corev1.VolumeSource{
+		Secret: &corev1.SecretVolumeSource{
+			SecretName:  o.DecryptionKeySecret,
+			Items:       []corev1.KeyToPath{{Key: DecryptionKeyName, Path: DecryptionKeyName}},
+			DefaultMode: ptr(int32(0o440)),
 		},
 	}}
 }

@@ -82,6 +82,11 @@ const (
 	// RegistryConfigDir is where the registry credentials secret is mounted
 	// (DOCKER_CONFIG): it holds config.json, the secret's .dockerconfigjson.
 	RegistryConfigDir = "/etc/vmsnap/registry"
+	// DecryptionKeyDir is where DecryptionKeySecret is mounted in the restore
+	// init container; its key DecryptionKeyName is passed as
+	// --decryption-key.
+	DecryptionKeyDir  = "/etc/vmsnap/decryption"
+	DecryptionKeyName = "key.pem"
 	// TerminationLog is where the checkpoint Job writes its result JSON.
 	TerminationLog = "/dev/termination-log"
 )
@@ -127,6 +132,13 @@ type Options struct {
 	// pod's namespace: create it there too), passed as --ca-file. Empty:
 	// the system's roots.
 	RegistryCAConfigMap string
+	// DecryptionKeySecret names a Secret whose key key.pem is the PEM
+	// private key that decrypts encrypted snapshots (README "Encryption").
+	// It is mounted in the restore init container only, mode 0440 (group
+	// read: the container is not root, so the restored pod needs an
+	// fsGroup, which RestorePod sets), and passed as --decryption-key.
+	// Empty: snapshots are not encrypted.
+	DecryptionKeySecret string
 
 	// The agent's policy (vmsnap agent flags), passed through:
 	// AllowRepositories are the registry targets (HOST[:PORT]/PREFIX) the
@@ -355,6 +367,9 @@ func (o Options) Validate() error {
 	}
 	if o.RegistryCAConfigMap != "" && (len(o.RegistryCAConfigMap) > 253 || !dnsLabel.MatchString(strings.ReplaceAll(o.RegistryCAConfigMap, ".", "-"))) {
 		bad("RegistryCAConfigMap %q is not a ConfigMap name", o.RegistryCAConfigMap)
+	}
+	if o.DecryptionKeySecret != "" && (len(o.DecryptionKeySecret) > 253 || !dnsLabel.MatchString(strings.ReplaceAll(o.DecryptionKeySecret, ".", "-"))) {
+		bad("DecryptionKeySecret %q is not a Secret name", o.DecryptionKeySecret)
 	}
 	for _, r := range o.AllowRepositories {
 		if r == "" || strings.ContainsAny(r, " \t\n@") || strings.Contains(r, "://") || !strings.Contains(r, "/") {

@@ -404,6 +404,12 @@ func restoreDoc(o Options) document {
 	if o.RegistryCAConfigMap != "" {
 		notes = append(notes, note{"- configMap:", "The registry's private CA (ca.pem) from ConfigMap " + o.RegistryCAConfigMap + ", passed as --ca-file; create it in the pod's namespace."})
 	}
+	if o.DecryptionKeySecret != "" {
+		notes = append(notes,
+			note{"secretName: " + o.DecryptionKeySecret, "The snapshots' decryption key (key.pem), passed as --decryption-key; create it in the pod's namespace."},
+			note{"defaultMode: 288", "0440: root and the pod's fsGroup may read the key, others not (vmsnap refuses that)."},
+			note{"fsGroup:", "The init container is not root: the key file's group lets it read the 0440 file."})
+	}
 	if !o.RestoreViaAgent {
 		notes = append(notes, note{"sizeLimit: " + o.RestoreStateSizeLimit.String(), "The staged VM state (compressed); the pod is evicted past this."})
 	}
