@@ -159,7 +159,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		return err
 	}
 	if f.agent.address != "" && f.encrypt.set() {
-		return errcode.New(errcode.Usage, "--encrypt-recipient and --encrypt-dedup-key apply to a local checkpoint; through --agent, the agent does not encrypt yet")
+		return errcode.New(errcode.Usage, "through --agent, the agent encrypts for the recipients of its own --encrypt-recipient (the operator's policy): drop --encrypt-recipient and --encrypt-dedup-key here")
 	}
 	encrypt, err := f.encrypt.options()
 	if err != nil {
