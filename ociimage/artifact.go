@@ -186,10 +186,9 @@ func PullArtifact(ctx context.Context, repo Repository, artifactType string, con
 // memory. Errors are INVALID_INPUT.
 func checkChunkLayers(layers []ocispec.Descriptor) error {
 	for i, l := range layers {
-		if IsEncrypted(l) {
-			return notForTheseKeys(l, nil)
-		}
-		if l.MediaType != MediaTypeChunk {
+		// An encrypted chunk is a chunk: its config is readable without a
+		// key (inspect); reading its bytes needs one (CheckDecrypted).
+		if l.MediaType != MediaTypeChunk && l.MediaType != MediaTypeChunk+MediaTypeEncryptedSuffix {
 			return errcode.New(errcode.InvalidInput, "layer %d has media type %q, not %s", i, l.MediaType, MediaTypeChunk)
 		}
 		if l.Size < 0 || l.Size > MaxChunkSize {

@@ -199,10 +199,15 @@ func TestDecryptWrongAndMissingKey(t *testing.T) {
 	desc, _, _ := pushEncrypted(t, enc, randomChunks(2, 1000))
 	ref := Reference{Layout: dir}.WithDigest(desc.Digest)
 
-	// Missing: no key given at all.
+	// Missing: no key given at all. The config is readable (inspect);
+	// the layers are refused before any is fetched.
 	repo, _ := Open(t.Context(), ref)
 	var cfg testConfig
-	_, _, err = PullArtifact(t.Context(), repo, ArtifactTypeVMState, &cfg)
+	_, m, err := PullArtifact(t.Context(), repo, ArtifactTypeVMState, &cfg)
+	if err != nil || cfg.Machine != "pc" {
+		t.Fatalf("reading the config of an encrypted image without a key: %v", err)
+	}
+	err = CheckDecrypted(m.Layers)
 	wantCode(t, err, errcode.AuthFailed, "encrypted")
 	if !strings.Contains(err.Error(), f.rcpt[0].ID) || !strings.Contains(err.Error(), "no decryption key was given") {
 		t.Fatalf("error %q should name the recipient %s", err, f.rcpt[0].ID)

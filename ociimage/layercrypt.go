@@ -150,6 +150,18 @@ func IsEncrypted(l ocispec.Descriptor) bool {
 	return strings.HasSuffix(l.MediaType, MediaTypeEncryptedSuffix)
 }
 
+// CheckDecrypted refuses layers that are still encrypted (the repository
+// was opened without a key that opens them) with AUTH_FAILED, naming the
+// keys they are encrypted for: what a reader checks before fetching any.
+func CheckDecrypted(layers []ocispec.Descriptor) error {
+	for _, l := range layers {
+		if IsEncrypted(l) {
+			return notForTheseKeys(l, nil)
+		}
+	}
+	return nil
+}
+
 // EncryptedFor lists the KeyIDs an encrypted layer's key is wrapped for, as
 // its JWE headers name them ("kid"; a recipient without one is listed by
 // its algorithm). Nothing secret is needed to read them.

@@ -8,12 +8,15 @@ import (
 // InspectResult is what vmsnap inspect prints: one image, and for a VM
 // state image the images of its checkpoint.
 type InspectResult struct {
-	Image        string              `json:"image"`
-	Digest       string              `json:"digest"`
-	ArtifactType string              `json:"artifactType"`
-	Chunks       int                 `json:"chunks"`
-	StoredBytes  int64               `json:"storedBytes"`
-	Annotations  map[string]string   `json:"annotations,omitempty"`
+	Image        string            `json:"image"`
+	Digest       string            `json:"digest"`
+	ArtifactType string            `json:"artifactType"`
+	Chunks       int               `json:"chunks"`
+	StoredBytes  int64             `json:"storedBytes"`
+	Annotations  map[string]string `json:"annotations,omitempty"`
+	// EncryptedFor lists the key IDs an encrypted image's layers are
+	// encrypted for (README "Encryption"); empty for a plaintext image.
+	EncryptedFor []string            `json:"encryptedFor,omitempty"`
 	VMState      *vmstate.Config     `json:"vmstate,omitempty"`
 	Disk         *overlay.DiskConfig `json:"disk,omitempty"`
 	// Checkpoint lists, for a VM state image, the images of its checkpoint

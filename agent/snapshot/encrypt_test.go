@@ -42,6 +42,14 @@ func TestStageEncrypted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Inspect needs no key, and says for whom the image is encrypted.
+	ins, err := Inspect(context.Background(), InspectSpec{Image: res.VMState.Image})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ins.EncryptedFor) != 1 || ins.EncryptedFor[0] != r.ID || ins.VMState == nil {
+		t.Fatalf("inspect: encrypted for %v, want [%s]", ins.EncryptedFor, r.ID)
+	}
 	dir := filepath.Join(t.TempDir(), "staged")
 	_, err = Stage(context.Background(), StageSpec{Image: res.VMState.Image, Dir: dir})
 	if !errcode.Is(err, errcode.AuthFailed) {

@@ -2,6 +2,7 @@ package snapshot
 
 import (
 	"context"
+	"slices"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
@@ -55,6 +56,11 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 	}
 	for _, l := range m.Layers {
 		doc.StoredBytes += l.Size
+		for _, id := range ociimage.EncryptedFor(l) {
+			if !slices.Contains(doc.EncryptedFor, id) {
+				doc.EncryptedFor = append(doc.EncryptedFor, id)
+			}
+		}
 	}
 	pinned, err := ociimage.Open(ctx, ref.WithDigest(desc.Digest), opts...)
 	if err != nil {
@@ -62,7 +68,14 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 	}
 	switch m.ArtifactType {
 	case ociimage.ArtifactTypeVMState:
-		_, _, cfg, err := vmstate.LoadConfig(ctx, pinned)
+		var cfg vmstate.Config
+		if len(doc.EncryptedFor) > 0 {
+			// Without a key the chunks cannot be checked, but the config is
+			// plaintext.
+			_, _, err = ociimage.PullArtifact(ctx, pinned, ociimage.ArtifactTypeVMState, &cfg)
+		} else {
+			_, _, cfg, err = vmstate.LoadConfig(ctx, pinned)
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -94,7 +107,12 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 			}
 		}
 	case ociimage.ArtifactTypeDisk:
-		_, _, cfg, err := overlay.LoadDiskConfig(ctx, pinned)
+		var cfg overlay.DiskConfig
+		if len(doc.EncryptedFor) > 0 {
+			_, _, err = ociimage.PullArtifact(ctx, pinned, ociimage.ArtifactTypeDisk, &cfg)
+		} else {
+			_, _, cfg, err = overlay.LoadDiskConfig(ctx, pinned)
+		}
 		if err != nil {
 			return nil, err
 		}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -75,6 +76,9 @@ func printInspect(w io.Writer, d *api.InspectResult, indent string) {
 	}
 	fmt.Fprintf(w, "%simage:   %s\n", indent, d.Image)
 	fmt.Fprintf(w, "%schunks:  %d, %s stored\n", indent, d.Chunks, humanBytes(d.StoredBytes))
+	if len(d.EncryptedFor) > 0 {
+		fmt.Fprintf(w, "%sencrypted for: %s (restore needs --decryption-key with one of their private keys)\n", indent, strings.Join(d.EncryptedFor, ", "))
+	}
 	if c := d.VMState; c != nil {
 		r := c.Record
 		fmt.Fprintf(w, "%skind:    VM state (mode %s, taken %s)\n", indent, c.Mode, c.Created.Format("2006-01-02 15:04:05Z"))
