@@ -111,15 +111,24 @@ func (e *encrypting) AddBlob(ctx context.Context, desc ocispec.Descriptor, data 
 		if err != nil {
 			return ocispec.Descriptor{}, false, err
 		}
-		ct := make([]byte, len(data))
-		k.xorAt(ct, data, 0)
+		ct := getBuffer(len(data))
+		defer putBuffer(ct)
 		h, m := sha256.New(), k.mac()
-		h.Write(ct)
-		m.Write(ct)
+		s := k.stream()
+		// Block by block, so that each block is hashed twice while it is
+		// still in the cache.
+		for off := 0; off < len(data); off += cryptBlock {
+			b := ct[off:min(off+cryptBlock, len(data))]
+			s.XORKeyStream(b, data[off:off+len(b)])
+			h.Write(b)
+			m.Write(b)
+		}
 		enc, err := e.describe(k, desc, h, m.Sum(nil))
 		if err != nil {
 			return enc, false, err
 		}
+		// The store does not keep ct once the put returns (the
+		// Repository contract), so its buffer is reused.
 		sent, err := addBlob(ctx, e.Repository, enc, ct)
 		return enc, sent, err
 	})
@@ -257,6 +266,22 @@ func addBlob(ctx context.Context, repo Repository, desc ocispec.Descriptor, data
 	}
 	return true, repo.PutBlob(ctx, desc, data)
 }
+
+// cryptBlock is how much is encrypted before it is hashed.
+const cryptBlock = 256 << 10
+
+// buffers recycles ciphertext buffers: a checkpoint encrypts its whole
+// stream chunk by chunk, and fresh buffers would cost page faults and GC.
+var buffers sync.Pool
+
+func getBuffer(n int) []byte {
+	if b, ok := buffers.Get().(*[]byte); ok && cap(*b) >= n {
+		return (*b)[:n]
+	}
+	return make([]byte, n)
+}
+
+func putBuffer(b []byte) { buffers.Put(&b) }
 
 // ctrReaderAt is a layer's ciphertext, read from its plaintext at any
 // offset.

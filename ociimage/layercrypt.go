@@ -107,6 +107,9 @@ func (k layerKey) xorAt(dst, src []byte, off int64) {
 	s.XORKeyStream(dst, src)
 }
 
+// stream is the key stream from offset 0.
+func (k layerKey) stream() cipher.Stream { return cipher.NewCTR(k.block, k.nonce) }
+
 func (k layerKey) mac() hash.Hash { return hmac.New(sha256.New, k.key) }
 
 // annotations wraps the layer's key for every recipient and returns the
@@ -260,21 +263,17 @@ func (w wrappedKey) unwrap(keys []DecryptionKey) (privateOpts, bool) {
 }
 
 // decryptLayer unwraps an encrypted layer's key with keys and returns it
-// with the layer's plaintext descriptor and expected HMAC. A layer no key
+// with the layer's plaintext descriptor. A layer no key
 // opens is AUTH_FAILED, naming the keys it is encrypted for and those given.
-func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey) (ocispec.Descriptor, layerKey, []byte, error) {
+func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey) (ocispec.Descriptor, layerKey, error) {
 	pubData, err := base64.StdEncoding.DecodeString(l.Annotations[AnnotationEncPubOpts])
 	var pub publicOpts
 	if err == nil {
 		err = json.Unmarshal(pubData, &pub)
 	}
 	if err != nil || pub.CipherType != cipherAES256CTR {
-		return ocispec.Descriptor{}, layerKey{}, nil, errcode.New(errcode.InvalidInput,
+		return ocispec.Descriptor{}, layerKey{}, errcode.New(errcode.InvalidInput,
 			"encrypted layer %s: its cipher (%s) is not %s, the one vmsnap reads", l.Digest, AnnotationEncPubOpts, cipherAES256CTR)
-	}
-	mac := pub.Hmac
-	if mac == nil {
-		mac = pub.CipherOptions["hmac"]
 	}
 	for _, w := range wrappedKeys(l) {
 		p, ok := w.unwrap(keys)
@@ -283,10 +282,10 @@ func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey) (ocispec.Descripto
 		}
 		k, err := makeLayerKey(p.SymmetricKey, p.CipherOptions["nonce"])
 		if err != nil {
-			return ocispec.Descriptor{}, layerKey{}, nil, err
+			return ocispec.Descriptor{}, layerKey{}, err
 		}
 		if _, err := parseDigest(string(p.Digest)); err != nil {
-			return ocispec.Descriptor{}, layerKey{}, nil, errcode.New(errcode.InvalidInput, "encrypted layer %s: its wrapped plaintext digest is invalid", l.Digest)
+			return ocispec.Descriptor{}, layerKey{}, errcode.New(errcode.InvalidInput, "encrypted layer %s: its wrapped plaintext digest is invalid", l.Digest)
 		}
 		plain := ocispec.Descriptor{
 			MediaType: strings.TrimSuffix(l.MediaType, MediaTypeEncryptedSuffix),
@@ -300,9 +299,9 @@ func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey) (ocispec.Descripto
 				plain.Annotations[a] = v
 			}
 		}
-		return plain, k, mac, nil
+		return plain, k, nil
 	}
-	return ocispec.Descriptor{}, layerKey{}, nil, notForTheseKeys(l, keys)
+	return ocispec.Descriptor{}, layerKey{}, notForTheseKeys(l, keys)
 }
 
 // notForTheseKeys is the AUTH_FAILED of an encrypted layer that none of
@@ -320,14 +319,4 @@ func notForTheseKeys(l ocispec.Descriptor, keys []DecryptionKey) error {
 	return errcode.New(errcode.AuthFailed,
 		"the image is encrypted (layer %s) for the keys %s; none of the decryption keys given (%s) opens it: give the private key of one of them (%s)",
 		l.Digest, for_, strings.Join(keyIDs(keys), ", "), errcode.Field("decryptionKey"))
-}
-
-// checkMAC compares the ciphertext's HMAC with the expected one.
-func checkMAC(k layerKey, ct, want []byte, enc digest.Digest) error {
-	m := k.mac()
-	m.Write(ct)
-	if !hmac.Equal(m.Sum(nil), want) {
-		return errcode.New(errcode.AuthFailed, "encrypted layer %s fails its HMAC check: it was altered, or its key does not belong to it", enc)
-	}
-	return nil
 }
