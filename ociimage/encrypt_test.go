@@ -25,7 +25,7 @@ import (
 
 // testKeyPair writes a private key (mode 0600) and its public key as PEM
 // files in dir and returns their paths.
-func testKeyPair(t *testing.T, dir, name string, ec bool) (priv, pub string) {
+func testKeyPair(t testing.TB, dir, name string, ec bool) (priv, pub string) {
 	t.Helper()
 	var k any
 	var err error
@@ -62,7 +62,7 @@ type encFixture struct {
 	privPath []string
 }
 
-func newEncFixture(t *testing.T, n int) encFixture {
+func newEncFixture(t testing.TB, n int) encFixture {
 	t.Helper()
 	f := encFixture{dir: t.TempDir()}
 	for i := range n {
