@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"os"
 	"path"
 	"time"
 
@@ -27,6 +28,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
 		// gets it as a descriptor, so its container need not see the path).
 		StagingDir: s.cfg.StateDir,
+		Parent:     req.Parent, MaxChain: req.MaxChain,
 	}
 	// Retention after the checkpoint: the request's, else the agent's
 	// default. It runs below, once the success is journaled.
@@ -50,6 +52,13 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	// From here the operation uses the files the resolver opened, never the
 	// paths; the container's paths name them in messages and annotations.
 	spec.Handles = &vm.Handles
+	if spec.Handles.OpenRAMFile == nil {
+		// Never the host path QEMU names: only a resolver that opens it
+		// within the VM's container may give a RAM file.
+		spec.Handles.OpenRAMFile = func(memPath string) (*os.File, error) {
+			return nil, errcode.New(errcode.Forbidden, "the VM's RAM is the file %s, which this agent's resolver cannot open within the VM's container: checkpoint it with format stream", memPath)
+		}
+	}
 	if spec.DiskPath != "" {
 		spec.DiskPath = path.Clean(spec.DiskPath)
 	}

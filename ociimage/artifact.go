@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"strings"
 
 	"github.com/google/go-containerregistry/pkg/v1/types"
 	"github.com/opencontainers/go-digest"
@@ -182,13 +183,17 @@ func PullArtifact(ctx context.Context, repo Repository, artifactType string, con
 	return desc, m, nil
 }
 
-// checkChunkLayers checks that every layer is a chunk vmsnap can hold in
-// memory. Errors are INVALID_INPUT.
+// checkChunkLayers checks that every layer is a blob of vmsnap's (a
+// stream's chunk or a RAM file's region or page map) that vmsnap can hold
+// in memory. Errors are INVALID_INPUT.
 func checkChunkLayers(layers []ocispec.Descriptor) error {
 	for i, l := range layers {
-		// An encrypted chunk is a chunk: its config is readable without a
-		// key (inspect); reading its bytes needs one (CheckDecrypted).
-		if l.MediaType != MediaTypeChunk && l.MediaType != MediaTypeChunk+MediaTypeEncryptedSuffix {
+		// An encrypted layer is checked as its plaintext kind: its config
+		// is readable without a key (inspect); reading its bytes needs one
+		// (CheckDecrypted).
+		switch strings.TrimSuffix(l.MediaType, MediaTypeEncryptedSuffix) {
+		case MediaTypeChunk, MediaTypeRAMRegion, MediaTypeRAMPageMap:
+		default:
 			return errcode.New(errcode.InvalidInput, "layer %d has media type %q, not %s", i, l.MediaType, MediaTypeChunk)
 		}
 		if l.Size < 0 || l.Size > MaxChunkSize {

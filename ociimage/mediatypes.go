@@ -15,12 +15,26 @@ const (
 	// MediaTypeChunk is one zstd-compressed chunk of a byte stream; the
 	// stream is the concatenation of the layers in manifest order.
 	MediaTypeChunk = "application/vnd.vmsnap.chunk.v1.raw+zstd"
+	// MediaTypeRAMRegion is one region of a VM's RAM file (the memory-file
+	// format, package vmstate/ramfile): the region's offset, a bitmap of
+	// the pages it holds and those pages, zstd-compressed. Region layers
+	// apply in manifest order, a delta's after its parent's.
+	MediaTypeRAMRegion = "application/vnd.vmsnap.ram.region.v1+zstd"
+	// MediaTypeRAMPageMap is a piece of a RAM file's page map: a 64-bit
+	// hash per page (0 for a zero page), zstd-compressed, from which the
+	// next checkpoint finds the pages that changed.
+	MediaTypeRAMPageMap = "application/vnd.vmsnap.ram.pagemap.v1+zstd"
 
 	// AnnotationRawSize on a chunk layer: its size after decompression.
 	// Decompression refuses to produce more.
 	AnnotationRawSize = "dev.vmsnap.chunk.raw-size"
 	// AnnotationRawOffset on a chunk layer: where its bytes start in the stream.
 	AnnotationRawOffset = "dev.vmsnap.chunk.raw-offset"
+	// AnnotationRAMOffset on a RAM region layer: the region's offset in
+	// the RAM file, a multiple of the region size.
+	AnnotationRAMOffset = "dev.vmsnap.ram.offset"
+	// AnnotationRAMFirstPage on a page map layer: the first page it covers.
+	AnnotationRAMFirstPage = "dev.vmsnap.ram.first-page"
 
 	// Manifest annotations for people and for linking the images of one checkpoint.
 	AnnotationMode        = "dev.vmsnap.mode"

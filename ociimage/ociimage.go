@@ -59,3 +59,21 @@ type Repository interface {
 	// with its artifact type and annotations. None is not an error.
 	Referrers(ctx context.Context, desc ocispec.Descriptor) ([]ocispec.Descriptor, error)
 }
+
+// Pinned is repo seen through a reference pinned to the manifest desc
+// names: Reference carries desc's digest and Resolve returns desc, without
+// a request. Everything else is repo's.
+func Pinned(repo Repository, desc ocispec.Descriptor) Repository {
+	return pinned{Repository: repo, desc: desc}
+}
+
+type pinned struct {
+	Repository
+	desc ocispec.Descriptor
+}
+
+func (p pinned) Reference() Reference {
+	return p.Repository.Reference().WithDigest(p.desc.Digest)
+}
+
+func (p pinned) Resolve(context.Context) (ocispec.Descriptor, error) { return p.desc, nil }

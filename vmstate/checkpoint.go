@@ -12,6 +12,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/qmp"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
@@ -53,6 +54,10 @@ type Config struct {
 	// DataBytes is, for a mapped-ram file, how much of RawBytes is data
 	// rather than holes: the space a restore needs to stage it.
 	DataBytes int64 `json:"dataBytes,omitempty"`
+	// RAM is, for FormatMemoryFile, the RAM file beside the device state
+	// (RawBytes): its size and the chain of checkpoints its layers
+	// come from.
+	RAM *RAMConfig `json:"ram,omitempty"`
 }
 
 // CheckpointOptions tunes Checkpoint. The zero value is a pause-mode
@@ -79,9 +84,21 @@ type CheckpointOptions struct {
 	// Format is how the state is captured: FormatAuto (the zero value),
 	// FormatStream or FormatMappedRAM (see mappedram.go).
 	Format Format
-	// StagingDir is where a mapped-ram checkpoint has QEMU write its file
-	// (default $TMPDIR).
+	// StagingDir is where a mapped-ram checkpoint has QEMU write its file,
+	// and where a memory-file checkpoint sets the changed pages aside
+	// while the VM is stopped (default $TMPDIR).
 	StagingDir string
+	// Parent, for FormatMemoryFile, is the manifest (in the same
+	// repository) whose RAM file this checkpoint stores the changes to.
+	// Nil: the manifest the reference's tag names, if it can be one.
+	Parent *ocispec.Descriptor
+	// MaxChain is how many deltas a chain may hold (DefaultMaxChain if 0):
+	// past it, the checkpoint is a fresh base.
+	MaxChain int
+	// OpenRAMFile opens the VM's RAM file, the mem-path QEMU reports, for
+	// reading (default os.Open). The agent opens it within the VM's
+	// container, never by a host path QEMU names.
+	OpenRAMFile func(memPath string) (*os.File, error)
 }
 
 // Link ties the state manifest to an image stored beside it (the disk
@@ -114,6 +131,8 @@ type CheckpointResult struct {
 	Downtime  time.Duration
 	Durations Durations
 	VMRunning bool // the source's state when Checkpoint returned
+	// RAMParentNote says, for a memory-file base, why it has no parent.
+	RAMParentNote string
 }
 
 // cleanupTimeout bounds what we do to put a VM back after a failure, even
@@ -167,8 +186,11 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	if err != nil {
 		return nil, err
 	}
-	if format == FormatMappedRAM {
+	switch format {
+	case FormatMappedRAM:
 		return checkpointMappedRAM(ctx, mon, repo, opts, st, res, start)
+	case FormatMemoryFile:
+		return checkpointMemoryFile(ctx, mon, repo, opts, st, res, start)
 	}
 
 	stoppedMemory := int64(0) // the VM will not run during the migration
@@ -183,27 +205,41 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 
 	sub := mon.Subscribe()
 	defer sub.Close()
-
-	r, w, err := os.Pipe()
-	if err != nil {
-		return res, errcode.Wrap(errcode.Internal, err, "creating the migration pipe")
-	}
-	defer r.Close()
-	growPipe(r)
-	fdName, err := passFile(ctx, mon, w)
-	w.Close() // QEMU holds its own copy now
+	save, closeStream, err := streamSaver(ctx, mon, g, sub, repo, opts, res)
+	defer closeStream()
 	if err != nil {
 		return res, err
 	}
+	err = stopAndSave(ctx, mon, g, repo, opts, res, start, save, nil)
+	return res, err
+}
+
+// streamSaver readies a checkpoint's migration into a pipe that the chunk
+// codec reads: save runs the migration and stores the stream's chunks into
+// res.Stream (the whole state for the stream format, the device state for
+// the memory-file format). Defer closeStream, even with an error.
+func streamSaver(ctx context.Context, mon Monitor, g *sourceGuard, sub *qmp.Subscription, repo ociimage.Repository, opts CheckpointOptions, res *CheckpointResult) (save func(context.Context) error, closeStream func(), err error) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, func() {}, errcode.Wrap(errcode.Internal, err, "creating the migration pipe")
+	}
+	growPipe(r)
+	fdName, err := passFile(ctx, mon, w)
+	w.Close() // QEMU holds its own copy now
 	fdTaken := false
-	defer func() {
-		if !fdTaken { // migrate never took it: QEMU would keep it open forever
+	closeStream = func() {
+		r.Close()
+		if err == nil && !fdTaken { // migrate never took it: QEMU would keep it open forever
 			cctx, cancel := g.cleanupCtx(5 * time.Second)
 			_ = mon.Execute(cctx, "closefd", map[string]string{"fdname": fdName}, nil)
 			cancel()
 		}
-	}()
-	save := func(ctx context.Context) error {
+	}
+	if err != nil {
+		return nil, closeStream, err
+	}
+	record := res.Config.Record
+	save = func(ctx context.Context) error {
 		streamStart := time.Now()
 		streamCtx, stopStream := context.WithCancel(ctx)
 		defer stopStream()
@@ -266,8 +302,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 		res.Config.RawBytes = res.Stream.RawBytes
 		return nil
 	}
-	err = stopAndSave(ctx, mon, g, repo, opts, res, start, save, nil)
-	return res, err
+	return save, closeStream, nil
 }
 
 // stopAndSave is a checkpoint's one sequence, for both formats, once the
@@ -422,6 +457,9 @@ type migrationSettings struct {
 	// mappedRAM turns on mapped-ram and multifd (and, on the source, sets
 	// multifd-channels): a migration into or from a file (mappedram.go).
 	mappedRAM bool
+	// ignoreShared turns on x-ignore-shared: a shared RAM file's pages
+	// stay out of the migration (memfile.go).
+	ignoreShared bool
 }
 
 // prepareMigration makes the next migration a plain precopy stream into one
@@ -472,6 +510,8 @@ func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (
 			want = set.background && set.source
 		case capMappedRAM, capMultifd:
 			want = set.mappedRAM
+		case capIgnoreShared:
+			want = set.ignoreShared
 		}
 		if c.State != want {
 			change = append(change, map[string]any{"capability": c.Capability, "state": want})

@@ -78,15 +78,28 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 	explicit := false
 	switch opts.Format {
 	case "", FormatAuto:
+		// A shared RAM file is read by vmsnap whatever the QEMU: the
+		// device state alone goes through QEMU's stream.
+		if opts.Mode != ModeLive && record.RAM.fileShared() {
+			return FormatMemoryFile, nil
+		}
 	case FormatStream:
 		return FormatStream, nil
+	case FormatMemoryFile:
+		switch {
+		case opts.Mode == ModeLive:
+			return "", errcode.New(errcode.Usage, "the memory-file format reads the RAM file of a stopped VM: live mode keeps the VM running and needs the stream format (use %s auto or stream)", errcode.Field("format"))
+		case !record.RAM.fileShared():
+			return "", errcode.New(errcode.Usage, "the memory-file format needs the VM's RAM in a shared file, and this VM's is not one: start QEMU with -object memory-backend-file,id=ram0,mem-path=FILE,share=on,size=SIZE -machine memory-backend=ram0 (FILE on tmpfs or hugetlbfs), or use %s auto or stream", errcode.Field("format"))
+		}
+		return FormatMemoryFile, nil
 	case FormatMappedRAM:
 		if opts.Mode == ModeLive {
 			return "", errcode.New(errcode.Usage, "the mapped-ram format captures a stopped VM: live mode keeps the VM running and needs the stream format (use %s auto or stream)", errcode.Field("format"))
 		}
 		explicit = true
 	default:
-		return "", errcode.New(errcode.Usage, "unknown state format %q: use auto, stream or mapped-ram", opts.Format)
+		return "", errcode.New(errcode.Usage, "unknown state format %q: use auto, stream, mapped-ram or memory-file", opts.Format)
 	}
 	// auto picks mapped-ram for snapshot mode only, where it wins: the VM
 	// runs again once QEMU has written the file, before the upload. In

@@ -42,6 +42,11 @@ type Record struct {
 	// not give (QEMU filtered them out), likewise. Not compared: they only
 	// explain a difference of CPUFeatures.
 	CPUFiltered map[string]uint32 `json:"cpuFiltered,omitempty"`
+
+	// RAM is the memory backend the machine's RAM lives in, if it names
+	// one (-machine memory-backend=ID): QEMU migrates its pages under that
+	// ID. Nil for a plain -m, and in records from before vmsnap read it.
+	RAM *RAMBackend `json:"ramBackend,omitempty"`
 }
 
 // Block is one block device as the guest sees it. File names are left out:
@@ -124,6 +129,10 @@ func ReadRecord(ctx context.Context, mon Executor) (Record, error) {
 		return r, err
 	}
 	r.Blocks = blocks
+
+	if r.RAM, err = readRAMBackend(ctx, mon); err != nil {
+		return r, err
+	}
 	return r, nil
 }
 
@@ -397,6 +406,14 @@ func Compare(src, target Record) []string {
 		}
 		if slices.Equal(src.Devices, target.Devices) {
 			diffs = append(diffs, "PCI device list digest differs")
+		}
+	}
+	if src.RAM != nil {
+		switch {
+		case target.RAM == nil:
+			diffs = append(diffs, fmt.Sprintf("memory backend: snapshot's RAM is in backend %s, target names none (-machine memory-backend=%s)", quote(src.RAM.ID), src.RAM.ID))
+		case target.RAM.ID != src.RAM.ID:
+			differ("memory backend ID", src.RAM.ID, target.RAM.ID)
 		}
 	}
 	srcBlocks := map[string]Block{}

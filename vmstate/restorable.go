@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 
+	"github.com/opencontainers/go-digest"
+
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -11,9 +13,16 @@ import (
 // for a mapped-ram image, the target's mapped-ram capability, so that a
 // QEMU that cannot load the file is refused with every difference at once
 // and before anything is fed. A stream image costs no QMP command more.
-func checkRestorable(ctx context.Context, mon Executor, cfg Config, target Record) error {
+func checkRestorable(ctx context.Context, mon Executor, cfg Config, manifest digest.Digest, target Record) error {
 	diffs := Compare(cfg.Record, target)
 	format := ""
+	if cfg.Format == FormatMemoryFile {
+		more, err := checkMemoryFileTarget(ctx, mon, cfg, manifest, target)
+		if err != nil {
+			return err
+		}
+		diffs = append(diffs, more...)
+	}
 	if cfg.Format == FormatMappedRAM {
 		caps, err := migrationCapabilities(ctx, mon)
 		if err != nil {

@@ -57,11 +57,15 @@ func LoadConfig(ctx context.Context, repo ociimage.Repository) (ocispec.Descript
 	if err := cfg.checkSize(); err != nil {
 		return desc, m, cfg, err
 	}
-	total, err := chunk.ValidateLayers(m.Layers)
+	stream, _, err := cfg.checkRAM(m.Layers)
 	if err != nil {
 		return desc, m, cfg, err
 	}
-	if len(m.Layers) == 0 {
+	total, err := chunk.ValidateLayers(stream)
+	if err != nil {
+		return desc, m, cfg, err
+	}
+	if len(stream) == 0 {
 		return desc, m, cfg, errcode.New(errcode.InvalidInput, "the image holds no VM state chunks")
 	}
 	if total != cfg.RawBytes {
@@ -96,13 +100,19 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	if err != nil {
 		return nil, errcode.Ensure(errcode.QMPError, err, "reading the waiting QEMU's compatibility record")
 	}
-	if err := checkRestorable(ctx, mon, res.Config, target); err != nil {
+	if err := checkRestorable(ctx, mon, res.Config, res.Manifest.Digest, target); err != nil {
 		return nil, err
 	}
 	if res.Config.Format == FormatMappedRAM {
 		return restoreMappedRAM(ctx, mon, repo, m.Layers, opts, res, start)
 	}
-	if _, err := prepareMigration(ctx, mon, migrationSettings{}); err != nil {
+	// A memory-file image's RAM is the file the target maps (Prepare):
+	// only the device state goes through the stream.
+	stream, _, err := res.Config.checkRAM(m.Layers)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := prepareMigration(ctx, mon, migrationSettings{ignoreShared: res.Config.Format == FormatMemoryFile}); err != nil {
 		// A target is discarded on failure: its settings need no undo.
 		return nil, err
 	}
@@ -131,7 +141,7 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	}}
 	// A QEMU that stops reading must not hold us past the caller's deadline.
 	unblock := context.AfterFunc(ctx, func() { _ = w.SetWriteDeadline(time.Unix(1, 0)) })
-	res.RawBytes, err = chunk.DecodeStream(ctx, m.Layers, repo, in, opts.Stream)
+	res.RawBytes, err = chunk.DecodeStream(ctx, stream, repo, in, opts.Stream)
 	unblock()
 	w.Close() // end of stream for QEMU: it loads what it has and finishes or fails
 	if !in.started {

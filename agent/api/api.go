@@ -29,16 +29,58 @@ type CheckpointResult struct {
 
 // VMStateResult describes a stored VM state image.
 type VMStateResult struct {
-	Image         string             `json:"image"` // REF@sha256:...
-	Digest        string             `json:"digest"`
-	RawBytes      int64              `json:"rawBytes"`
-	StoredBytes   int64              `json:"storedBytes"`
-	UploadedBytes int64              `json:"uploadedBytes"`
-	Chunks        int                `json:"chunks"`
-	QEMUVersion   string             `json:"qemuVersion"`
-	Machine       string             `json:"machine"`
-	MemoryBytes   int64              `json:"memoryBytes"`
-	DurationsMs   map[string]float64 `json:"durationsMs"`
+	Image         string `json:"image"` // REF@sha256:...
+	Digest        string `json:"digest"`
+	RawBytes      int64  `json:"rawBytes"`
+	StoredBytes   int64  `json:"storedBytes"`
+	UploadedBytes int64  `json:"uploadedBytes"`
+	Chunks        int    `json:"chunks"`
+	QEMUVersion   string `json:"qemuVersion"`
+	Machine       string `json:"machine"`
+	MemoryBytes   int64  `json:"memoryBytes"`
+	// Format is how the image holds the state: stream, mapped-ram or
+	// memory-file (then RAM describes the RAM file).
+	Format      string             `json:"format"`
+	RAM         *RAMResult         `json:"ram,omitempty"`
+	DurationsMs map[string]float64 `json:"durationsMs"`
+}
+
+// RAMResult describes a memory-file image's RAM file: its size, and the
+// chain of checkpoints its layers come from, base first, the image itself
+// last (with no manifest digest: it is VMStateResult.Digest).
+type RAMResult struct {
+	Backend   string      `json:"backend"`
+	Bytes     int64       `json:"bytes"`
+	DataBytes int64       `json:"dataBytes"` // non-zero pages
+	Parent    string      `json:"parent,omitempty"`
+	Chain     []ChainLink `json:"chain"`
+	// BaseNote says why a base has no parent (no earlier checkpoint under
+	// the tag, a chain at its bound, ...).
+	BaseNote string `json:"baseNote,omitempty"`
+}
+
+// ChainLink is one checkpoint of a RAM file's chain.
+type ChainLink struct {
+	Manifest     string    `json:"manifest,omitempty"`
+	Created      time.Time `json:"created"`
+	Regions      int       `json:"regions"`
+	StoredBytes  int64     `json:"storedBytes"`
+	ChangedPages int       `json:"changedPages"`
+}
+
+// PrepareResult is what `vmsnap prepare` made ready: the RAM file of a
+// memory-file image on this node, and what the target QEMU adds to its
+// arguments to map it (then -incoming defer, then restore --qmp).
+type PrepareResult struct {
+	Image        string             `json:"image"`
+	Digest       string             `json:"digest"`
+	QEMUArgs     []string           `json:"qemuArgs"`
+	MemoryFile   string             `json:"memoryFile"`
+	FetchedBytes int64              `json:"fetchedBytes"` // 0: the cache held it
+	MemoryBytes  int64              `json:"memoryBytes"`
+	DataBytes    int64              `json:"dataBytes"`
+	Evicted      []string           `json:"evicted,omitempty"`
+	DurationsMs  map[string]float64 `json:"durationsMs"`
 }
 
 // DiskResult describes a captured disk overlay: stored as an image of its
@@ -236,6 +278,13 @@ type CheckpointRequest struct {
 	// checkpoint succeeded, keeping the Keep newest checkpoints (as vmsnap
 	// prune --keep). 0 takes the agent's --keep default (none: no prune).
 	Keep int `json:"keep,omitempty"`
+	// Parent and MaxChain, for a VM whose RAM is a shared file (the
+	// memory-file format): the checkpoint (REF@sha256:..., in Image's
+	// repository) to store the changed pages of, and how many deltas a
+	// chain may hold. Empty and 0: the one Image's tag names, and the
+	// default bound.
+	Parent   string `json:"parent,omitempty"`
+	MaxChain int    `json:"maxChain,omitempty"`
 }
 
 // RestoreRequest asks the agent to load VM state into a QEMU on its node

@@ -16,9 +16,13 @@ type InspectResult struct {
 	Annotations  map[string]string `json:"annotations,omitempty"`
 	// EncryptedFor lists the key IDs an encrypted image's layers are
 	// encrypted for (README "Encryption"); empty for a plaintext image.
-	EncryptedFor []string            `json:"encryptedFor,omitempty"`
-	VMState      *vmstate.Config     `json:"vmstate,omitempty"`
-	Disk         *overlay.DiskConfig `json:"disk,omitempty"`
+	EncryptedFor []string `json:"encryptedFor,omitempty"`
+	// Layers are the image's layers by kind ("chunk": a stream's,
+	// "ram-pagemap" and "ram-region": a memory-file image's RAM file),
+	// with their stored sizes.
+	Layers  []LayerKind         `json:"layers,omitempty"`
+	VMState *vmstate.Config     `json:"vmstate,omitempty"`
+	Disk    *overlay.DiskConfig `json:"disk,omitempty"`
 	// Checkpoint lists, for a VM state image, the images of its checkpoint
 	// together.
 	Checkpoint *CheckpointImages `json:"checkpoint,omitempty"`
@@ -57,4 +61,12 @@ type Referrer struct {
 	Digest       string            `json:"digest"`
 	ArtifactType string            `json:"artifactType"`
 	Annotations  map[string]string `json:"annotations,omitempty"`
+}
+
+// LayerKind is how many layers of one kind an image has, and their bytes.
+type LayerKind struct {
+	Kind    string `json:"kind"`
+	Count   int    `json:"count"`
+	Bytes   int64  `json:"bytes"`
+	Largest int64  `json:"largest"`
 }

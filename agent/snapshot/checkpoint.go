@@ -57,6 +57,12 @@ type CheckpointSpec struct {
 	// when left empty).
 	Format     vmstate.Format
 	StagingDir string
+	// Parent, for the memory-file format, is the checkpoint
+	// (REF@sha256:..., in the same repository as Image) this one stores
+	// the changed pages of; empty: the one Image's tag names, if it can
+	// be. MaxChain bounds a chain's deltas (vmstate.DefaultMaxChain if 0).
+	Parent   string
+	MaxChain int
 	// BeforeStop, if set, runs once everything has been checked and just
 	// before the VM is touched, with whether the VM runs now (the agent
 	// journals there).
@@ -90,6 +96,9 @@ func (s *CheckpointSpec) Validate() error {
 	}
 	if s.Mode == vmstate.ModeLive && s.DiskPath != "" {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so its disk would not match the captured memory: use mode snapshot or pause to capture the disk")
+	}
+	if s.MaxChain < 0 {
+		return errcode.New(errcode.Usage, "maxChain %d: give how many deltas a chain may hold, or 0 for the default (%d)", s.MaxChain, vmstate.DefaultMaxChain)
 	}
 	if s.Keep < 0 {
 		return errcode.New(errcode.Usage, "keep %d: give the number of checkpoints to keep, or 0 to prune nothing", s.Keep)
@@ -189,8 +198,14 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		}
 	}
 
-	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir}
+	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir,
+		MaxChain: s.MaxChain, OpenRAMFile: h.OpenRAMFile}
 	opts.Annotations = previous
+	if s.Parent != "" {
+		if opts.Parent, err = state.parent(ctx, s.Parent, s.Store); err != nil {
+			return nil, err
+		}
+	}
 	var (
 		disk       *overlay.CaptureResult
 		layer      *rootfs.LayerResult
@@ -254,6 +269,8 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			QEMUVersion:   res.Config.Record.QEMUVersion,
 			Machine:       res.Config.Record.Machine,
 			MemoryBytes:   res.Config.Record.MemoryBytes,
+			Format:        formatName(res.Config.Format),
+			RAM:           ramResult(res.Config, res.RAMParentNote),
 			DurationsMs: map[string]float64{
 				"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream),
 				"disk": api.Ms(res.Durations.Stopped), "push": api.Ms(res.Durations.Push), "total": api.Ms(res.Durations.Total),
@@ -305,4 +322,26 @@ func (s CheckpointSpec) handles() (*Handles, error) {
 		return nil, errcode.New(errcode.Internal, "the checkpoint's opened files do not match its QMP socket and disk paths")
 	}
 	return s.Handles, nil
+}
+
+// formatName is a config's format as results print it ("stream" for the
+// empty format of a stream).
+func formatName(f vmstate.Format) string {
+	if f == "" {
+		return string(vmstate.FormatStream)
+	}
+	return string(f)
+}
+
+// ramResult describes a memory-file image's RAM file, or nil.
+func ramResult(cfg vmstate.Config, note string) *api.RAMResult {
+	r := cfg.RAM
+	if r == nil {
+		return nil
+	}
+	out := &api.RAMResult{Backend: r.Backend, Bytes: r.Bytes, DataBytes: r.DataBytes, Parent: string(r.Parent()), BaseNote: note}
+	for _, l := range r.Chain {
+		out.Chain = append(out.Chain, api.ChainLink{Manifest: string(l.Manifest), Created: l.Created, Regions: l.Regions, StoredBytes: l.StoredBytes, ChangedPages: l.ChangedPages})
+	}
+	return out
 }

@@ -17,6 +17,11 @@ import (
 type Handles struct {
 	QMP  *os.File // the QMP socket: an O_PATH descriptor (qmp.DialFile)
 	Disk *os.File // the qcow2 overlay, a regular file open for reading; nil without one
+	// OpenRAMFile opens the VM's RAM file (a memory-file checkpoint), the
+	// mem-path QEMU reports, the way the resolver opens the VM's other
+	// files (the agent's: within the VM's container). Nil: the caller's
+	// own path, as given.
+	OpenRAMFile func(memPath string) (*os.File, error)
 }
 
 // Close closes the descriptors.

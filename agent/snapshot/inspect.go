@@ -3,6 +3,7 @@ package snapshot
 import (
 	"context"
 	"slices"
+	"strings"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
@@ -54,6 +55,7 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 		Image: ref.WithDigest(desc.Digest).String(), Digest: desc.Digest.String(),
 		ArtifactType: m.ArtifactType, Chunks: len(m.Layers), Annotations: m.Annotations,
 	}
+	kinds := map[string]*api.LayerKind{}
 	for _, l := range m.Layers {
 		doc.StoredBytes += l.Size
 		for _, id := range ociimage.EncryptedFor(l) {
@@ -61,6 +63,16 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 				doc.EncryptedFor = append(doc.EncryptedFor, id)
 			}
 		}
+		kind := layerKind(l.MediaType)
+		k := kinds[kind]
+		if k == nil {
+			doc.Layers = append(doc.Layers, api.LayerKind{Kind: kind})
+			k = &doc.Layers[len(doc.Layers)-1]
+			kinds[kind] = k
+		}
+		k.Count++
+		k.Bytes += l.Size
+		k.Largest = max(k.Largest, l.Size)
 	}
 	pinned, err := ociimage.Open(ctx, ref.WithDigest(desc.Digest), opts...)
 	if err != nil {
@@ -161,4 +173,17 @@ func inspectRootfs(ctx context.Context, link string, opts []ociimage.Option) (*a
 		d.Bytes += l.Size
 	}
 	return d, nil
+}
+
+// layerKind names a layer's media type for people.
+func layerKind(mediaType string) string {
+	switch strings.TrimSuffix(mediaType, ociimage.MediaTypeEncryptedSuffix) {
+	case ociimage.MediaTypeChunk:
+		return "chunk"
+	case ociimage.MediaTypeRAMPageMap:
+		return "ram-pagemap"
+	case ociimage.MediaTypeRAMRegion:
+		return "ram-region"
+	}
+	return mediaType
 }

@@ -153,3 +153,29 @@ func (st *store) previousLink(ctx context.Context) (map[string]string, error) {
 	}
 	return map[string]string{ociimage.AnnotationPrevious: desc.Digest.String()}, nil
 }
+
+// parent resolves a memory-file checkpoint's parent, REF@sha256:..., which
+// must be in the state's own repository: the new manifest lists the
+// parent's layers, which a store holds only in the repository they were
+// stored in.
+func (st *store) parent(ctx context.Context, s string, opts []ociimage.Option) (*ocispec.Descriptor, error) {
+	ref, err := ociimage.ParseReference(s)
+	if err != nil {
+		return nil, err
+	}
+	if !ref.IsDigest() {
+		return nil, errcode.New(errcode.Usage, "the parent %s names a tag: give the digest checkpoint printed (REF@sha256:...)", s)
+	}
+	if ref.WithDigest("").WithTag("") != st.repo.Reference().WithDigest("").WithTag("") {
+		return nil, errcode.New(errcode.Usage, "the parent %s is in another repository than the checkpoint (%s): a delta lists its parent's layers, which must be in its own repository", s, st.repo.Reference().WithTag(""))
+	}
+	repo, err := ociimage.Open(ctx, ref, opts...)
+	if err != nil {
+		return nil, err
+	}
+	desc, err := repo.Resolve(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &desc, nil
+}

@@ -58,8 +58,8 @@ func (f *agentFlags) check() error {
 type checkpointFlags struct {
 	qmp, image, disk, diskImage, mode string
 	rootfsImage                       string
-	format, stagingDir                string
-	keep                              int
+	format, stagingDir, parent        string
+	keep, maxChain                    int
 	timeout                           time.Duration
 	stream                            streamFlags
 	registry                          registryFlags
@@ -85,12 +85,24 @@ Modes:
             holds its state at the start; cannot be combined with --disk
 
 State formats (--format):
-  auto        mapped-ram in snapshot mode where QEMU has it (9.0 or later)
-              and --staging-dir has room, else stream (the default)
-  stream      QEMU's migration stream through a pipe (every QEMU, every mode)
-  mapped-ram  QEMU writes a sparse file in --staging-dir with several threads;
-              in snapshot mode the VM runs again as soon as QEMU is done, and
-              the upload follows. Restoring it needs QEMU 9.0 or later.
+  auto         memory-file for a VM whose RAM is a shared file (pause and
+               snapshot mode); else mapped-ram in snapshot mode where QEMU
+               has it (9.0 or later) and --staging-dir has room; else stream
+  stream       QEMU's migration stream through a pipe (every QEMU, every mode)
+  mapped-ram   QEMU writes a sparse file in --staging-dir with several threads;
+               in snapshot mode the VM runs again as soon as QEMU is done, and
+               the upload follows. Restoring it needs QEMU 9.0 or later.
+  memory-file  for a VM started with
+                 -object memory-backend-file,id=ram0,mem-path=FILE,share=on,size=SIZE
+                 -machine memory-backend=ram0
+               QEMU sends only the device state (x-ignore-shared); vmsnap reads
+               the guest's RAM from FILE while the VM is stopped, copies the
+               pages that changed since the parent checkpoint aside, and the VM
+               runs again before they are compressed and stored. The image
+               holds the RAM page by page: a delta on its parent's layers (the
+               checkpoint the tag names, or --parent), a fresh base past
+               --max-chain deltas. Restore it with vmsnap prepare (see its
+               --help), which maps the RAM file instead of loading it.
 
 Every image is stored by digest first; only once all of them are stored do
 their tags move, the VM state's last: a failed checkpoint never moves a tag.
@@ -128,7 +140,9 @@ does not fail the checkpoint: "pruned.error" says why.`,
 	c.Flags().StringVar(&f.diskImage, "disk-image", "", "where to store the disk overlay image (required with --disk, unless the disk is in the container's writable layer captured by --rootfs-image)")
 	c.Flags().StringVar(&f.rootfsImage, "rootfs-image", "", "with --agent: also capture the QEMU container's writable layer (its image plus one layer of changes) as an image here")
 	c.Flags().StringVar(&f.mode, "mode", string(vmstate.ModeSnapshot), "pause, snapshot or live (see above)")
-	c.Flags().StringVar(&f.format, "format", string(vmstate.FormatAuto), "auto, stream or mapped-ram (see above)")
+	c.Flags().StringVar(&f.format, "format", string(vmstate.FormatAuto), "auto, stream, mapped-ram or memory-file (see above)")
+	c.Flags().StringVar(&f.parent, "parent", "", "memory-file: store the pages that changed since this checkpoint, REF@sha256:... in the --image repository (default: the one --image's tag names, if it is a memory-file checkpoint of this VM)")
+	c.Flags().IntVar(&f.maxChain, "max-chain", vmstate.DefaultMaxChain, "memory-file: how many deltas a chain may hold before the next checkpoint is a fresh base (each delta adds layers that a cold restore fetches)")
 	c.Flags().StringVar(&f.stagingDir, "staging-dir", "", "where a mapped-ram checkpoint has QEMU write the state before it is stored (default $TMPDIR; sparse, about the guest's used memory)")
 	c.Flags().IntVar(&f.keep, "keep", 0, "after the checkpoint, keep the `N` newest checkpoints of the --image repository and delete the older ones (see vmsnap prune; 0: prune nothing, through --agent: the agent's --keep)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
@@ -168,6 +182,9 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 	if f.agent.address != "" && (format != vmstate.FormatAuto || f.stagingDir != "") {
 		return errcode.New(errcode.Usage, "--format and --staging-dir apply to a local checkpoint: the node agent picks the format itself")
 	}
+	if f.maxChain < 0 {
+		return errcode.New(errcode.Usage, "--max-chain %d: give how many deltas a chain may hold", f.maxChain)
+	}
 	ctx, cancel := context.WithTimeout(ctx, f.timeout)
 	defer cancel()
 	var res *api.CheckpointResult
@@ -175,7 +192,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		o, err := viaAgent(ctx, out, f.agent.address, func(c *agent.Client) (api.Operation, error) {
 			return c.Checkpoint(ctx, api.CheckpointRequest{
 				VM: f.agent.vm(f.qmp, f.disk), Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: string(mode),
-				ChunkSize: f.stream.chunkSize, Workers: f.stream.workers, Keep: f.keep,
+				ChunkSize: f.stream.chunkSize, Workers: f.stream.workers, Keep: f.keep, Parent: f.parent, MaxChain: f.maxChain,
 			})
 		})
 		if err != nil {
@@ -187,7 +204,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		res, err = snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{
 			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: mode,
 			Stream: f.stream.options(), Store: append(f.registry.options(), encrypt...), Progress: p.update,
-			Format: format, StagingDir: f.stagingDir, Keep: f.keep,
+			Format: format, StagingDir: f.stagingDir, Keep: f.keep, Parent: f.parent, MaxChain: f.maxChain,
 		})
 		p.finish()
 		if err != nil {
@@ -203,6 +220,18 @@ func printCheckpoint(w io.Writer, r *api.CheckpointResult) {
 	fmt.Fprintf(w, "  %s of state stored as %s in %d chunks (%s new) in %.2fs; guest downtime %.0f ms\n",
 		humanBytes(r.VMState.RawBytes), humanBytes(r.VMState.StoredBytes), r.VMState.Chunks,
 		humanBytes(r.VMState.UploadedBytes), r.TotalMs/1000, r.DowntimeMs)
+	if ram := r.VMState.RAM; ram != nil {
+		last := ram.Chain[len(ram.Chain)-1]
+		kind := fmt.Sprintf("a delta on %s (chain of %d)", ram.Parent, len(ram.Chain))
+		if ram.Parent == "" {
+			kind = "a base"
+			if ram.BaseNote != "" {
+				kind += " (" + ram.BaseNote + ")"
+			}
+		}
+		fmt.Fprintf(w, "  memory-file: %s of RAM, %s of data; this checkpoint stored %d changed pages in %d regions, %s\n",
+			humanBytes(ram.Bytes), humanBytes(ram.DataBytes), last.ChangedPages, last.Regions, kind)
+	}
 	if d := r.Disk; d != nil {
 		if d.Image != "" {
 			fmt.Fprintf(w, "disk:    %s\n", d.Image)

@@ -79,10 +79,34 @@ func printInspect(w io.Writer, d *api.InspectResult, indent string) {
 	if len(d.EncryptedFor) > 0 {
 		fmt.Fprintf(w, "%sencrypted for: %s (restore needs --decryption-key with one of their private keys)\n", indent, strings.Join(d.EncryptedFor, ", "))
 	}
+	if len(d.Layers) > 1 {
+		for _, k := range d.Layers {
+			fmt.Fprintf(w, "%s  %-12s %5d layers, %s (largest %s)\n", indent, k.Kind+":", k.Count, humanBytes(k.Bytes), humanBytes(k.Largest))
+		}
+	}
 	if c := d.VMState; c != nil {
 		r := c.Record
 		fmt.Fprintf(w, "%skind:    VM state (mode %s, taken %s)\n", indent, c.Mode, c.Created.Format("2006-01-02 15:04:05Z"))
+		format := string(c.Format)
+		if format == "" {
+			format = "stream"
+		}
+		fmt.Fprintf(w, "%sformat:  %s\n", indent, format)
 		fmt.Fprintf(w, "%sstream:  %s raw, %s\n", indent, humanBytes(c.RawBytes), c.Compression)
+		if ram := c.RAM; ram != nil {
+			fmt.Fprintf(w, "%sRAM:     %s file (backend %s), %s of data, a chain of %d:\n", indent, humanBytes(ram.Bytes), ram.Backend, humanBytes(ram.DataBytes), len(ram.Chain))
+			for i, l := range ram.Chain {
+				name := string(l.Manifest)
+				if i == len(ram.Chain)-1 {
+					name = "this image"
+				}
+				role := "delta"
+				if i == 0 {
+					role = "base "
+				}
+				fmt.Fprintf(w, "%s  %s %s: %d pages in %d regions, %s, taken %s\n", indent, role, name, l.ChangedPages, l.Regions, humanBytes(l.StoredBytes), l.Created.Format("2006-01-02 15:04:05Z"))
+			}
+		}
 		fmt.Fprintf(w, "%sQEMU:    %s (%s), %s, machine %s\n", indent, r.QEMUVersion, r.QEMUPackage, r.Arch, r.Machine)
 		fmt.Fprintf(w, "%sCPUs:    %d x %s\n", indent, r.CPUs, r.CPUModel)
 		fmt.Fprintf(w, "%smemory:  %s\n", indent, humanBytes(r.MemoryBytes))

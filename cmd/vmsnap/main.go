@@ -136,7 +136,7 @@ Exit status: 0 on success, otherwise the error code's status (see README).`,
 		return errcode.New(errcode.Usage, "%v (see %s --help)", err, c.CommandPath())
 	})
 	root.AddCommand(newCheckpointCmd(out), newRestoreCmd(out), newInspectCmd(out), newStreamCmd(), newContinueCmd(),
-		newAgentCmd(out), newManifestsCmd(out), newPruneCmd(out), newLaunchCmd(out))
+		newAgentCmd(out), newManifestsCmd(out), newPruneCmd(out), newLaunchCmd(out), newPrepareCmd(out))
 	return root
 }
 

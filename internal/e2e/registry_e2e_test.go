@@ -230,7 +230,10 @@ func TestRegistryE2ECheckpointAfterAChangeUploadsOnlyTheChange(t *testing.T) {
 	}
 	checkpoint := func(tag string) api.VMStateResult {
 		return cliJSON[api.CheckpointResult](t, with([]string{"checkpoint", "--qmp", vm.QMPPath(),
-			"--image", reg.Host + "/vms/change:" + tag, "--mode", "snapshot"}, regArgs(reg)...)...).VMState
+			"--image", reg.Host + "/vms/change:" + tag, "--mode", "snapshot",
+			// The stream's chunking is under test: auto would read the
+			// shared RAM file itself (the memory-file format).
+			"--format", "stream"}, regArgs(reg)...)...).VMState
 	}
 	first := checkpoint("first")
 

@@ -52,6 +52,18 @@ type FakeQEMU struct {
 	// QEMU for another architecture does.
 	FeatureWords     []FeatureWord
 	FilteredFeatures []FeatureWord
+
+	// RAMBackend, if set, is the machine's memory backend (-machine
+	// memory-backend=ID): its QOM type, mem-path and share, and size
+	// Memory. Nil: a plain -m, no backend named.
+	RAMBackend *FakeBackend
+}
+
+// FakeBackend is a memory backend of a FakeQEMU.
+type FakeBackend struct {
+	ID, Type, MemPath string
+	Share             bool
+	Size              int64 // 0: the guest's Memory
 }
 
 // NewFakeQEMU starts a fake QEMU in the given run state ("running",
@@ -148,6 +160,23 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 	case "qom-get":
 		var a struct{ Path, Property string }
 		_ = cmd.Args(&a)
+		if b := f.RAMBackend; b != nil && a.Path == "/objects/"+b.ID {
+			switch a.Property {
+			case "type":
+				return b.Type, nil
+			case "mem-path":
+				return b.MemPath, nil
+			case "readonly":
+				return false, nil
+			}
+			return nil, gerr("Property '" + a.Property + "' not found")
+		}
+		if a.Path == "/machine" && a.Property == "memory-backend" {
+			if f.RAMBackend == nil {
+				return "", nil
+			}
+			return "/objects/" + f.RAMBackend.ID, nil
+		}
 		if a.Path == "/machine" {
 			return "pc-i440fx-7.2-machine", nil
 		}
@@ -165,6 +194,16 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 		return "qemu64-x86_64-cpu", nil
 	case "query-cpus-fast":
 		return []map[string]any{{"cpu-index": 0, "qom-path": "/machine/unattached/device[0]"}}, nil
+	case "query-memdev":
+		out := []map[string]any{}
+		if b := f.RAMBackend; b != nil {
+			size := b.Size
+			if size == 0 {
+				size = f.Memory
+			}
+			out = append(out, map[string]any{"id": b.ID, "size": size, "share": b.Share, "merge": true, "dump": true, "prealloc": false, "policy": "default", "host-nodes": []int{}})
+		}
+		return out, nil
 	case "query-memory-size-summary":
 		return map[string]int64{"base-memory": f.Memory, "plugged-memory": 0}, nil
 	case "query-pci":

@@ -191,7 +191,7 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 			defer upWG.Done()
 			for job := range uploads {
 				if ctx.Err() == nil {
-					if err := putOnce(ctx, sink, job.desc, job.data, &uploaded); err != nil {
+					if err := Put(ctx, sink, job.desc, job.data, &uploaded); err != nil {
 						storeErr.CompareAndSwap(nil, &err)
 						cancel(err)
 					}
@@ -206,7 +206,7 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			enc, err := newChunkEncoder(opts.Level)
+			enc, err := NewEncoder(opts.Level)
 			if err != nil {
 				cancel(errcode.Wrap(errcode.Internal, err, "zstd encoder"))
 				return
@@ -364,7 +364,10 @@ type blobAdder interface {
 	AddBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) (sent bool, err error)
 }
 
-func putOnce(ctx context.Context, sink BlobSink, desc ocispec.Descriptor, data []byte, uploaded *atomic.Int64) error {
+// Put stores a compressed blob in sink unless sink has it already, adding
+// its size to uploaded when it was sent. Errors are REGISTRY_ERROR unless
+// the store gave a code.
+func Put(ctx context.Context, sink BlobSink, desc ocispec.Descriptor, data []byte, uploaded *atomic.Int64) error {
 	if a, ok := sink.(blobAdder); ok {
 		sent, err := a.AddBlob(ctx, desc, data)
 		if err != nil {
@@ -480,8 +483,7 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			dec, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecodeAllCapLimit(true),
-				zstd.WithDecoderMaxMemory(ociimage.MaxChunkSize))
+			dec, err := NewDecoder()
 			if err != nil {
 				cancel(errcode.Wrap(errcode.Internal, err, "zstd decoder"))
 				return
@@ -589,9 +591,17 @@ const encoderWindow = 1 << 20
 // SpeedFastest, 3.8 MiB at SpeedDefault; TestEncoderMemory checks it).
 const encoderMemory = 4 << 20
 
-// newChunkEncoder makes the encoder one compression worker uses for all its
+// NewEncoder makes the encoder one compression worker uses for all its
 // chunks (EncodeAll, in the worker's goroutine).
-func newChunkEncoder(level zstd.EncoderLevel) (*zstd.Encoder, error) {
+func NewEncoder(level zstd.EncoderLevel) (*zstd.Encoder, error) {
 	return zstd.NewWriter(nil, zstd.WithEncoderLevel(level), zstd.WithEncoderConcurrency(1),
 		zstd.WithWindowSize(encoderWindow), zstd.WithEncoderCRC(false))
+}
+
+// NewDecoder makes the decoder one worker uses for all its chunks
+// (DecodeAll into a buffer of the chunk's declared raw size: it stops at
+// the buffer's capacity, so a chunk cannot inflate past what it declares).
+func NewDecoder() (*zstd.Decoder, error) {
+	return zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecodeAllCapLimit(true),
+		zstd.WithDecoderMaxMemory(ociimage.MaxChunkSize))
 }

@@ -379,7 +379,7 @@ func TestMaxEncodedSizeHoldsIncompressibleData(t *testing.T) {
 	for _, n := range []int{1, 4095, 128 << 10, 1<<20 + 7, 4 << 20} {
 		data := make([]byte, n)
 		rand.Read(data)
-		enc, err := newChunkEncoder(StreamOptions{}.WithDefaults().Level)
+		enc, err := NewEncoder(StreamOptions{}.WithDefaults().Level)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -403,7 +403,7 @@ func TestEncoderMemory(t *testing.T) {
 		runtime.GC()
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
-		enc, err := newChunkEncoder(level)
+		enc, err := NewEncoder(level)
 		if err != nil {
 			t.Fatal(err)
 		}

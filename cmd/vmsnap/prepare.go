@@ -1,0 +1,130 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/agent/snapshot"
+)
+
+func newPrepareCmd(out *globalOutput) *cobra.Command {
+	var (
+		reg      registryFlags
+		stream   streamFlags
+		cacheDir string
+		maxCache int64
+		qemuDir  string
+		copyTo   string
+		allowTag bool
+		timeout  time.Duration
+	)
+	c := &cobra.Command{
+		Use:   "prepare REF@DIGEST [--cache-dir DIR] [--json]",
+		Short: "Ready a memory-file snapshot's RAM file on this node and print the QEMU arguments that map it",
+		Long: `Ready the restore of a snapshot in the memory-file format (checkpoint
+--format memory-file, which auto picks for a VM whose RAM is a shared
+memory-backend-file) on this node:
+
+  1. vmsnap prepare REF@sha256:... --json
+     materializes the snapshot's RAM file in the cache directory, every region
+     verified against its digest before it is written, or finds it there
+     (fetchedBytes 0), and prints the arguments the target QEMU needs:
+       {"qemuArgs": ["-object", "memory-backend-file,...,share=off", "-machine",
+        "memory-backend=ram0"], "memoryFile": PATH, "fetchedBytes": N, ...}
+  2. start the target QEMU with its usual arguments, then qemuArgs, then
+     -incoming defer;
+  3. vmsnap restore --qmp SOCK --image REF@sha256:...
+     loads the device state (milliseconds, whatever the guest's size) and the
+     guest runs, its pages faulting in from the file as it touches them.
+
+QEMU maps the file private (share=off): the guest's writes stay in the VM and
+the file is never changed, so several VMs restored from one snapshot on one
+node share the pages they only read. The cache holds one file per snapshot,
+named by its manifest digest, complete or absent: an interrupted prepare
+leaves nothing, and concurrent prepares of one snapshot wait for each other.
+
+To pause and resume the same VM again and again, give it its own copy with
+--copy-to DIR: the copy (DIR/vm-RANDOM.sha256-HEX.ram, only the data copied)
+is mapped shared, so the restored VM's RAM is a shared file again and its next
+checkpoint under the same tag is a delta of the pages it changed. The copy
+costs time in proportion to the snapshot's data (durationsMs.copy); without
+it, a restored VM is checkpointed with the stream.
+
+Trust: QEMU before 8.2 opens a share=off file read-write (its readonly=on
+would make the guest's RAM read-only), so a compromised QEMU could change
+the file under every VM that maps it. Keep a cache per tenant (the agent keeps
+one per namespace). For snapshots taken by QEMU 8.2 or later the arguments
+add readonly=on,rom=off and QEMU opens the file read-only.
+
+The cache directory is created with mode 0700 and must be owned by you and
+writable by nobody else (FORBIDDEN otherwise: a file someone else put there
+would become a VM's memory). The default is on tmpfs, whose pages QEMU maps
+directly; a cache on disk works too, through the page cache.
+
+Registry access works as for checkpoint (--registry-config, --ca-file,
+--insecure-registry).`,
+		Example: `  vmsnap prepare oci:/var/lib/snapshots:vm1@sha256:4f... --json
+  vmsnap prepare registry.example.com/vms/vm1@sha256:4f... --cache-dir /dev/shm/vmsnap --max-cache-bytes 64G`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(c *cobra.Command, args []string) error {
+			ctx, cancel := context.WithTimeout(c.Context(), timeout)
+			defer cancel()
+			p := newPhasedProgress(out.stderr)
+			defer p.finish()
+			res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
+				Image: args[0], AllowTag: allowTag, CacheDir: cacheDir, MaxCacheBytes: maxCache, QEMUDir: qemuDir, CopyTo: copyTo,
+				Workers: stream.workers, Store: reg.options(), Progress: p.update,
+			})
+			p.finish()
+			if err != nil {
+				return coded(err)
+			}
+			report(out, res, func(w io.Writer) { printPrepare(w, res) })
+			return nil
+		},
+	}
+	c.Flags().StringVar(&cacheDir, "cache-dir", "", "where RAM files are kept, one per snapshot (default "+snapshot.DefaultCacheDir()+")")
+	c.Flags().Int64Var(&maxCache, "max-cache-bytes", 0, "once the file is ready, remove the least recently used others past this many allocated bytes (0: no bound)")
+	c.Flags().StringVar(&qemuDir, "qemu-dir", "", "the cache directory as the target QEMU sees it (a container's mount), for the printed arguments (default --cache-dir)")
+	c.Flags().StringVar(&copyTo, "copy-to", "", "give the VM its own copy of the RAM file in this directory, mapped shared (share=on), so that it can be checkpointed again as a delta on this snapshot; costs a copy of the snapshot's data, and the copy is yours to remove with the VM")
+	c.Flags().BoolVar(&allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
+	c.Flags().DurationVar(&timeout, "timeout", 30*time.Minute, "give up after this long")
+	stream.add(c)
+	reg.add(c)
+	addOutputFlags(c, out, true)
+	return c
+}
+
+func printPrepare(w io.Writer, r *api.PrepareResult) {
+	how := fmt.Sprintf("fetched %s", humanBytes(r.FetchedBytes))
+	if r.DurationsMs["copy"] > 0 {
+		how += fmt.Sprintf("; the VM's own copy took %.2fs", r.DurationsMs["copy"]/1000)
+	}
+	if r.FetchedBytes == 0 {
+		how = "already on this node"
+	}
+	fmt.Fprintf(w, "RAM file %s ready (%s of memory, %s of data; %s) in %.2fs\n", r.MemoryFile, humanBytes(r.MemoryBytes), humanBytes(r.DataBytes), how, r.DurationsMs["total"]/1000)
+	fmt.Fprintf(w, "start the target QEMU with its usual arguments plus:\n  %s -incoming defer\n", strings.Join(quoteArgs(r.QEMUArgs), " "))
+	fmt.Fprintf(w, "then: vmsnap restore --qmp SOCK --image %s\n", r.Image)
+	for _, e := range r.Evicted {
+		fmt.Fprintf(w, "evicted from the cache: %s\n", e)
+	}
+}
+
+// quoteArgs quotes for a POSIX shell the arguments that need it.
+func quoteArgs(args []string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		if a == "" || strings.ContainsAny(a, " \t\n'\"\\$`*?[]#~;&|<>(){}") {
+			a = "'" + strings.ReplaceAll(a, "'", `'\''`) + "'"
+		}
+		out[i] = a
+	}
+	return out
+}

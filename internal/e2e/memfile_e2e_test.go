@@ -1,0 +1,268 @@
+package e2e
+
+// End-to-end tests of the memory-file format: a guest whose RAM is a shared
+// memory-backend-file, checkpointed as a chain of page deltas, prepared into
+// a node cache and restored into QEMUs that map that file private.
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/vmstate"
+)
+
+// shmDir is a fresh directory on tmpfs, where guest RAM files belong.
+func shmDir(t testing.TB) string {
+	t.Helper()
+	if fi, err := os.Stat("/dev/shm"); err != nil || !fi.IsDir() {
+		testguest.SkipOrFail(t, "tmpfs", "no /dev/shm for the guest's RAM file")
+	}
+	dir, err := os.MkdirTemp("/dev/shm", "vmsnap-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// fileRAMArgs are the QEMU arguments of a guest whose memMB of RAM is the
+// shared file path.
+func fileRAMArgs(path string, memMB int) []string {
+	return []string{"-object", fmt.Sprintf("memory-backend-file,id=ram0,mem-path=%s,share=on,size=%dM", path, memMB), "-machine", "memory-backend=ram0"}
+}
+
+func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
+	testguest.Assets(t)
+	dir := testguest.FreeShortDir(t)
+	shm := shmDir(t)
+	overlay := testguest.NewDisk(t, dir)
+	const memMB = 256
+	src := testguest.Start(t, testguest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
+	if _, err := src.WaitReady(waitCtx(t)); err != nil {
+		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
+	}
+	before, err := src.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := filepath.Join(t.TempDir(), "store")
+	image := "oci:" + store + ":vm"
+
+	// 1. A base: auto picks memory-file for a shared RAM file; the VM runs
+	// again before the pages are stored.
+	cp1 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", image, "--mode", "snapshot")
+	if cp1.VMState.Format != string(vmstate.FormatMemoryFile) || cp1.VMState.RAM == nil {
+		t.Fatalf("format %q, ram %+v: want a memory-file image", cp1.VMState.Format, cp1.VMState.RAM)
+	}
+	ram1 := cp1.VMState.RAM
+	if len(ram1.Chain) != 1 || ram1.Parent != "" || ram1.Bytes != memMB<<20 {
+		t.Fatalf("first checkpoint is not a base of the whole RAM: %+v", ram1)
+	}
+	if ram1.DataBytes < 16<<20 || ram1.DataBytes >= memMB<<20 {
+		t.Fatalf("the base holds %d bytes of data: the guest has 16 MiB of random data in %d MiB", ram1.DataBytes, memMB)
+	}
+	if !cp1.VMRunning || cp1.DowntimeMs <= 0 || cp1.DowntimeMs >= cp1.TotalMs {
+		t.Fatalf("snapshot mode: running %v, downtime %.0f ms of %.0f ms", cp1.VMRunning, cp1.DowntimeMs, cp1.TotalMs)
+	}
+	t.Logf("base: downtime %.0f ms, total %.0f ms, %d MiB stored, device state %d KiB", cp1.DowntimeMs, cp1.TotalMs, cp1.VMState.StoredBytes>>20, cp1.VMState.RawBytes>>10)
+
+	// 2. The guest runs on; the next checkpoint under the tag is a delta
+	// that uploads a small part of the image.
+	last, _ := src.LastStatus()
+	if _, err := src.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter > last.Counter+1 }); err != nil {
+		t.Fatal(err)
+	}
+	cp2 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", image, "--mode", "snapshot")
+	ram2 := cp2.VMState.RAM
+	if ram2 == nil || len(ram2.Chain) != 2 || ram2.Parent != cp1.VMState.Digest {
+		t.Fatalf("second checkpoint is not a delta on the first: %+v", ram2)
+	}
+	if cp2.VMState.StoredBytes < cp1.VMState.StoredBytes {
+		t.Errorf("a delta's image stores %d bytes, less than its parent's %d: storedBytes must count the parent's layers", cp2.VMState.StoredBytes, cp1.VMState.StoredBytes)
+	}
+	ratio := float64(cp2.VMState.UploadedBytes) / float64(cp2.VMState.StoredBytes)
+	t.Logf("delta: %d changed pages, uploaded %d KiB of %d MiB (%.1f%%)", ram2.Chain[1].ChangedPages, cp2.VMState.UploadedBytes>>10, cp2.VMState.StoredBytes>>20, 100*ratio)
+	if ratio > 0.05 {
+		t.Errorf("a delta after a second of an idle guest uploaded %.1f%% of its image", 100*ratio)
+	}
+
+	// 3. A delta on the delta, in pause mode, with the disk.
+	cp3 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", image, "--mode", "pause",
+		"--disk", overlay, "--disk-image", "oci:"+store+":vm-disk")
+	if r := cp3.VMState.RAM; r == nil || len(r.Chain) != 3 || r.Parent != cp2.VMState.Digest || r.Chain[0].Manifest != cp1.VMState.Digest {
+		t.Fatalf("third checkpoint is not base + 2 deltas: %+v", cp3.VMState.RAM)
+	}
+	resume := src.ResumeCounter()
+	src.Kill()
+
+	// inspect shows the chain.
+	ins := cliJSON[api.InspectResult](t, "inspect", cp3.VMState.Image)
+	if ins.VMState == nil || ins.VMState.Format != vmstate.FormatMemoryFile || ins.VMState.RAM == nil || len(ins.VMState.RAM.Chain) != 3 {
+		t.Fatalf("inspect does not show the chain: %+v", ins)
+	}
+
+	// 4. Prepare: the first fetches, the second finds the file.
+	cache := filepath.Join(shm, "cache")
+	p1 := cliJSON[api.PrepareResult](t, "prepare", cp3.VMState.Image, "--cache-dir", cache)
+	if p1.FetchedBytes <= 0 || !strings.HasPrefix(p1.MemoryFile, cache+"/") || len(p1.QEMUArgs) != 4 {
+		t.Fatalf("first prepare: %+v", p1)
+	}
+	p2 := cliJSON[api.PrepareResult](t, "prepare", cp3.VMState.Image, "--cache-dir", cache)
+	if p2.FetchedBytes != 0 || p2.MemoryFile != p1.MemoryFile {
+		t.Fatalf("second prepare fetched %d bytes (file %s, first %s): the cache held it", p2.FetchedBytes, p2.MemoryFile, p1.MemoryFile)
+	}
+	fileBefore := fileDigest(t, p1.MemoryFile)
+
+	// 5. A target that does not map the prepared file is refused before
+	// anything is loaded.
+	tdir := targetDir(t, dir)
+	// (Private, as prepare's arguments map it, but another file.)
+	wrongArgs := fileRAMArgs(filepath.Join(shm, "other.ram"), memMB)
+	wrongArgs[1] = strings.Replace(wrongArgs[1], "share=on", "share=off", 1)
+	wrong := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: restoreDisk(t, cp3, tdir, "wrong.qcow2"), ExtraArgs: wrongArgs})
+	doc := cliError(t, errcode.CompatMismatch, "restore", "--qmp", wrong.QMPPath(), "--image", cp3.VMState.Image)
+	if !strings.Contains(strings.Join(doc.Error.Details, "\n"), "not the RAM file of this image") {
+		t.Errorf("the refusal does not name the RAM file: %+v", doc.Error)
+	}
+	if runState(t, wrong) != "inmigrate" {
+		t.Errorf("the refused target is %s, want still waiting", runState(t, wrong))
+	}
+
+	// 6. Two clones map the one file; both resume exactly, and the file is
+	// unchanged after both guests ran.
+	var clones []*testguest.VM
+	for i := range 2 {
+		disk := restoreDisk(t, cp3, tdir, fmt.Sprintf("clone%d.qcow2", i))
+		args := append([]string(nil), p1.QEMUArgs...)
+		vm := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: disk, ExtraArgs: args})
+		rs := cliJSON[api.RestoreResult](t, "restore", "--qmp", vm.QMPPath(), "--image", cp3.VMState.Image)
+		if rs.VMState == nil || !rs.VMState.VMRunning {
+			t.Fatalf("clone %d: %+v", i, rs)
+		}
+		t.Logf("clone %d: restore %.0f ms", i, rs.VMState.DurationsMs["total"])
+		clones = append(clones, vm)
+	}
+	for _, vm := range clones {
+		assertResumed(t, vm, before, resume, resume)
+	}
+	if fileDigest(t, p1.MemoryFile) != fileBefore {
+		t.Fatal("the cached RAM file changed while clones ran on it")
+	}
+
+	// 7. Pause and resume one VM again: restored on its own copy (shared),
+	// its next checkpoint under the tag is a small delta on cp3, which
+	// restores exactly.
+	own := cliJSON[api.PrepareResult](t, "prepare", cp3.VMState.Image, "--cache-dir", cache, "--copy-to", shm)
+	if own.FetchedBytes != 0 || own.MemoryFile == p1.MemoryFile || !strings.Contains(strings.Join(own.QEMUArgs, " "), "share=on") {
+		t.Fatalf("prepare --copy-to: %+v", own)
+	}
+	vm := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: restoreDisk(t, cp3, tdir, "again.qcow2"), ExtraArgs: own.QEMUArgs})
+	cliJSON[api.RestoreResult](t, "restore", "--qmp", vm.QMPPath(), "--image", cp3.VMState.Image)
+	assertResumed(t, vm, before, resume, resume)
+	cp4 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", vm.QMPPath(), "--image", image, "--mode", "pause",
+		"--disk", filepath.Join(tdir, "again.qcow2"), "--disk-image", "oci:"+store+":vm-disk")
+	ram4 := cp4.VMState.RAM
+	if ram4 == nil || ram4.Parent != cp3.VMState.Digest || len(ram4.Chain) != 4 {
+		t.Fatalf("the resumed VM's checkpoint is not a delta on the one it was restored from: %+v", ram4)
+	}
+	t.Logf("after a resume: %d changed pages, uploaded %d KiB of %d MiB", ram4.Chain[3].ChangedPages, cp4.VMState.UploadedBytes>>10, cp4.VMState.StoredBytes>>20)
+	if float64(cp4.VMState.UploadedBytes) > 0.05*float64(cp4.VMState.StoredBytes) {
+		t.Errorf("the resumed VM's delta uploaded %d of %d bytes", cp4.VMState.UploadedBytes, cp4.VMState.StoredBytes)
+	}
+	resume4 := vm.ResumeCounter()
+	last4, _ := vm.LastStatus()
+	vm.Kill()
+	p4 := cliJSON[api.PrepareResult](t, "prepare", cp4.VMState.Image, "--cache-dir", cache)
+	vm5 := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: restoreDisk(t, cp4, tdir, "fifth.qcow2"), ExtraArgs: p4.QEMUArgs})
+	cliJSON[api.RestoreResult](t, "restore", "--qmp", vm5.QMPPath(), "--image", cp4.VMState.Image)
+	last4.Mem0 = before.Mem0
+	assertResumed(t, vm5, last4, resume4, resume4)
+}
+
+// restoreDisk restores cp's disk overlay as name in dir.
+func restoreDisk(t *testing.T, cp api.CheckpointResult, dir, name string) string {
+	t.Helper()
+	disk := filepath.Join(dir, name)
+	cliJSON[api.RestoreResult](t, "restore", "--disk-image", cp.Disk.Image, "--disk", disk)
+	return disk
+}
+
+// On QEMU 8.2 and later, prepare's arguments add readonly=on,rom=off:
+// QEMU opens the cached file read-only, and the guest still writes (to its
+// private pages).
+func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
+	root := testguest.QEMU10(t)
+	testguest.Assets(t)
+	dir := testguest.FreeShortDir(t)
+	shm := shmDir(t)
+	overlay := testguest.NewDisk(t, dir)
+	const memMB = 256
+	src := testguest.Start(t, testguest.Options{Disk: overlay, Dir: dir, QEMURoot: root, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
+	if _, err := src.WaitReady(waitCtx(t)); err != nil {
+		t.Fatalf("QEMU 10 guest did not boot: %v\n%s", err, src.SerialTail(20))
+	}
+	before, err := src.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := filepath.Join(t.TempDir(), "store")
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm", "--mode", "pause",
+		"--disk", overlay, "--disk-image", "oci:"+store+":vm-disk")
+	if cp.VMState.Format != string(vmstate.FormatMemoryFile) {
+		t.Fatalf("QEMU 10 with a shared RAM file: format %q", cp.VMState.Format)
+	}
+	resume := src.ResumeCounter()
+	src.Kill()
+
+	p := cliJSON[api.PrepareResult](t, "prepare", cp.VMState.Image, "--cache-dir", filepath.Join(shm, "cache"))
+	if !strings.Contains(strings.Join(p.QEMUArgs, " "), "readonly=on,rom=off") {
+		t.Fatalf("prepare's arguments for a QEMU 10 image do not map the file read-only: %q", p.QEMUArgs)
+	}
+	fileBefore := fileDigest(t, p.MemoryFile)
+	tdir := targetDir(t, dir)
+	target := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, QEMURoot: root,
+		Disk: restoreDisk(t, cp, tdir, "overlay.qcow2"), ExtraArgs: p.QEMUArgs})
+	rs := cliJSON[api.RestoreResult](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
+	if rs.VMState == nil || !rs.VMState.VMRunning {
+		t.Fatalf("restore: %+v", rs)
+	}
+	assertResumed(t, target, before, resume, resume)
+
+	// QEMU holds the file open read-only.
+	fds, err := filepath.Glob(fmt.Sprintf("/proc/%d/fd/*", target.Process().Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, fd := range fds {
+		if dest, err := os.Readlink(fd); err != nil || dest != p.MemoryFile {
+			continue
+		}
+		found = true
+		info, err := os.ReadFile(strings.Replace(fd, "/fd/", "/fdinfo/", 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var flags int
+		for _, line := range strings.Split(string(info), "\n") {
+			if v, ok := strings.CutPrefix(line, "flags:"); ok {
+				fmt.Sscanf(strings.TrimSpace(v), "%o", &flags)
+			}
+		}
+		if flags&3 != os.O_RDONLY {
+			t.Errorf("QEMU 10 holds the cached RAM file open with flags %o, not read-only", flags)
+		}
+	}
+	if !found {
+		t.Fatalf("QEMU 10 holds no descriptor of %s", p.MemoryFile)
+	}
+	if fileDigest(t, p.MemoryFile) != fileBefore {
+		t.Fatal("the cached RAM file changed while the guest ran on it")
+	}
+}

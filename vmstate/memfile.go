@@ -1,0 +1,520 @@
+package vmstate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate/ramfile"
+)
+
+// The memory-file format is for a VM whose RAM is a shared file
+// (-object memory-backend-file,id=ID,mem-path=FILE,share=on,size=SIZE
+// -machine memory-backend=ID). With QEMU's x-ignore-shared capability a
+// migration carries only the device state, and vmsnap reads the guest's
+// RAM from FILE itself:
+//
+//   - checkpoint: the VM is stopped, QEMU streams its device state into
+//     chunks, vmsnap hashes every page of FILE and copies the pages that
+//     changed since the parent checkpoint aside (package ramfile), and the
+//     VM runs again; only then are the pages compressed and stored, as a
+//     delta on top of the parent's layers (or a base: no parent, a parent
+//     of another VM, or a chain past its bound);
+//   - restore: Prepare materializes FILE into a node-local cache, once per
+//     image, and gives the QEMU arguments that map it private
+//     (share=off): the guest's pages fault in from the file as it touches
+//     them, and writes stay in the VM. Restore then loads the device
+//     state, which takes milliseconds whatever the guest's size.
+
+const (
+	// FormatMemoryFile is the guest's RAM stored page-addressed beside the
+	// device state (package ramfile). It needs a shared memory-backend-file.
+	FormatMemoryFile Format = "memory-file"
+	capIgnoreShared         = "x-ignore-shared"
+	// DefaultMaxChain is how many deltas a chain holds before the next
+	// checkpoint is a fresh base: every delta adds its layers to what a
+	// cold restore fetches and writes, a base resets that.
+	DefaultMaxChain = 8
+	maxChainLinks   = 256
+)
+
+// RAMBackend is the memory backend that holds the machine's RAM, when the
+// machine names one (-machine memory-backend=ID). Migration finds its
+// pages by ID, so source and target must use the same.
+type RAMBackend struct {
+	ID       string `json:"id"`
+	Type     string `json:"type"` // QOM type: memory-backend-file, -ram, -memfd
+	Bytes    int64  `json:"bytes"`
+	Share    bool   `json:"share"`
+	ReadOnly bool   `json:"readOnly,omitempty"`
+	// MemPath is a file backend's mem-path, as QEMU sees it. Not recorded:
+	// it names a file of one node.
+	MemPath string `json:"-"`
+}
+
+// fileShared says whether the backend is a shared file vmsnap can read the
+// guest's RAM from.
+func (b *RAMBackend) fileShared() bool {
+	return b != nil && b.Type == "memory-backend-file" && b.Share && b.MemPath != ""
+}
+
+// readRAMBackend asks QEMU for the machine's memory backend. A machine
+// without one (plain -m) gives nil.
+func readRAMBackend(ctx context.Context, mon Executor) (*RAMBackend, error) {
+	var name string
+	if err := mon.Execute(ctx, "qom-get", map[string]string{"path": "/machine", "property": "memory-backend"}, &name); err != nil || name == "" {
+		return nil, nil // QEMU before 5.0, or no backend named
+	}
+	id := strings.TrimPrefix(name, "/objects/")
+	if id == "" || strings.Contains(id, "/") {
+		return nil, errcode.New(errcode.QMPError, "QEMU names the machine's memory backend %q, which is not an object vmsnap can read", name)
+	}
+	qomPath := "/objects/" + id
+	b := &RAMBackend{ID: id}
+	if err := mon.Execute(ctx, "qom-get", map[string]string{"path": qomPath, "property": "type"}, &b.Type); err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "reading the type of memory backend %s", id)
+	}
+	var devs []struct {
+		ID    string `json:"id"`
+		Size  int64  `json:"size"`
+		Share bool   `json:"share"`
+	}
+	if err := mon.Execute(ctx, "query-memdev", nil, &devs); err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "query-memdev")
+	}
+	found := false
+	for _, d := range devs {
+		if d.ID == id {
+			b.Bytes, b.Share, found = d.Size, d.Share, true
+		}
+	}
+	if !found {
+		return nil, errcode.New(errcode.QMPError, "QEMU's query-memdev does not list the machine's memory backend %s", id)
+	}
+	if b.Type == "memory-backend-file" {
+		if err := mon.Execute(ctx, "qom-get", map[string]string{"path": qomPath, "property": "mem-path"}, &b.MemPath); err != nil {
+			return nil, errcode.Ensure(errcode.QMPError, err, "reading the mem-path of memory backend %s", id)
+		}
+		_ = mon.Execute(ctx, "qom-get", map[string]string{"path": qomPath, "property": "readonly"}, &b.ReadOnly)
+	}
+	return b, nil
+}
+
+// RAMConfig is, in a memory-file image's config, what its RAM file is.
+type RAMConfig struct {
+	Backend string `json:"backend"` // the memory backend's ID
+	Bytes   int64  `json:"bytes"`   // the file's size, the guest's RAM
+	// DataBytes is the file's non-zero pages: what a materialized file
+	// allocates.
+	DataBytes int64 `json:"dataBytes"`
+	// Chain is the checkpoints whose region layers the image's make up,
+	// its base first and itself last (with no manifest: it has none yet).
+	Chain []ChainLink `json:"chain"`
+}
+
+// ChainLink is one checkpoint of a chain.
+type ChainLink struct {
+	Manifest     digest.Digest `json:"manifest,omitempty"`
+	Created      time.Time     `json:"created"`
+	Regions      int           `json:"regions"`      // region layers it added
+	StoredBytes  int64         `json:"storedBytes"`  // their compressed bytes
+	ChangedPages int           `json:"changedPages"` // pages it stored
+}
+
+// Parent is the manifest digest of the checkpoint this image is a delta
+// on, or "" for a base.
+func (c *RAMConfig) Parent() digest.Digest {
+	if c == nil || len(c.Chain) < 2 {
+		return ""
+	}
+	return c.Chain[len(c.Chain)-2].Manifest
+}
+
+// check validates a memory-file config against its manifest's layers.
+func (c Config) checkRAM(layers []ocispec.Descriptor) (stream []ocispec.Descriptor, ram ramfile.Layers, err error) {
+	if c.Format != FormatMemoryFile {
+		return layers, ram, nil
+	}
+	if c.RAM == nil || c.RAM.Backend == "" || len(c.RAM.Chain) == 0 || len(c.RAM.Chain) > maxChainLinks {
+		return nil, ram, errcode.New(errcode.InvalidInput, "the image is in the memory-file format but its config does not describe the RAM file and its chain")
+	}
+	if c.RAM.Bytes != c.Record.MemoryBytes {
+		return nil, ram, errcode.New(errcode.InvalidInput, "the image's RAM file is %d bytes, its VM has %d bytes of memory", c.RAM.Bytes, c.Record.MemoryBytes)
+	}
+	var ramLayers []ocispec.Descriptor
+	for _, l := range layers {
+		if ramfile.IsRAMLayer(l) {
+			ramLayers = append(ramLayers, l)
+		} else {
+			stream = append(stream, l)
+		}
+	}
+	if ram, err = ramfile.SplitLayers(ramLayers, c.RAM.Bytes); err != nil {
+		return nil, ram, err
+	}
+	regions := 0
+	for i, l := range c.RAM.Chain {
+		if l.Regions < 0 || (i < len(c.RAM.Chain)-1 && l.Manifest.Validate() != nil) {
+			return nil, ram, errcode.New(errcode.InvalidInput, "the image's chain link %d is malformed", i)
+		}
+		regions += l.Regions
+	}
+	if regions != len(ram.Regions) {
+		return nil, ram, errcode.New(errcode.InvalidInput, "the image's chain adds up to %d region layers, its manifest lists %d", regions, len(ram.Regions))
+	}
+	return stream, ram, nil
+}
+
+// parentImage is the checkpoint a delta builds on.
+type parentImage struct {
+	desc    ocispec.Descriptor
+	cfg     Config
+	ram     ramfile.Layers
+	pageMap ramfile.PageMap
+}
+
+// findParent picks the parent of a memory-file checkpoint: opts.Parent,
+// else the manifest the reference's tag names now. A tag's image that
+// cannot be a parent (another format, another VM's memory size, a chain at
+// its bound) gives a base; a parent asked for that cannot is an error.
+func findParent(ctx context.Context, repo ociimage.Repository, opts CheckpointOptions, be *RAMBackend) (*parentImage, string, error) {
+	explicit := opts.Parent != nil
+	var desc ocispec.Descriptor
+	switch {
+	case explicit:
+		desc = *opts.Parent
+	case repo.Reference().Tag != "":
+		var err error
+		desc, err = repo.ResolveTag(ctx, repo.Reference().Tag)
+		if errors.Is(err, ociimage.ErrNotFound) {
+			return nil, "no earlier checkpoint under the tag", nil
+		} else if err != nil {
+			return nil, "", errcode.Ensure(errcode.RegistryError, err, "resolving the tag's previous checkpoint")
+		}
+	default:
+		return nil, "no tag to find a parent under", nil
+	}
+	refuse := func(why string) (*parentImage, string, error) {
+		if explicit {
+			return nil, "", errcode.New(errcode.Usage, "the parent %s cannot carry this checkpoint's delta: %s (leave %s out to take a base)", desc.Digest, why, errcode.Field("parent"))
+		}
+		return nil, why, nil
+	}
+	m, err := repo.Manifest(ctx, desc)
+	if err != nil {
+		if explicit {
+			return nil, "", err
+		}
+		return refuse(fmt.Sprintf("the tag's manifest could not be read (%v)", err))
+	}
+	if m.ArtifactType != ociimage.ArtifactTypeVMState {
+		return refuse("it is not a VM state image")
+	}
+	_, pm, cfg, err := LoadConfig(ctx, ociimage.Pinned(repo, desc))
+	if err != nil {
+		if explicit {
+			return nil, "", err
+		}
+		return refuse(fmt.Sprintf("it could not be loaded (%v)", err))
+	}
+	switch {
+	case cfg.Format != FormatMemoryFile:
+		return refuse(fmt.Sprintf("it is in the %s format", cfg.formatName()))
+	case cfg.RAM.Backend != be.ID || cfg.RAM.Bytes != be.Bytes:
+		return refuse(fmt.Sprintf("its RAM is backend %s of %d MiB, this VM's is %s of %d MiB", cfg.RAM.Backend, cfg.RAM.Bytes>>20, be.ID, be.Bytes>>20))
+	case len(cfg.RAM.Chain) > opts.maxChain():
+		if explicit {
+			return refuse(fmt.Sprintf("its chain already holds %d deltas, the most allowed (%s)", len(cfg.RAM.Chain)-1, errcode.Field("maxChain")))
+		}
+		return nil, fmt.Sprintf("the chain reached %d deltas: a fresh base", len(cfg.RAM.Chain)-1), nil
+	}
+	_, ram, err := cfg.checkRAM(pm.Layers)
+	if err != nil {
+		return nil, "", err
+	}
+	pageMap, err := ramfile.LoadPageMap(ctx, ram, repo, cfg.RAM.Bytes)
+	if err != nil {
+		return nil, "", err
+	}
+	return &parentImage{desc: desc, cfg: cfg, ram: ram, pageMap: pageMap}, "", nil
+}
+
+func (c Config) formatName() string {
+	if c.Format == "" {
+		return string(FormatStream)
+	}
+	return string(c.Format)
+}
+
+func (o CheckpointOptions) maxChain() int {
+	if o.MaxChain <= 0 {
+		return DefaultMaxChain
+	}
+	return o.MaxChain
+}
+
+// checkpointMemoryFile is Checkpoint's memory-file path: from Checkpoint,
+// which has checked the VM's run state (st) and read its record, whose RAM
+// is a shared memory-backend-file.
+func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Repository, opts CheckpointOptions, st runState, res *CheckpointResult, start time.Time) (out *CheckpointResult, err error) {
+	be := res.Config.Record.RAM
+	res.Config.Format = FormatMemoryFile
+	if be.Bytes != res.Config.Record.MemoryBytes {
+		return nil, errcode.New(errcode.Usage, "the memory backend %s holds %d MiB but the VM has %d MiB of memory (hotplugged memory?): use %s stream", be.ID, be.Bytes>>20, res.Config.Record.MemoryBytes>>20, errcode.Field("format"))
+	}
+	open := opts.OpenRAMFile
+	if open == nil {
+		open = func(p string) (*os.File, error) { return os.Open(p) }
+	}
+	f, err := open(be.MemPath)
+	if err != nil {
+		return nil, errcode.Ensure(errcode.InvalidInput, err, "opening the VM's RAM file %s (QEMU's mem-path)", be.MemPath)
+	}
+	defer f.Close()
+	parent, why, err := findParent(ctx, repo, opts, be)
+	if err != nil {
+		return nil, err
+	}
+	res.RAMParentNote = why
+	var parentMap ramfile.PageMap
+	if parent != nil {
+		parentMap = parent.pageMap
+	}
+
+	g, err := guardSource(ctx, mon, st.Running, migrationSettings{source: true, stoppedMemory: res.Config.Record.MemoryBytes, ignoreShared: true})
+	defer g.finish(&out, &err)
+	if err != nil {
+		return nil, err
+	}
+	sub := mon.Subscribe()
+	defer sub.Close()
+	saveDevices, closeStream, err := streamSaver(ctx, mon, g, sub, repo, opts, res)
+	defer closeStream()
+	if err != nil {
+		return nil, err
+	}
+	var capture *ramfile.Capture
+	defer func() {
+		if capture != nil {
+			capture.Close()
+		}
+	}()
+	save := func(ctx context.Context) error {
+		if err := saveDevices(ctx); err != nil {
+			return err
+		}
+		g.phase = "copying the changed RAM pages aside"
+		scanStart := time.Now()
+		var err error
+		capture, err = ramfile.Scan(f, be.Bytes, parentMap, stagingDir(opts.StagingDir))
+		res.Durations.Save = time.Since(scanStart)
+		return err
+	}
+	store := func(ctx context.Context) error {
+		g.phase = "storing the RAM pages"
+		storeStart := time.Now()
+		devices := res.Stream.RawBytes
+		progress := opts.Stream.Progress
+		stored, err := capture.Store(ctx, repo, ramfile.StoreOptions{Workers: opts.Stream.Workers, Level: opts.Stream.Level, Progress: func(pages int64) {
+			if progress != nil {
+				progress(devices + pages*ramfile.PageSize)
+			}
+		}})
+		if err != nil {
+			return err
+		}
+		dataBytes := int64(0)
+		for _, h := range capture.Map {
+			if h != 0 {
+				dataBytes += ramfile.PageSize
+			}
+		}
+		link := ChainLink{Created: res.Config.Created, Regions: len(stored.Regions), StoredBytes: stored.StoredBytes - layerBytes(stored.PageMap), ChangedPages: capture.Changed()}
+		var chain []ChainLink
+		var parentRegions []ocispec.Descriptor
+		if parent != nil {
+			chain = append(chain, parent.cfg.RAM.Chain...)
+			chain[len(chain)-1].Manifest = parent.desc.Digest
+			parentRegions = parent.ram.Regions
+		}
+		res.Config.RAM = &RAMConfig{Backend: be.ID, Bytes: be.Bytes, DataBytes: dataBytes, Chain: append(chain, link)}
+		layers := append([]ocispec.Descriptor(nil), res.Stream.Layers...)
+		layers = append(layers, stored.PageMap...)
+		layers = append(layers, parentRegions...)
+		layers = append(layers, stored.Regions...)
+		res.Stream.Layers = layers
+		res.Stream.StoredBytes += stored.StoredBytes + layerBytes(parentRegions)
+		res.Stream.UploadedBytes += stored.UploadedBytes
+		res.Durations.Stream += time.Since(storeStart)
+		capture.Close()
+		capture = nil
+		return nil
+	}
+	if err = stopAndSave(ctx, mon, g, repo, opts, res, start, save, store); err != nil {
+		return nil, err
+	}
+	return res, nil
+}
+
+func layerBytes(ls []ocispec.Descriptor) (n int64) {
+	for _, l := range ls {
+		n += l.Size
+	}
+	return n
+}
+
+// PrepareOptions tunes Prepare.
+type PrepareOptions struct {
+	Cache ramfile.Cache
+	// MaxCacheBytes, if set, evicts the least recently used files past
+	// it once the file is ready.
+	MaxCacheBytes int64
+	// QEMUDir is the cache directory as the target QEMU sees it (a
+	// container's mount of it), for QEMUArgs; default Cache.Dir.
+	QEMUDir string
+	// CopyTo, if set, is a directory where the VM gets its own copy of the
+	// file, which it maps shared (share=on): its RAM is then a shared file
+	// again, so that it can be checkpointed as a delta on this image. It
+	// costs a copy of the image's data; the copy is the caller's to remove.
+	CopyTo   string
+	Workers  int
+	Progress func(fetched int64)
+}
+
+// PrepareResult is what Prepare made ready.
+type PrepareResult struct {
+	Manifest     ocispec.Descriptor
+	Config       Config
+	MemoryFile   string   // the materialized RAM file
+	QEMUArgs     []string // what the target QEMU adds to its arguments
+	FetchedBytes int64    // compressed bytes fetched: 0 if the cache had it
+	Evicted      []ramfile.Entry
+	Duration     time.Duration
+	CopyDuration time.Duration // of the VM's own copy (CopyTo)
+}
+
+// Prepare readies a restore of a memory-file image on this node: it
+// materializes the image's RAM file into the cache (or finds it there),
+// verifying every region before it is written, and returns the arguments
+// the target QEMU needs to map it. The target starts with those and
+// -incoming defer; Restore then loads the device state.
+func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions) (*PrepareResult, error) {
+	start := time.Now()
+	desc, m, cfg, err := LoadConfig(ctx, repo)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Format != FormatMemoryFile {
+		return nil, errcode.New(errcode.Usage, "%s holds its state in the %s format, which QEMU loads from the stream: it needs no prepare (restore it into a QEMU started with -incoming defer)", repo.Reference(), cfg.formatName())
+	}
+	_, ram, err := cfg.checkRAM(m.Layers)
+	if err != nil {
+		return nil, err
+	}
+	res := &PrepareResult{Manifest: desc, Config: cfg}
+	if cfg.RAM.DataBytes < 0 || cfg.RAM.DataBytes > cfg.RAM.Bytes {
+		return nil, errcode.New(errcode.InvalidInput, "the image declares %d bytes of data in a %d-byte RAM file", cfg.RAM.DataBytes, cfg.RAM.Bytes)
+	}
+	if opts.MaxCacheBytes > 0 && cfg.RAM.DataBytes > opts.MaxCacheBytes {
+		return nil, errcode.New(errcode.Usage, "the image's RAM file holds %d MiB of data, more than the cache may hold (%d MiB)", cfg.RAM.DataBytes>>20, opts.MaxCacheBytes>>20)
+	}
+	res.MemoryFile, res.FetchedBytes, err = opts.Cache.Fill(ctx, desc.Digest, cfg.RAM.Bytes, func(f *os.File) (int64, error) {
+		if free, err := freeSpace(opts.Cache.Dir); err == nil && free < cfg.RAM.DataBytes {
+			return 0, errcode.New(errcode.Internal, "the RAM cache %s has %d MiB free, and this image's RAM file needs %d MiB: free space there or pick another directory with %s", opts.Cache.Dir, free>>20, cfg.RAM.DataBytes>>20, errcode.Field("cacheDir"))
+		}
+		// The file may hold what the config declares, and a region's
+		// worth of rounding (a filesystem allocates whole blocks).
+		return ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{
+			Workers: opts.Workers, Progress: opts.Progress, MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize})
+	})
+	if err != nil {
+		return nil, err
+	}
+	if res.Evicted, err = opts.Cache.Evict(opts.MaxCacheBytes, desc.Digest); err != nil {
+		return nil, err
+	}
+	dir := opts.QEMUDir
+	if dir == "" {
+		dir = opts.Cache.Dir
+	}
+	shared := false
+	if opts.CopyTo != "" {
+		copyStart := time.Now()
+		if res.MemoryFile, err = opts.Cache.CopyFor(desc.Digest, cfg.RAM.Bytes, opts.CopyTo); err != nil {
+			return nil, err
+		}
+		res.CopyDuration = time.Since(copyStart)
+		dir, shared = opts.CopyTo, true
+	}
+	res.QEMUArgs = QEMUArgs(cfg, path.Join(dir, path.Base(res.MemoryFile)), shared)
+	res.Duration = time.Since(start)
+	return res, nil
+}
+
+// QEMUArgs are the arguments that map a memory-file image's RAM file at
+// memPath. A cache file is mapped private (shared false): the guest's
+// writes stay in the VM, the file is never written. QEMU 8.2 and later
+// open it read-only too (readonly=on,rom=off); before 8.2, readonly=on
+// would make the guest's RAM read-only, so QEMU opens the file read-write
+// (see ramfile.Cache on what that allows). A target may be newer than the
+// source, never older, so the source's version decides. A VM's own copy
+// is mapped shared, as its source's file was.
+func QEMUArgs(cfg Config, memPath string, shared bool) []string {
+	opts := []string{
+		"memory-backend-file",
+		"id=" + qemuOptEscape(cfg.RAM.Backend),
+		"mem-path=" + qemuOptEscape(memPath),
+		"size=" + strconv.FormatInt(cfg.RAM.Bytes, 10),
+	}
+	switch {
+	case shared:
+		opts = append(opts, "share=on")
+	case cmpVersion(majorMinor(cfg.Record.QEMUVersion), "8.2") >= 0:
+		opts = append(opts, "share=off", "readonly=on", "rom=off")
+	default:
+		opts = append(opts, "share=off")
+	}
+	return []string{"-object", strings.Join(opts, ","), "-machine", "memory-backend=" + qemuOptEscape(cfg.RAM.Backend)}
+}
+
+// qemuOptEscape doubles commas, QEMU's escape within an option value.
+func qemuOptEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
+
+// checkMemoryFileTarget is checkRestorable's part for a memory-file
+// image: the target must map the file Prepare made for this image,
+// private, under the same backend ID, and have x-ignore-shared.
+func checkMemoryFileTarget(ctx context.Context, mon Executor, cfg Config, manifest digest.Digest, target Record) ([]string, error) {
+	var diffs []string
+	caps, err := migrationCapabilities(ctx, mon)
+	if err != nil {
+		return nil, err
+	}
+	if _, ok := caps[capIgnoreShared]; !ok {
+		diffs = append(diffs, fmt.Sprintf("migration format: snapshot is %s, target QEMU %s lacks the x-ignore-shared capability (QEMU 4.0 or later)", FormatMemoryFile, target.QEMUVersion))
+	}
+	want := fmt.Sprintf("start it with the arguments vmsnap prepare printed for this image (%s)", strings.Join(QEMUArgs(cfg, ramfile.Cache{}.Path(manifest), false), " "))
+	b := target.RAM
+	switch {
+	case b == nil || b.Type != "memory-backend-file":
+		diffs = append(diffs, "memory backend: snapshot's RAM is a file, the target's is not one: "+want)
+	case b.ID != cfg.RAM.Backend:
+		// Compare reports the ID.
+	case ramfile.KeyOf(b.MemPath) != manifest:
+		diffs = append(diffs, fmt.Sprintf("memory backend: the target maps %s, not the RAM file of this image: %s", b.MemPath, want))
+	case b.Share && !ramfile.IsOwnCopy(b.MemPath):
+		diffs = append(diffs, "memory backend: the target maps the cached RAM file shared (share=on), so the guest would write into the file every restore of this image uses: map it with share=off, or give the VM its own copy (vmsnap prepare --copy-to DIR)")
+	case b.Bytes != cfg.RAM.Bytes:
+		diffs = append(diffs, fmt.Sprintf("memory backend: snapshot's RAM file is %d bytes, target's backend %d", cfg.RAM.Bytes, b.Bytes))
+	}
+	return diffs, nil
+}

@@ -1,0 +1,207 @@
+package vmstate
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
+	"github.com/vmsnap/vmsnap/vmstate/ramfile"
+)
+
+const fakeRAM = 32 << 20
+
+// fakeFileVM is a fake QEMU whose RAM is the shared file it returns, with
+// random data in its first 4 MiB.
+func fakeFileVM(t *testing.T) (*qmptest.FakeQEMU, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "ram")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(fakeRAM); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(randomBytes(1, 4<<20), 0); err != nil {
+		t.Fatal(err)
+	}
+	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 64<<10))
+	q.Memory = fakeRAM
+	q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: path, Share: true}
+	return q, path
+}
+
+func materialized(t *testing.T, dir string, ref string) []byte {
+	t.Helper()
+	repo := openLayout(t, ref)
+	res, err := Prepare(context.Background(), repo, PrepareOptions{Cache: ramfile.Cache{Dir: filepath.Join(dir, "cache")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(res.MemoryFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func TestMemoryFileCheckpointChainsDeltasUnderItsTag(t *testing.T) {
+	q, path := fakeFileVM(t)
+	dir := t.TempDir()
+	repo := openLayout(t, "oci:"+dir+":vm")
+	base, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: ModeSnapshot, StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if base.Config.Format != FormatMemoryFile || base.Config.RAM == nil || len(base.Config.RAM.Chain) != 1 {
+		t.Fatalf("auto did not take a memory-file base: %+v", base.Config)
+	}
+	if !slices.Contains(q.Commands(), "cont") || q.Status() != "running" {
+		t.Fatal("snapshot mode did not continue the VM")
+	}
+	if q.Caps[capIgnoreShared] {
+		t.Fatal("x-ignore-shared was left on")
+	}
+
+	// Rewrite 3 scattered pages; the next checkpoint is a delta of those.
+	rng := rand.New(rand.NewPCG(9, 9))
+	f, _ := os.OpenFile(path, os.O_RDWR, 0)
+	for _, page := range []int64{7, 700, 3000} {
+		p := make([]byte, ramfile.PageSize)
+		for i := range p {
+			p[i] = byte(rng.Uint32())
+		}
+		f.WriteAt(p, page*ramfile.PageSize)
+	}
+	f.Close()
+	delta, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: ModePause, StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := delta.Config.RAM
+	if len(r.Chain) != 2 || r.Parent() != base.Manifest.Digest || r.Chain[1].ChangedPages != 3 {
+		t.Fatalf("second checkpoint is not a 3-page delta on the first: %+v", r)
+	}
+	if delta.Stream.UploadedBytes > 256<<10 || delta.Stream.StoredBytes < base.Stream.StoredBytes {
+		t.Fatalf("delta uploaded %d bytes, stores %d (base %d)", delta.Stream.UploadedBytes, delta.Stream.StoredBytes, base.Stream.StoredBytes)
+	}
+	want, _ := os.ReadFile(path)
+	if got := materialized(t, dir, "oci:"+dir+"@"+delta.Manifest.Digest.String()); !bytes.Equal(got, want) {
+		t.Fatal("base + delta does not give the RAM file back")
+	}
+
+	// A chain at its bound starts a fresh base.
+	qq, _ := fakeFileVMAt(t, path)
+	third, err := Checkpoint(context.Background(), qq.Dial(t), repo, CheckpointOptions{Mode: ModeSnapshot, MaxChain: 1, StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(third.Config.RAM.Chain) != 1 || !strings.Contains(third.RAMParentNote, "fresh base") {
+		t.Fatalf("past --max-chain: chain %d, note %q", len(third.Config.RAM.Chain), third.RAMParentNote)
+	}
+	if got := materialized(t, dir, "oci:"+dir+"@"+third.Manifest.Digest.String()); !bytes.Equal(got, want) {
+		t.Fatal("the fresh base does not give the RAM file back")
+	}
+}
+
+// fakeFileVMAt is a running fake QEMU on an existing RAM file.
+func fakeFileVMAt(t *testing.T, path string) (*qmptest.FakeQEMU, string) {
+	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 64<<10))
+	q.Memory = fakeRAM
+	q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: path, Share: true}
+	return q, path
+}
+
+func TestMemoryFileRefusals(t *testing.T) {
+	t.Run("backend smaller than memory", func(t *testing.T) {
+		q, _ := fakeFileVM(t)
+		q.RAMBackend.Size = fakeRAM / 2
+		_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":vm"), CheckpointOptions{StagingDir: t.TempDir()})
+		if errcode.Of(err) != errcode.Usage || slices.Contains(q.Commands(), "stop") {
+			t.Fatalf("got %v (commands %v): want USAGE before the VM is touched", err, q.Commands())
+		}
+	})
+	t.Run("RAM file shorter than the backend", func(t *testing.T) {
+		q, path := fakeFileVM(t)
+		os.Truncate(path, fakeRAM/2)
+		_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":vm"), CheckpointOptions{StagingDir: t.TempDir()})
+		if errcode.Of(err) != errcode.InvalidInput || q.Status() != "running" {
+			t.Fatalf("got %v, VM %s: want INVALID_INPUT and the VM running", err, q.Status())
+		}
+	})
+	t.Run("explicit format without a shared file", func(t *testing.T) {
+		q, _ := fakeFileVM(t)
+		q.RAMBackend.Share = false
+		_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":vm"), CheckpointOptions{Format: FormatMemoryFile})
+		if errcode.Of(err) != errcode.Usage || !strings.Contains(err.Error(), "share=on") {
+			t.Fatalf("got %v: want USAGE saying how to start QEMU", err)
+		}
+	})
+	t.Run("live mode takes the stream", func(t *testing.T) {
+		q, _ := fakeFileVM(t)
+		res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":vm"), CheckpointOptions{Mode: ModeLive})
+		if err != nil || res.Config.Format == FormatMemoryFile || res.Config.RAM != nil {
+			t.Fatalf("live mode: %v, format %q", err, res.Config.Format)
+		}
+	})
+}
+
+func TestMemoryFileRestoreRefusesATargetNotMappingThePreparedFile(t *testing.T) {
+	q, _ := fakeFileVM(t)
+	dir := t.TempDir()
+	res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{Mode: ModePause, StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prepared := ramfile.Cache{Dir: "/cache"}.Path(res.Manifest.Digest)
+	for name, tc := range map[string]struct {
+		backend *qmptest.FakeBackend
+		want    string
+	}{
+		"no backend":      {nil, "names none"},
+		"another file":    {&qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: "/elsewhere/ram"}, "not the RAM file of this image"},
+		"shared cache":    {&qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: prepared, Share: true}, "share=off"},
+		"anonymous":       {&qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-ram"}, "is not one"},
+		"another backend": {&qmptest.FakeBackend{ID: "mem1", Type: "memory-backend-file", MemPath: prepared}, "memory backend ID"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			target := qmptest.NewFakeQEMU(t, "inmigrate", nil)
+			target.Memory = fakeRAM
+			target.Caps[capIgnoreShared] = false
+			target.RAMBackend = tc.backend
+			_, err := Restore(context.Background(), target.Dial(t), openLayout(t, "oci:"+dir+"@"+res.Manifest.Digest.String()), RestoreOptions{})
+			if errcode.Of(err) != errcode.CompatMismatch || !strings.Contains(strings.Join(errcode.DetailsOf(err), "; "), tc.want) {
+				t.Fatalf("got %v (%s), want COMPAT_MISMATCH mentioning %q", err, strings.Join(errcode.DetailsOf(err), "; "), tc.want)
+			}
+			if slices.Contains(target.Commands(), "migrate-incoming") || len(target.Received) != 0 {
+				t.Fatal("the refused target was fed")
+			}
+		})
+	}
+	// The prepared file, private, and a VM's own copy, shared: load (the
+	// device state only).
+	ownCopy := filepath.Join("/vms", "vm-1234."+filepath.Base(prepared))
+	for _, b := range []*qmptest.FakeBackend{
+		{ID: "ram0", Type: "memory-backend-file", MemPath: prepared},
+		{ID: "ram0", Type: "memory-backend-file", MemPath: ownCopy, Share: true},
+	} {
+		target := qmptest.NewFakeQEMU(t, "inmigrate", q.State)
+		target.Memory = fakeRAM
+		target.Caps[capIgnoreShared] = false
+		target.RAMBackend = b
+		if _, err := Restore(context.Background(), target.Dial(t), openLayout(t, "oci:"+dir+"@"+res.Manifest.Digest.String()), RestoreOptions{}); err != nil {
+			t.Fatalf("%s (share %v) was refused: %v", b.MemPath, b.Share, err)
+		}
+		if !target.Caps[capIgnoreShared] {
+			t.Fatal("the target loaded without x-ignore-shared")
+		}
+	}
+}

@@ -1,0 +1,321 @@
+package ramfile
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"errors"
+
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/klauspost/compress/zstd"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
+)
+
+// Capture is what a checkpoint took from a RAM file while the VM was
+// stopped: the file's page map, and a copy of every page that differs from
+// the parent's (all non-zero pages for a base), set aside in an unlinked
+// staging file so that the VM can run again before anything is compressed
+// or stored.
+type Capture struct {
+	Size    int64
+	Map     PageMap
+	parent  PageMap  // nil for a base
+	changed []uint32 // pages whose entry differs from the parent's, ascending
+	staging *os.File // the changed non-zero pages, in order
+	// StagedBytes is what the staging file holds; ScannedBytes what was
+	// read of the RAM file (its data extents; holes are not read).
+	StagedBytes, ScannedBytes int64
+}
+
+// Changed is how many pages differ from the parent (or are non-zero, for a
+// base): what the checkpoint stores.
+func (c *Capture) Changed() int { return len(c.changed) }
+
+// Close frees the staging file.
+func (c *Capture) Close() {
+	if c.staging != nil {
+		_ = c.staging.Truncate(0)
+		c.staging.Close()
+		c.staging = nil
+	}
+}
+
+// Scan reads the first size bytes of the RAM file f, which nothing may
+// write meanwhile (the VM is stopped), hashes every page, and copies each
+// page that differs from parent (nil: each non-zero page) into a staging
+// file in stagingDir. Only f's data extents are read: a hole is zero pages.
+func Scan(f *os.File, size int64, parent PageMap, stagingDir string) (c *Capture, err error) {
+	if err := CheckSize(size); err != nil {
+		return nil, err
+	}
+	pages := Pages(size)
+	if parent != nil && len(parent) != pages {
+		return nil, errcode.New(errcode.InvalidInput, "the parent's page map has %d pages, the RAM file %d", len(parent), pages)
+	}
+	if fi, err := f.Stat(); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "reading the RAM file")
+	} else if !fi.Mode().IsRegular() || fi.Size() < size {
+		return nil, errcode.New(errcode.InvalidInput, "the RAM file is not a regular file of at least %d bytes (QEMU's memory backend size)", size)
+	}
+	staging, err := os.CreateTemp(stagingDir, ".vmsnap-ram-*.tmp")
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "creating the RAM staging file in %s (pick another with %s)", stagingDir, errcode.Field("stagingDir"))
+	}
+	os.Remove(staging.Name())
+	c = &Capture{Size: size, Map: make(PageMap, pages), parent: parent, staging: staging}
+	defer func() {
+		if err != nil {
+			c.Close()
+		}
+	}()
+	w := bufio.NewWriterSize(staging, 1<<20)
+	buf := make([]byte, RegionSize)
+	err = dataExtents(f, size, func(start, end int64) error {
+		for off := start; off < end; {
+			n := int(min(int64(len(buf)), end-off))
+			if _, err := f.ReadAt(buf[:n], off); err != nil {
+				return errcode.Wrap(errcode.Internal, err, "reading the RAM file at %d", off)
+			}
+			c.ScannedBytes += int64(n)
+			for p := 0; p < n; p += PageSize {
+				page := buf[p : p+PageSize]
+				i := int((off + int64(p)) / PageSize)
+				h := hashPage(page)
+				c.Map[i] = h
+				if h != 0 && (parent == nil || parent[i] != h) {
+					if _, err := w.Write(page); err != nil {
+						return stagingErr(stagingDir, err)
+					}
+					c.StagedBytes += PageSize
+				}
+			}
+			off += int64(n)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	if err := w.Flush(); err != nil {
+		return nil, stagingErr(stagingDir, err)
+	}
+	for i, h := range c.Map {
+		if (parent == nil && h != 0) || (parent != nil && parent[i] != h) {
+			c.changed = append(c.changed, uint32(i))
+		}
+	}
+	return c, nil
+}
+
+func stagingErr(dir string, err error) error {
+	return errcode.Wrap(errcode.Internal, err, "writing the RAM staging file in %s (pick another with %s)", dir, errcode.Field("stagingDir"))
+}
+
+// Linux's lseek whence values for sparse files.
+const (
+	seekData = 3
+	seekHole = 4
+)
+
+// dataExtents calls fn with each page-aligned extent of f's first size
+// bytes that may hold data (SEEK_DATA/SEEK_HOLE; a filesystem without them
+// is all data).
+func dataExtents(f *os.File, size int64, fn func(start, end int64) error) error {
+	fd := int(f.Fd())
+	for off := int64(0); off < size; {
+		data, err := syscall.Seek(fd, off, seekData)
+		switch {
+		case errors.Is(err, syscall.ENXIO):
+			return nil
+		case errors.Is(err, syscall.EINVAL):
+			return fn(off, size)
+		case err != nil:
+			return errcode.Wrap(errcode.Internal, err, "reading the RAM file's extents")
+		}
+		if data >= size {
+			return nil
+		}
+		hole, err := syscall.Seek(fd, data, seekHole)
+		if err != nil {
+			return errcode.Wrap(errcode.Internal, err, "reading the RAM file's extents")
+		}
+		start := data &^ (PageSize - 1)
+		end := min((max(hole, data+1)+PageSize-1)&^(PageSize-1), size)
+		if err := fn(max(start, off), end); err != nil {
+			return err
+		}
+		off = end
+	}
+	return nil
+}
+
+// StoreOptions tunes Store.
+type StoreOptions struct {
+	Workers  int               // regions compressed at once (default 2)
+	Level    zstd.EncoderLevel // default SpeedFastest
+	Progress func(pagesDone int64)
+}
+
+// Stored is what Store put in the store.
+type Stored struct {
+	PageMap       []ocispec.Descriptor
+	Regions       []ocispec.Descriptor // this capture's region layers, by offset
+	StoredBytes   int64                // compressed bytes of those layers
+	UploadedBytes int64                // of which the store did not have yet
+}
+
+// Store compresses the capture's changed pages into one region layer per
+// region that has any, and its page map into page-map layers, and puts
+// every blob the sink lacks. Memory is bounded by the workers' buffers.
+func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOptions) (Stored, error) {
+	var out Stored
+	if opts.Workers <= 0 {
+		opts.Workers = 2
+	}
+	if opts.Level == 0 {
+		opts.Level = zstd.SpeedFastest
+	}
+	var uploaded atomic.Int64
+	put := func(ctx context.Context, enc *zstd.Encoder, raw []byte, desc func([]byte) ocispec.Descriptor) (ocispec.Descriptor, error) {
+		data := enc.EncodeAll(raw, make([]byte, 0, len(raw)/2+1024))
+		d := desc(data)
+		return d, chunk.Put(ctx, sink, d, data, &uploaded)
+	}
+
+	// The page map, in pieces.
+	enc, err := chunk.NewEncoder(opts.Level)
+	if err != nil {
+		return out, errcode.Wrap(errcode.Internal, err, "zstd encoder")
+	}
+	for first := 0; first < len(c.Map); first += pageMapPiece {
+		n := min(pageMapPiece, len(c.Map)-first)
+		raw := make([]byte, 8*n)
+		for i, h := range c.Map[first : first+n] {
+			putUint64(raw[8*i:], h)
+		}
+		d, err := put(ctx, enc, raw, func(data []byte) ocispec.Descriptor { return pageMapDesc(first, n, data) })
+		if err != nil {
+			return out, err
+		}
+		out.PageMap = append(out.PageMap, d)
+	}
+
+	// The regions: a reader builds each region's blob from the staging
+	// file in order, workers compress and store them.
+	type job struct {
+		index  int
+		offset int64
+		raw    []byte
+	}
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	jobs := make(chan job)
+	bufs := make(chan []byte, opts.Workers+1)
+	for range opts.Workers + 1 {
+		bufs <- make([]byte, 0, maxRegionRaw)
+	}
+	var (
+		mu      sync.Mutex
+		regions = map[int]ocispec.Descriptor{}
+		wg      sync.WaitGroup
+		done    atomic.Int64
+	)
+	for range opts.Workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			enc, err := chunk.NewEncoder(opts.Level)
+			if err != nil {
+				cancel(errcode.Wrap(errcode.Internal, err, "zstd encoder"))
+				return
+			}
+			for j := range jobs {
+				if ctx.Err() == nil {
+					d, err := put(ctx, enc, j.raw, func(data []byte) ocispec.Descriptor { return regionDesc(j.offset, len(j.raw), data) })
+					if err != nil {
+						cancel(err)
+					} else {
+						mu.Lock()
+						regions[j.index] = d
+						mu.Unlock()
+					}
+				}
+				bufs <- j.raw[:0]
+			}
+		}()
+	}
+	readErr := func() error {
+		defer close(jobs)
+		var staged int64 // offset in the staging file of the next non-zero page
+		for i, index := 0, 0; i < len(c.changed); index++ {
+			region := int64(c.changed[i]) * PageSize / RegionSize
+			var bitmap [pagesPerRegion / 8]byte
+			var raw []byte
+			select {
+			case raw = <-bufs:
+			case <-ctx.Done():
+				return context.Cause(ctx)
+			}
+			raw = raw[:headerSize]
+			for ; i < len(c.changed) && int64(c.changed[i])*PageSize/RegionSize == region; i++ {
+				p := int(c.changed[i]) % pagesPerRegion
+				bitmap[p/8] |= 1 << (p % 8)
+				n := len(raw)
+				raw = raw[:n+PageSize]
+				if c.Map[c.changed[i]] == 0 {
+					clear(raw[n:])
+					continue
+				}
+				if _, err := c.staging.ReadAt(raw[n:], staged); err != nil {
+					return errcode.Wrap(errcode.Internal, err, "reading the RAM staging file")
+				}
+				staged += PageSize
+			}
+			copy(raw, regionHeader(region*RegionSize, &bitmap))
+			if opts.Progress != nil {
+				opts.Progress(done.Add(int64(len(raw)-headerSize) / PageSize))
+			}
+			select {
+			case jobs <- job{index: index, offset: region * RegionSize, raw: raw}:
+			case <-ctx.Done():
+				return context.Cause(ctx)
+			}
+		}
+		return nil
+	}()
+	wg.Wait()
+	if readErr != nil {
+		return out, readErr
+	}
+	if err := context.Cause(ctx); err != nil {
+		return out, err
+	}
+	out.Regions = make([]ocispec.Descriptor, len(regions))
+	for i, d := range regions {
+		out.Regions[i] = d
+	}
+	for _, d := range append(append([]ocispec.Descriptor(nil), out.PageMap...), out.Regions...) {
+		out.StoredBytes += d.Size
+	}
+	out.UploadedBytes = uploaded.Load()
+	return out, nil
+}
+
+func putUint64(b []byte, v uint64) {
+	_ = b[7]
+	b[0], b[1], b[2], b[3] = byte(v), byte(v>>8), byte(v>>16), byte(v>>24)
+	b[4], b[5], b[6], b[7] = byte(v>>32), byte(v>>40), byte(v>>48), byte(v>>56)
+}
+
+func blobDesc(mediaType string, data []byte) ocispec.Descriptor {
+	sum := sha256.Sum256(data)
+	return ocispec.Descriptor{MediaType: mediaType, Digest: digest.NewDigestFromBytes(digest.SHA256, sum[:]), Size: int64(len(data))}
+}

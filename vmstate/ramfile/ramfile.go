@@ -1,0 +1,253 @@
+// Package ramfile stores a VM's RAM file page-addressed in an image store,
+// and materializes it back into a file QEMU can map.
+//
+// A VM whose RAM is a memory-backend-file (mem-path=FILE,share=on) keeps
+// every guest page at a fixed offset of FILE. vmsnap reads that file while
+// the VM is stopped instead of having QEMU stream it, and stores it here:
+//
+//   - in fixed regions of RegionSize bytes, one blob each (a region layer:
+//     a header naming its offset, a bitmap of the pages it holds, those
+//     pages; zstd), so that a restore fetches, verifies and writes each
+//     region on its own, at its place;
+//   - zero pages are never stored;
+//   - with a page map (one 64-bit hash per page, 0 for a zero page), so
+//     that the next checkpoint of the same VM finds the pages that changed
+//     by comparing hashes, reading no blob, and stores only those: a delta
+//     whose region layers come after its parent's in the manifest. Applying
+//     every region layer in manifest order gives the file back.
+//
+// Which page changed is decided by the page map's hash (xxhash64): a guest
+// that makes a page collide with the hash of what its parent held at that
+// address only loses its own write in its own snapshot. Every region layer
+// is verified by its sha256 digest before a byte of it is used.
+package ramfile
+
+import (
+	"encoding/binary"
+	"strconv"
+
+	"github.com/cespare/xxhash/v2"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+)
+
+const (
+	// PageSize is the granularity of the page map and of deltas: x86's
+	// base page, QEMU's target page size for every machine vmsnap records.
+	PageSize = 4096
+	// RegionSize is the address range one region layer covers. 2 MiB keeps
+	// a 4 GiB guest's base under 2048 layers and a layer's blob small
+	// enough to fetch and verify in one piece.
+	RegionSize     = 2 << 20
+	pagesPerRegion = RegionSize / PageSize
+
+	// regionMagic starts every region blob (before compression).
+	regionMagic = "VMSNRAM1"
+	// headerSize: magic, the region's offset (uint64 LE), the page bitmap.
+	headerSize = len(regionMagic) + 8 + pagesPerRegion/8
+	// maxRegionRaw is the largest a region blob can be once decompressed.
+	maxRegionRaw = headerSize + RegionSize
+
+	// MaxRAMBytes bounds the RAM file an image may declare (1 TiB): it
+	// sizes the page map vmsnap holds (8 bytes a page).
+	MaxRAMBytes = 1 << 40
+	// pageMapPiece is how many pages one page-map layer covers (8 MiB of
+	// hashes for 4 GiB of RAM).
+	pageMapPiece = 1 << 20
+)
+
+// hashPage is a page's entry in the page map: 0 for a page of zeros, else
+// its xxhash64 (a data page hashing to 0 is entered as 1, so that it is
+// never taken for zeros).
+func hashPage(p []byte) uint64 {
+	h := xxhash.Sum64(p)
+	if h == zeroPageHash && isZero(p) {
+		return 0
+	}
+	if h == 0 {
+		return 1
+	}
+	return h
+}
+
+var zeroPage [PageSize]byte
+
+var zeroPageHash = xxhash.Sum64(zeroPage[:])
+
+func isZero(p []byte) bool {
+	for len(p) >= PageSize {
+		if string(p[:PageSize]) != string(zeroPage[:]) {
+			return false
+		}
+		p = p[PageSize:]
+	}
+	return string(p) == string(zeroPage[:len(p)])
+}
+
+// PageMap holds one entry per page of a RAM file (hashPage).
+type PageMap []uint64
+
+// Pages is how many pages a RAM file of size bytes has.
+func Pages(size int64) int { return int((size + PageSize - 1) / PageSize) }
+
+// CheckSize refuses a RAM size vmsnap will not store or materialize.
+func CheckSize(size int64) error {
+	if size <= 0 || size > MaxRAMBytes || size%PageSize != 0 {
+		return errcode.New(errcode.InvalidInput, "RAM file of %d bytes: want a multiple of %d up to %d", size, PageSize, int64(MaxRAMBytes))
+	}
+	return nil
+}
+
+// regionHeader encodes the header of the region at offset holding the
+// pages set in bitmap.
+func regionHeader(offset int64, bitmap *[pagesPerRegion / 8]byte) []byte {
+	h := make([]byte, 0, headerSize)
+	h = append(h, regionMagic...)
+	h = binary.LittleEndian.AppendUint64(h, uint64(offset))
+	return append(h, bitmap[:]...)
+}
+
+// region is a decoded region blob.
+type region struct {
+	offset int64
+	bitmap []byte // pagesPerRegion bits, page i of the region in bit i%8 of byte i/8
+	pages  []byte // the pages set in bitmap, in order
+}
+
+func (r region) has(i int) bool { return r.bitmap[i/8]&(1<<(i%8)) != 0 }
+
+// parseRegion checks a decompressed region blob against its layer and the
+// RAM file's size: the header, the offset the layer declares, and that
+// it holds exactly the pages its bitmap sets, all inside the file.
+func parseRegion(raw []byte, desc ocispec.Descriptor, ramSize int64) (region, error) {
+	bad := func(format string, args ...any) (region, error) {
+		return region{}, errcode.New(errcode.InvalidInput, "RAM region %s: "+format, append([]any{desc.Digest}, args...)...)
+	}
+	if len(raw) < headerSize || string(raw[:len(regionMagic)]) != regionMagic {
+		return bad("not a region blob")
+	}
+	off := int64(binary.LittleEndian.Uint64(raw[len(regionMagic):]))
+	want, err := RegionOffset(desc)
+	if err != nil {
+		return region{}, err
+	}
+	if off != want {
+		return bad("holds offset %d, its layer declares %d", off, want)
+	}
+	r := region{offset: off, bitmap: raw[len(regionMagic)+8 : headerSize], pages: raw[headerSize:]}
+	n := 0
+	for i := range pagesPerRegion {
+		if r.has(i) {
+			if off+int64(i+1)*PageSize > ramSize {
+				return bad("page %d lies beyond the %d-byte RAM file", i, ramSize)
+			}
+			n++
+		}
+	}
+	if len(r.pages) != n*PageSize {
+		return bad("bitmap sets %d pages, blob holds %d bytes of pages", n, len(r.pages))
+	}
+	return r, nil
+}
+
+// RegionOffset is the offset a region layer declares, which must be a
+// multiple of RegionSize.
+func RegionOffset(desc ocispec.Descriptor) (int64, error) {
+	s := desc.Annotations[ociimage.AnnotationRAMOffset]
+	off, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || off < 0 || off%RegionSize != 0 || off >= MaxRAMBytes {
+		return 0, errcode.New(errcode.InvalidInput, "RAM region %s declares offset %q: want a multiple of %d", desc.Digest, s, RegionSize)
+	}
+	return off, nil
+}
+
+// Layers is a memory-file image's RAM layers, split by kind.
+type Layers struct {
+	PageMap []ocispec.Descriptor // in page order
+	Regions []ocispec.Descriptor // in the order they apply: a base's, then each delta's
+}
+
+// SplitLayers validates the RAM layers of a manifest (media types, sizes,
+// offsets, a page map that covers the file exactly) before anything is
+// fetched.
+func SplitLayers(layers []ocispec.Descriptor, ramSize int64) (Layers, error) {
+	var out Layers
+	if err := CheckSize(ramSize); err != nil {
+		return out, err
+	}
+	pages := Pages(ramSize)
+	next := 0
+	for i, l := range layers {
+		if l.Size <= 0 || l.Size > ociimage.MaxChunkSize {
+			return out, errcode.New(errcode.InvalidInput, "RAM layer %d declares %d bytes: want 1..%d", i, l.Size, ociimage.MaxChunkSize)
+		}
+		if err := l.Digest.Validate(); err != nil {
+			return out, errcode.Wrap(errcode.InvalidInput, err, "RAM layer %d", i)
+		}
+		switch l.MediaType {
+		case ociimage.MediaTypeRAMPageMap:
+			first, count, err := pageMapRange(l)
+			if err != nil {
+				return out, err
+			}
+			if first != next || count <= 0 || count > pageMapPiece || first+count > pages {
+				return out, errcode.New(errcode.InvalidInput, "page map layer %d covers pages %d+%d, want the next from page %d of %d", i, first, count, next, pages)
+			}
+			next += count
+			out.PageMap = append(out.PageMap, l)
+		case ociimage.MediaTypeRAMRegion:
+			off, err := RegionOffset(l)
+			if err != nil {
+				return out, err
+			}
+			if _, err := rawRegionSize(l); err != nil {
+				return out, err
+			}
+			if off >= ramSize {
+				return out, errcode.New(errcode.InvalidInput, "RAM region layer %d at offset %d lies beyond the %d-byte RAM file", i, off, ramSize)
+			}
+			out.Regions = append(out.Regions, l)
+		default:
+			return out, errcode.New(errcode.InvalidInput, "layer %d has media type %q, not a RAM layer", i, l.MediaType)
+		}
+	}
+	if next != pages {
+		return out, errcode.New(errcode.InvalidInput, "the page map covers %d of the RAM file's %d pages", next, pages)
+	}
+	return out, nil
+}
+
+func pageMapRange(l ocispec.Descriptor) (first, count int, err error) {
+	a, errA := strconv.Atoi(l.Annotations[ociimage.AnnotationRAMFirstPage])
+	b, errB := strconv.Atoi(l.Annotations[ociimage.AnnotationRawSize])
+	if errA != nil || errB != nil || a < 0 || b <= 0 || b%8 != 0 {
+		return 0, 0, errcode.New(errcode.InvalidInput, "page map layer %s has no valid %s and %s", l.Digest, ociimage.AnnotationRAMFirstPage, ociimage.AnnotationRawSize)
+	}
+	return a, b / 8, nil
+}
+
+// IsRAMLayer says whether a layer belongs to the RAM file rather than to
+// QEMU's device state stream.
+func IsRAMLayer(l ocispec.Descriptor) bool {
+	return l.MediaType == ociimage.MediaTypeRAMRegion || l.MediaType == ociimage.MediaTypeRAMPageMap
+}
+
+func pageMapDesc(first, count int, data []byte) ocispec.Descriptor {
+	d := blobDesc(ociimage.MediaTypeRAMPageMap, data)
+	d.Annotations = map[string]string{
+		ociimage.AnnotationRAMFirstPage: strconv.Itoa(first),
+		ociimage.AnnotationRawSize:      strconv.Itoa(count * 8),
+	}
+	return d
+}
+
+func regionDesc(offset int64, rawLen int, data []byte) ocispec.Descriptor {
+	d := blobDesc(ociimage.MediaTypeRAMRegion, data)
+	d.Annotations = map[string]string{
+		ociimage.AnnotationRAMOffset: strconv.FormatInt(offset, 10),
+		ociimage.AnnotationRawSize:   strconv.Itoa(rawLen),
+	}
+	return d
+}
