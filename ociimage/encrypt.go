@@ -219,8 +219,10 @@ func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, ctHash hash.
 }
 
 // PutManifest stores m with every layer put through this repository
-// replaced by its encrypted blob. A layer that was not is refused: it would
-// be stored in the clear.
+// replaced by its encrypted blob. A layer stored before (a memory-file
+// delta names its parent's) keeps the encrypted blob it has: as given if
+// it is encrypted, or the one it was read from through Decrypt. Any other
+// layer is refused: it would be stored in the clear.
 func (e *encrypting) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.Descriptor, error) {
 	layers := make([]ocispec.Descriptor, len(m.Layers))
 	for i, l := range m.Layers {
@@ -228,7 +230,12 @@ func (e *encrypting) PutManifest(ctx context.Context, m ocispec.Manifest) (ocisp
 		el := e.layers[l.Digest]
 		e.mu.Unlock()
 		if el == nil {
-			return ocispec.Descriptor{}, errcode.New(errcode.Internal, "layer %s was not stored through the encrypting repository and would be stored in the clear", l.Digest)
+			enc, ok := e.stored(l)
+			if !ok {
+				return ocispec.Descriptor{}, errcode.New(errcode.Internal, "layer %s was not stored through the encrypting repository and would be stored in the clear", l.Digest)
+			}
+			layers[i] = enc
+			continue
 		}
 		select {
 		case <-el.done:
@@ -249,6 +256,22 @@ func (e *encrypting) PutManifest(ctx context.Context, m ocispec.Manifest) (ocisp
 	}
 	m.Layers = layers
 	return e.Repository.PutManifest(ctx, m)
+}
+
+// stored returns the encrypted form of a layer stored before this
+// checkpoint.
+func (e *encrypting) stored(l ocispec.Descriptor) (ocispec.Descriptor, bool) {
+	if IsEncrypted(l) {
+		return l, true
+	}
+	d, ok := e.Repository.(*decrypting)
+	if !ok {
+		return ocispec.Descriptor{}, false
+	}
+	d.mu.Lock()
+	dl, ok := d.layers[l.Digest]
+	d.mu.Unlock()
+	return dl.enc, ok
 }
 
 // addBlob puts data into repo, saying whether it was sent: through the

@@ -64,6 +64,7 @@ type checkpointFlags struct {
 	stream                            streamFlags
 	registry                          registryFlags
 	encrypt                           encryptFlags
+	decrypt                           decryptFlags
 	agent                             agentFlags
 }
 
@@ -149,6 +150,7 @@ does not fail the checkpoint: "pruned.error" says why.`,
 	f.stream.add(c)
 	f.registry.add(c)
 	f.encrypt.add(c)
+	f.decrypt.add(c)
 	f.agent.add(c)
 	addOutputFlags(c, out, true)
 	return c
@@ -172,13 +174,20 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 	if err != nil {
 		return err
 	}
-	if f.agent.address != "" && f.encrypt.set() {
+	if f.agent.address != "" && (f.encrypt.set() || len(f.decrypt.keys) > 0) {
 		return errcode.New(errcode.Usage, "through --agent, the agent encrypts for the recipients of its own --encrypt-recipient (the operator's policy): drop --encrypt-recipient and --encrypt-dedup-key here")
 	}
 	encrypt, err := f.encrypt.options()
 	if err != nil {
 		return err
 	}
+	// A memory-file delta reads its parent's page map: encrypted, it needs
+	// a key.
+	decrypt, err := f.decrypt.options()
+	if err != nil {
+		return err
+	}
+	encrypt = append(encrypt, decrypt...)
 	if f.agent.address != "" && (format != vmstate.FormatAuto || f.stagingDir != "") {
 		return errcode.New(errcode.Usage, "--format and --staging-dir apply to a local checkpoint: the node agent picks the format itself")
 	}

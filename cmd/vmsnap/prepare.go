@@ -16,6 +16,7 @@ import (
 func newPrepareCmd(out *globalOutput) *cobra.Command {
 	var (
 		reg      registryFlags
+		decrypt  decryptFlags
 		stream   streamFlags
 		cacheDir string
 		maxCache int64
@@ -75,11 +76,15 @@ Registry access works as for checkpoint (--registry-config, --ca-file,
 		RunE: func(c *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(c.Context(), timeout)
 			defer cancel()
+			keys, err := decrypt.options()
+			if err != nil {
+				return coded(err)
+			}
 			p := newPhasedProgress(out.stderr)
 			defer p.finish()
 			res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
 				Image: args[0], AllowTag: allowTag, CacheDir: cacheDir, MaxCacheBytes: maxCache, QEMUDir: qemuDir, CopyTo: copyTo,
-				Workers: stream.workers, Store: reg.options(), Progress: p.update,
+				Workers: stream.workers, Store: append(reg.options(), keys...), Progress: p.update,
 			})
 			p.finish()
 			if err != nil {
@@ -97,6 +102,7 @@ Registry access works as for checkpoint (--registry-config, --ca-file,
 	c.Flags().DurationVar(&timeout, "timeout", 30*time.Minute, "give up after this long")
 	stream.add(c)
 	reg.add(c)
+	decrypt.add(c)
 	addOutputFlags(c, out, true)
 	return c
 }
