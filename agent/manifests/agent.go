@@ -36,6 +36,10 @@ const (
 	// and in the restored pod.
 	VolumeRegistryCA = "vmsnap-registry-ca"
 	volLayoutRoot    = "layout-root"
+	// The agent's encryption Secrets (AgentRecipientSecret,
+	// AgentDecryptionKeySecret).
+	volRecipient      = "vmsnap-encrypt-recipient"
+	volDecryptionKeys = "vmsnap-decryption-keys"
 	// VolumeDecryptionKey is the volume of DecryptionKeySecret, in the
 	// restored pod's init container.
 	VolumeDecryptionKey = "vmsnap-decryption-key"
@@ -285,6 +289,12 @@ func AgentArgs(o Options) []string {
 	if o.RegistryCAConfigMap != "" {
 		args = append(args, "--ca-file", RegistryCADir+"/"+RegistryCAKey)
 	}
+	if o.AgentRecipientSecret != "" {
+		args = append(args, "--encrypt-recipient", "jwe:"+AgentRecipientDir+"/"+AgentRecipientName)
+	}
+	if o.AgentDecryptionKeySecret != "" {
+		args = append(args, "--decryption-key-dir", AgentDecryptionKeyDir)
+	}
 	return args
 }
 
@@ -319,6 +329,12 @@ func agentMounts(o Options) []corev1.VolumeMount {
 	if o.RegistryCAConfigMap != "" {
 		m = append(m, registryCAMount())
 	}
+	if o.AgentRecipientSecret != "" {
+		m = append(m, corev1.VolumeMount{Name: volRecipient, MountPath: AgentRecipientDir, ReadOnly: true})
+	}
+	if o.AgentDecryptionKeySecret != "" {
+		m = append(m, corev1.VolumeMount{Name: volDecryptionKeys, MountPath: AgentDecryptionKeyDir, ReadOnly: true})
+	}
 	return m
 }
 
@@ -336,6 +352,18 @@ func agentVolumes(o Options) []corev1.Volume {
 	}
 	if o.RegistryCAConfigMap != "" {
 		v = append(v, registryCAVolume(o))
+	}
+	if o.AgentRecipientSecret != "" {
+		v = append(v, corev1.Volume{Name: volRecipient, VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+			SecretName: o.AgentRecipientSecret, Items: []corev1.KeyToPath{{Key: AgentRecipientName, Path: AgentRecipientName}}, DefaultMode: ptr(int32(0o444)),
+		}}})
+	}
+	if o.AgentDecryptionKeySecret != "" {
+		// Every key of the Secret is a private key file; 0440 root:root,
+		// readable by the agent (root) only.
+		v = append(v, corev1.Volume{Name: volDecryptionKeys, VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+			SecretName: o.AgentDecryptionKeySecret, DefaultMode: ptr(int32(0o440)),
+		}}})
 	}
 	return v
 }

@@ -79,3 +79,34 @@ func TestRestoreWithDecryptionKeySecret(t *testing.T) {
 		t.Error("an invalid Secret name was accepted")
 	}
 }
+
+// The agent's encryption Secrets: its recipient and its decryption keys,
+// mounted in the agent alone and passed as --encrypt-recipient and
+// --decryption-key-dir; never in a Job or the restored pod.
+func TestAgentEncryptionSecrets(t *testing.T) {
+	o := Options{AgentRecipientSecret: "rcpt", AgentDecryptionKeySecret: "dkeys"}
+	r := render(t, o) // renders, comments placed
+	args := AgentArgs(o)
+	if i := slices.Index(args, "--encrypt-recipient"); i < 0 || args[i+1] != "jwe:"+AgentRecipientDir+"/"+AgentRecipientName {
+		t.Errorf("agent args %q lack --encrypt-recipient", args)
+	}
+	if i := slices.Index(args, "--decryption-key-dir"); i < 0 || args[i+1] != AgentDecryptionKeyDir {
+		t.Errorf("agent args %q lack --decryption-key-dir", args)
+	}
+	modes := map[string]int32{}
+	for _, v := range DaemonSet(o).Spec.Template.Spec.Volumes {
+		if v.Secret != nil && v.Secret.DefaultMode != nil {
+			modes[v.Secret.SecretName] = *v.Secret.DefaultMode
+		}
+	}
+	if modes["rcpt"] != 0o444 || modes["dkeys"] != 0o440 {
+		t.Errorf("secret modes %v, want rcpt 0444 (292), dkeys 0440 (288)", modes)
+	}
+	for _, c := range append(append(r.pod.Spec.InitContainers, r.pod.Spec.Containers...), CheckpointJob(o, Checkpoint{}).Spec.Template.Spec.Containers...) {
+		for _, m := range c.VolumeMounts {
+			if m.Name == volRecipient || m.Name == volDecryptionKeys {
+				t.Errorf("container %s mounts the agent's %s", c.Name, m.Name)
+			}
+		}
+	}
+}

@@ -302,6 +302,12 @@ func daemonSetDoc(o Options) document {
 	if o.RegistryCAConfigMap != "" {
 		notes = append(notes, note{"- configMap:", "The registry's private CA (ca.pem) from ConfigMap " + o.RegistryCAConfigMap + ", passed as --ca-file."})
 	}
+	if o.AgentRecipientSecret != "" {
+		notes = append(notes, note{"secretName: " + o.AgentRecipientSecret, "The public key every checkpoint is encrypted for (recipient.pem, --encrypt-recipient)."})
+	}
+	if o.AgentDecryptionKeySecret != "" {
+		notes = append(notes, note{"secretName: " + o.AgentDecryptionKeySecret, "Private keys restores decrypt with (--decryption-key-dir), 0440 root:root: the agent's only."})
+	}
 	for _, c := range o.AgentExtraCapabilities {
 		notes = append(notes, note{"- " + string(c), "Added by the operator (AgentExtraCapabilities)."})
 	}

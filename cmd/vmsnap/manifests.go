@@ -72,6 +72,8 @@ kubernetes.io/dockerconfigjson secret (--pull-secret).`,
 	c.Flags().StringVar(&o.ContainerdRoot, "containerd-root", "", "containerd's root directory on the node (default "+manifests.DefaultContainerdRoot+")")
 	c.Flags().StringVar(&o.KubeletPodsDir, "kubelet-pods-dir", "", "the kubelet's pods directory, ROOT_DIR/pods (default "+manifests.DefaultKubeletPodsDir+")")
 	c.Flags().StringVar(&o.RegistryCAConfigMap, "registry-ca-configmap", "", "ConfigMap whose ca.pem is the registry's CA, for the agent and the restore (--ca-file)")
+	c.Flags().StringVar(&o.AgentRecipientSecret, "agent-recipient-secret", "", "Secret (in the agent's namespace) whose recipient.pem is the public key the agent encrypts every checkpoint for (--encrypt-recipient)")
+	c.Flags().StringVar(&o.AgentDecryptionKeySecret, "agent-decryption-key-secret", "", "Secret (in the agent's namespace) whose keys are the private keys the agent decrypts restores with, mounted 0440 root:root in the agent only (--decryption-key-dir)")
 	c.Flags().StringVar(&o.DecryptionKeySecret, "decryption-key-secret", "", "Secret whose key.pem is the private key that decrypts encrypted snapshots, mounted 0440 in the restore init container only (--decryption-key; README \"Encryption\")")
 	c.Flags().StringArrayVar(&o.AllowRepositories, "allow-repository", nil, "agent: a registry target HOST[:PORT]/PREFIX it may use (repeatable; with none, every registry target is refused)")
 	c.Flags().StringArrayVar(&o.AdminNamespaces, "admin-namespace", nil, "agent: a namespace whose callers may act on any VM, besides --namespace (repeatable)")
