@@ -22,6 +22,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
@@ -309,4 +310,53 @@ func layoutManifest(t *testing.T, dir string) ocispec.Manifest {
 		t.Fatal(err)
 	}
 	return m
+}
+
+// Incremental checkpoints encrypted, through the registry: a stopped,
+// unchanged VM checkpointed twice uploads everything again with random
+// layer keys, and almost nothing with --encrypt-dedup-key (the documented
+// trade-off: equal chunks are equal blobs).
+func TestEncryptE2ERepeatCheckpoint(t *testing.T) {
+	testguest.Assets(t)
+	reg := testregistry.Start(t)
+	keys := t.TempDir()
+	priv, pub, _ := e2eKey(t, keys, "tenant", true)
+	dedup := filepath.Join(keys, "dedup")
+	if err := os.WriteFile(dedup, bytes.Repeat([]byte{0x42}, 32), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	secret := append(keyLines(t, priv), strings.Repeat("B", 32))
+	dir := testguest.FreeShortDir(t)
+	src, _ := bootSource(t, dir)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := src.QMP(ctx, "stop", nil); err != nil {
+		t.Fatal(err)
+	}
+	checkpoint := func(repo string, extra ...string) api.CheckpointResult {
+		contStop(t, src.QMPPath())
+		return cliNoKeysJSON[api.CheckpointResult](t, secret, with(with([]string{"checkpoint", "--qmp", src.QMPPath(),
+			"--image", reg.Host + "/vms/" + repo, "--mode", "snapshot", "--encrypt-recipient", "jwe:" + pub}, extra...), regArgs(reg)...)...)
+	}
+	for _, tc := range []struct {
+		name  string
+		extra []string
+		ok    func(second, first int64) bool
+	}{
+		{"random keys", nil, func(s, f int64) bool { return s*10 >= f*9 }},
+		{"dedup key", []string{"--encrypt-dedup-key", dedup}, func(s, f int64) bool { return s*10 < f }},
+	} {
+		repo := strings.ReplaceAll(tc.name, " ", "-")
+		a := checkpoint(repo+":first", tc.extra...).VMState
+		b := checkpoint(repo+":second", tc.extra...).VMState
+		t.Logf("%s: first checkpoint uploaded %d of %d bytes, second %d of %d", tc.name, a.UploadedBytes, a.StoredBytes, b.UploadedBytes, b.StoredBytes)
+		if a.UploadedBytes < a.StoredBytes/2 || !tc.ok(b.UploadedBytes, a.UploadedBytes) {
+			t.Fatalf("%s: the second checkpoint of an unchanged VM uploaded %d bytes, the first %d", tc.name, b.UploadedBytes, a.UploadedBytes)
+		}
+		for _, l := range manifestFromRegistry(t, reg, b.Image).Layers {
+			if !ociimage.IsEncrypted(l) {
+				t.Fatalf("%s: a layer in the clear: %+v", tc.name, l)
+			}
+		}
+	}
 }
