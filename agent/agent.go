@@ -79,6 +79,12 @@ type Config struct {
 	// fires, the operation fails and its VM is put back as on any failure.
 	OperationTimeout time.Duration
 
+	// RAMCacheMaxBytes bounds each namespace's RAM file cache
+	// (STATE_DIR/ram/NAMESPACE, filled by prepare requests): once a file
+	// is ready, the least recently used others past it are removed (0: no
+	// bound).
+	RAMCacheMaxBytes int64
+
 	// Keep is the retention a checkpoint request without "keep" gets: the
 	// newest checkpoints its state repository keeps (0: no prune).
 	Keep int
@@ -133,6 +139,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	if cfg.OperationTimeout <= 0 {
 		cfg.OperationTimeout = DefaultOperationTimeout
+	}
+	if cfg.RAMCacheMaxBytes < 0 {
+		return nil, errcode.New(errcode.Usage, "--ram-cache-max-bytes %d: give a size in bytes, or 0 for no bound", cfg.RAMCacheMaxBytes)
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))

@@ -17,6 +17,15 @@ import (
 // dst never names a partial copy. From a src that decrypts (Decrypt), the
 // copy is the plaintext image, under a manifest digest of its own.
 func Copy(ctx context.Context, src, dst Repository, maxBytes int64, jobs int) (ocispec.Descriptor, error) {
+	return CopyLayers(ctx, src, dst, maxBytes, jobs, nil)
+}
+
+// CopyLayers is Copy of the manifest, its config and only the layers
+// keep accepts (all, if keep is nil): the copy's manifest is the same
+// (same digest), and the layers left out are not in dst. For a reader
+// that needs only some layers, such as a memory-file image's device state
+// without its RAM regions.
+func CopyLayers(ctx context.Context, src, dst Repository, maxBytes int64, jobs int, keep func(ocispec.Descriptor) bool) (ocispec.Descriptor, error) {
 	desc, err := src.Resolve(ctx)
 	if err != nil {
 		return desc, err
@@ -25,7 +34,12 @@ func Copy(ctx context.Context, src, dst Repository, maxBytes int64, jobs int) (o
 	if err != nil {
 		return desc, err
 	}
-	blobs := append([]ocispec.Descriptor{m.Config}, m.Layers...)
+	blobs := []ocispec.Descriptor{m.Config}
+	for _, l := range m.Layers {
+		if keep == nil || keep(l) {
+			blobs = append(blobs, l)
+		}
+	}
 	var total int64
 	for _, b := range blobs {
 		if b.Size < 0 || b.Size > MaxChunkSize {
@@ -54,7 +68,14 @@ func Copy(ctx context.Context, src, dst Repository, maxBytes int64, jobs int) (o
 	if err := g.Wait(); err != nil {
 		return desc, errcode.Ensure(errcode.RegistryError, err, "copying the image's blobs")
 	}
-	got, err := dst.PutManifest(ctx, m)
+	var got ocispec.Descriptor
+	if keep == nil {
+		got, err = dst.PutManifest(ctx, m)
+	} else if l, ok := dst.(*Layout); ok {
+		got, err = l.PutPartialManifest(ctx, m, func(d ocispec.Descriptor) bool { return !keep(d) })
+	} else {
+		return desc, errcode.New(errcode.Usage, "copying some of an image's layers works into an OCI layout only")
+	}
 	// A decrypted copy has its own manifest: the plaintext layers'.
 	if err == nil && got.Digest != desc.Digest && !Decrypting(src) {
 		// The manifest is re-encoded on the way; vmsnap's own manifests

@@ -159,6 +159,18 @@ func (l *Layout) lock(ctx context.Context) (unlock func(), err error) {
 // listed already keeps its entry and tags). It refuses a manifest whose blobs are not
 // all stored: a manifest is never stored over missing blobs.
 func (l *Layout) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.Descriptor, error) {
+	return l.putManifest(ctx, m, nil)
+}
+
+// PutPartialManifest is PutManifest of a manifest whose layers that
+// omitted accepts are deliberately not stored (CopyLayers: a staged
+// memory-file image's RAM regions, prepared apart). Every other blob
+// must be. Only for a layout that a reader of those layers never opens.
+func (l *Layout) PutPartialManifest(ctx context.Context, m ocispec.Manifest, omitted func(ocispec.Descriptor) bool) (ocispec.Descriptor, error) {
+	return l.putManifest(ctx, m, omitted)
+}
+
+func (l *Layout) putManifest(ctx context.Context, m ocispec.Manifest, omitted func(ocispec.Descriptor) bool) (ocispec.Descriptor, error) {
 	if err := ctx.Err(); err != nil {
 		return ocispec.Descriptor{}, err
 	}
@@ -170,7 +182,7 @@ func (l *Layout) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.D
 		return ocispec.Descriptor{}, errcode.New(errcode.InvalidInput,
 			"cannot store a manifest at %s: a digest reference names an existing manifest; push to oci:%s or oci:%s:TAG", l.ref, l.dir, l.dir)
 	}
-	if err := l.checkBlobs(m); err != nil {
+	if err := l.checkBlobs(m, omitted); err != nil {
 		return ocispec.Descriptor{}, err
 	}
 	if err := l.ensureLayout(ctx); err != nil {
@@ -184,7 +196,7 @@ func (l *Layout) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.D
 		return ocispec.Descriptor{}, err
 	}
 	defer unlock()
-	if err := l.checkBlobs(m); err != nil {
+	if err := l.checkBlobs(m, omitted); err != nil {
 		return ocispec.Descriptor{}, err
 	}
 	if err := l.putBlob(desc.Digest, b); err != nil {
@@ -203,8 +215,11 @@ func (l *Layout) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.D
 
 // checkBlobs refuses a manifest whose config or layers are not all stored
 // whole.
-func (l *Layout) checkBlobs(m ocispec.Manifest) error {
+func (l *Layout) checkBlobs(m ocispec.Manifest, omitted func(ocispec.Descriptor) bool) error {
 	for i, bd := range append([]ocispec.Descriptor{m.Config}, m.Layers...) {
+		if i > 0 && omitted != nil && omitted(bd) {
+			continue
+		}
 		what := "config"
 		if i > 0 {
 			what = fmt.Sprintf("layer %d", i-1)

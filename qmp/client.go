@@ -17,6 +17,7 @@ import (
 	"time"
 
 	goqmp "github.com/digitalocean/go-qemu/qmp"
+	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/internal/beneath"
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -531,4 +532,26 @@ func (c *Client) dispatch(line []byte) error {
 		ch <- &reply{line: line, msg: m}
 	}
 	return nil
+}
+
+// PeerPID is the pid of the process at the other end of the monitor
+// socket (SO_PEERCRED, taken when it connected), as this process's pid
+// namespace sees it: 0 when the kernel cannot tell (the peer is in a pid
+// namespace this one does not see).
+func (c *Client) PeerPID() (int, error) {
+	rc, err := c.conn.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if serr != nil {
+		return 0, serr
+	}
+	return int(cred.Pid), nil
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
+	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
 // QEMU 9.0 and later can save a stopped VM in its mapped-ram format: a
@@ -80,7 +81,7 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 	case "", FormatAuto:
 		// A shared RAM file is read by vmsnap whatever the QEMU: the
 		// device state alone goes through QEMU's stream.
-		if opts.Mode != ModeLive && record.RAM.fileShared() {
+		if opts.Mode != ModeLive && record.RAM.fileShared() && record.RAM.Bytes <= ramfile.MaxFileBytes {
 			return FormatMemoryFile, nil
 		}
 	case FormatStream:
@@ -91,6 +92,8 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 			return "", errcode.New(errcode.Usage, "the memory-file format reads the RAM file of a stopped VM: live mode keeps the VM running and needs the stream format (use %s auto or stream)", errcode.Field("format"))
 		case !record.RAM.fileShared():
 			return "", errcode.New(errcode.Usage, "the memory-file format needs the VM's RAM in a shared file, and this VM's is not one: start QEMU with -object memory-backend-file,id=ram0,mem-path=FILE,share=on,size=SIZE -machine memory-backend=ram0 (FILE on tmpfs or hugetlbfs), or use %s auto or stream", errcode.Field("format"))
+		case record.RAM.Bytes > ramfile.MaxFileBytes:
+			return "", errcode.New(errcode.Usage, "the memory-file format holds guests of up to %d GiB (an image lists at most %d regions of %d MiB), and this one has %d GiB: use %s auto or stream", ramfile.MaxFileBytes>>30, ramfile.MaxRegionLayers, ramfile.RegionSize>>20, record.RAM.Bytes>>30, errcode.Field("format"))
 		}
 		return FormatMemoryFile, nil
 	case FormatMappedRAM:

@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/opencontainers/go-digest"
@@ -76,7 +78,7 @@ func readRAMBackend(ctx context.Context, mon Executor) (*RAMBackend, error) {
 		return nil, nil // QEMU before 5.0, or no backend named
 	}
 	id := strings.TrimPrefix(name, "/objects/")
-	if id == "" || strings.Contains(id, "/") {
+	if !validBackendID(id) {
 		return nil, errcode.New(errcode.QMPError, "QEMU names the machine's memory backend %q, which is not an object vmsnap can read", name)
 	}
 	qomPath := "/objects/" + id
@@ -155,6 +157,9 @@ func (c Config) checkRAM(layers []ocispec.Descriptor) (stream []ocispec.Descript
 	if c.RAM.Bytes != c.Record.MemoryBytes {
 		return nil, ram, errcode.New(errcode.InvalidInput, "the image's RAM file is %d bytes, its VM has %d bytes of memory", c.RAM.Bytes, c.Record.MemoryBytes)
 	}
+	if !validBackendID(c.RAM.Backend) || c.Record.RAM == nil || c.Record.RAM.ID != c.RAM.Backend {
+		return nil, ram, errcode.New(errcode.InvalidInput, "the image's RAM file belongs to memory backend %q, which its compatibility record does not name (or which is not a QEMU id)", c.RAM.Backend)
+	}
 	var ramLayers []ocispec.Descriptor
 	for _, l := range layers {
 		if ramfile.IsRAMLayer(l) {
@@ -184,7 +189,7 @@ type parentImage struct {
 	desc    ocispec.Descriptor
 	cfg     Config
 	ram     ramfile.Layers
-	pageMap ramfile.PageMap
+	pageMap *ramfile.PageMap
 }
 
 // findParent picks the parent of a memory-file checkpoint: opts.Parent,
@@ -243,12 +248,15 @@ func findParent(ctx context.Context, repo ociimage.Repository, opts CheckpointOp
 		return nil, fmt.Sprintf("the chain reached %d deltas: a fresh base", len(cfg.RAM.Chain)-1), nil
 	}
 	_, ram, err := cfg.checkRAM(pm.Layers)
-	if err != nil {
-		return nil, "", err
+	var pageMap *ramfile.PageMap
+	if err == nil {
+		pageMap, err = ramfile.LoadPageMap(ctx, ram, repo, cfg.RAM.Bytes)
 	}
-	pageMap, err := ramfile.LoadPageMap(ctx, ram, repo, cfg.RAM.Bytes)
 	if err != nil {
-		return nil, "", err
+		if explicit {
+			return nil, "", err
+		}
+		return refuse(fmt.Sprintf("its page map could not be read (%v)", err))
 	}
 	return &parentImage{desc: desc, cfg: cfg, ram: ram, pageMap: pageMap}, "", nil
 }
@@ -264,8 +272,12 @@ func (o CheckpointOptions) maxChain() int {
 	if o.MaxChain <= 0 {
 		return DefaultMaxChain
 	}
-	return o.MaxChain
+	return min(o.MaxChain, MaxChain)
 }
+
+// MaxChain is the most deltas a chain may hold (a config lists at most
+// maxChainLinks checkpoints).
+const MaxChain = maxChainLinks - 1
 
 // checkpointMemoryFile is Checkpoint's memory-file path: from Checkpoint,
 // which has checked the VM's run state (st) and read its record, whose RAM
@@ -278,7 +290,7 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	}
 	open := opts.OpenRAMFile
 	if open == nil {
-		open = func(p string) (*os.File, error) { return os.Open(p) }
+		open = func(p string) (*os.File, error) { return openRAMFile(ctx, mon, p) }
 	}
 	f, err := open(be.MemPath)
 	if err != nil {
@@ -290,7 +302,7 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		return nil, err
 	}
 	res.RAMParentNote = why
-	var parentMap ramfile.PageMap
+	var parentMap *ramfile.PageMap
 	if parent != nil {
 		parentMap = parent.pageMap
 	}
@@ -321,6 +333,14 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		scanStart := time.Now()
 		var err error
 		capture, err = ramfile.Scan(f, be.Bytes, parentMap, stagingDir(opts.StagingDir))
+		if err == nil && parent != nil && len(parent.ram.Regions)+capture.Regions() > ramfile.MaxRegionLayers {
+			// The delta would list more layers than a manifest holds:
+			// a fresh base instead (rare: a chain of large deltas).
+			res.RAMParentNote = fmt.Sprintf("the chain would list %d region layers, more than %d: a fresh base", len(parent.ram.Regions)+capture.Regions(), ramfile.MaxRegionLayers)
+			capture.Close()
+			parent = nil
+			capture, err = ramfile.Scan(f, be.Bytes, nil, stagingDir(opts.StagingDir))
+		}
 		res.Durations.Save = time.Since(scanStart)
 		return err
 	}
@@ -338,8 +358,8 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 			return err
 		}
 		dataBytes := int64(0)
-		for _, h := range capture.Map {
-			if h != 0 {
+		for i := range capture.Map.Len() {
+			if !capture.Map.IsZero(i) {
 				dataBytes += ramfile.PageSize
 			}
 		}
@@ -432,14 +452,26 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 	if opts.MaxCacheBytes > 0 && cfg.RAM.DataBytes > opts.MaxCacheBytes {
 		return nil, errcode.New(errcode.Usage, "the image's RAM file holds %d MiB of data, more than the cache may hold (%d MiB)", cfg.RAM.DataBytes>>20, opts.MaxCacheBytes>>20)
 	}
+	opts.Cache.ReadOnly = mapsReadOnly(cfg)
 	res.MemoryFile, res.FetchedBytes, err = opts.Cache.Fill(ctx, desc.Digest, cfg.RAM.Bytes, func(f *os.File) (int64, error) {
 		if free, err := freeSpace(opts.Cache.Dir); err == nil && free < cfg.RAM.DataBytes {
 			return 0, errcode.New(errcode.Internal, "the RAM cache %s has %d MiB free, and this image's RAM file needs %d MiB: free space there or pick another directory with %s", opts.Cache.Dir, free>>20, cfg.RAM.DataBytes>>20, errcode.Field("cacheDir"))
 		}
 		// The file may hold what the config declares, and a region's
 		// worth of rounding (a filesystem allocates whole blocks).
-		return ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{
+		n, err := ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{
 			Workers: opts.Workers, Progress: opts.Progress, MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize})
+		if err != nil {
+			return n, err
+		}
+		// Every page against the image's own page map: the regions of a
+		// parent are taken on its map's word at checkpoint, and checked
+		// here, before any QEMU maps the file.
+		pageMap, err := ramfile.LoadPageMap(ctx, ram, repo, cfg.RAM.Bytes)
+		if err != nil {
+			return n, err
+		}
+		return n, ramfile.Verify(ctx, f, cfg.RAM.Bytes, pageMap, max(opts.Workers, 2))
 	})
 	if err != nil {
 		return nil, err
@@ -483,12 +515,36 @@ func QEMUArgs(cfg Config, memPath string, shared bool) []string {
 	switch {
 	case shared:
 		opts = append(opts, "share=on")
-	case cmpVersion(majorMinor(cfg.Record.QEMUVersion), "8.2") >= 0:
+	case mapsReadOnly(cfg):
 		opts = append(opts, "share=off", "readonly=on", "rom=off")
 	default:
 		opts = append(opts, "share=off")
 	}
 	return []string{"-object", strings.Join(opts, ","), "-machine", "memory-backend=" + qemuOptEscape(cfg.RAM.Backend)}
+}
+
+// validBackendID is QEMU's grammar of object ids: a letter, then letters,
+// digits, '-', '.' and '_'. An id from an image goes into QEMU's arguments.
+func validBackendID(id string) bool {
+	if id == "" || len(id) > 128 {
+		return false
+	}
+	for i, r := range id {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z':
+		case i > 0 && (r >= '0' && r <= '9' || r == '-' || r == '.' || r == '_'):
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// mapsReadOnly says whether a target of this image opens its RAM file
+// read-only: QEMU 8.2 and later (readonly=on,rom=off keeps the guest's RAM
+// writable); a target is never older than the source.
+func mapsReadOnly(cfg Config) bool {
+	return cmpVersion(majorMinor(cfg.Record.QEMUVersion), "8.2") >= 0
 }
 
 // qemuOptEscape doubles commas, QEMU's escape within an option value.
@@ -512,13 +568,28 @@ func checkMemoryFileTarget(ctx context.Context, mon Executor, cfg Config, manife
 	case b == nil || b.Type != "memory-backend-file":
 		diffs = append(diffs, "memory backend: snapshot's RAM is a file, the target's is not one: "+want)
 	case b.ID != cfg.RAM.Backend:
-		// Compare reports the ID.
+		diffs = append(diffs, fmt.Sprintf("memory backend: snapshot's RAM file is backend %s, the target's is %s", cfg.RAM.Backend, b.ID))
 	case ramfile.KeyOf(b.MemPath) != manifest:
 		diffs = append(diffs, fmt.Sprintf("memory backend: the target maps %s, not the RAM file of this image: %s", b.MemPath, want))
-	case b.Share && !ramfile.IsOwnCopy(b.MemPath):
+	case b.Share && !ownCopy(b.MemPath):
 		diffs = append(diffs, "memory backend: the target maps the cached RAM file shared (share=on), so the guest would write into the file every restore of this image uses: map it with share=off, or give the VM its own copy (vmsnap prepare --copy-to DIR)")
 	case b.Bytes != cfg.RAM.Bytes:
 		diffs = append(diffs, fmt.Sprintf("memory backend: snapshot's RAM file is %d bytes, target's backend %d", cfg.RAM.Bytes, b.Bytes))
 	}
 	return diffs, nil
+}
+
+// ownCopy says whether a target's shared RAM file is a VM's own copy
+// (prepare --copy-to): named as one and, where this process sees the path,
+// a regular file (no link) with one name (no hard link of a cache file).
+func ownCopy(memPath string) bool {
+	if !ramfile.IsOwnCopy(memPath) {
+		return false
+	}
+	fi, err := os.Lstat(memPath)
+	if errors.Is(err, fs.ErrNotExist) {
+		return true // in another mount namespace: by its name
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	return err == nil && fi.Mode().IsRegular() && ok && st.Nlink == 1
 }

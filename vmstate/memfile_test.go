@@ -10,7 +10,12 @@ import (
 	"strings"
 	"testing"
 
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"golang.org/x/sys/unix"
+
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
@@ -33,10 +38,7 @@ func fakeFileVM(t *testing.T) (*qmptest.FakeQEMU, string) {
 	if _, err := f.WriteAt(randomBytes(1, 4<<20), 0); err != nil {
 		t.Fatal(err)
 	}
-	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 64<<10))
-	q.Memory = fakeRAM
-	q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: path, Share: true}
-	return q, path
+	return fakeFileVMAt(t, path)
 }
 
 func materialized(t *testing.T, dir string, ref string) []byte {
@@ -112,8 +114,10 @@ func TestMemoryFileCheckpointChainsDeltasUnderItsTag(t *testing.T) {
 	}
 }
 
-// fakeFileVMAt is a running fake QEMU on an existing RAM file.
+// fakeFileVMAt is a running fake QEMU on an existing RAM file, which it
+// maps, as QEMU does (the fake runs in this process).
 func fakeFileVMAt(t *testing.T, path string) (*qmptest.FakeQEMU, string) {
+	qmptest.MapFile(t, path)
 	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 64<<10))
 	q.Memory = fakeRAM
 	q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: path, Share: true}
@@ -203,5 +207,110 @@ func TestMemoryFileRestoreRefusesATargetNotMappingThePreparedFile(t *testing.T) 
 		if !target.Caps[capIgnoreShared] {
 			t.Fatal("the target loaded without x-ignore-shared")
 		}
+	}
+}
+
+// An attacker who can move the tag points it at a forged parent: its own
+// RAM's regions under the victim's page map. The victim's next checkpoint
+// finds no page changed and lists those regions; prepare of that pinned
+// digest must refuse the file (the pages do not match the victim's strong
+// hashes) rather than hand the victim's next VM the attacker's memory.
+func TestMemoryFilePrepareRefusesAForgedParentsPages(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	victim, victimRAM := fakeFileVM(t)
+	v1, err := Checkpoint(ctx, victim.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// As much data as the victim's, so that the declared size does not
+	// give it away.
+	evilRAM := filepath.Join(t.TempDir(), "evil")
+	if err := os.WriteFile(evilRAM, randomBytes(666, 4<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(evilRAM, fakeRAM); err != nil {
+		t.Fatal(err)
+	}
+	attacker, _ := fakeFileVMAt(t, evilRAM)
+	e1, err := Checkpoint(ctx, attacker.Dial(t), openLayout(t, "oci:"+dir+":evil"), CheckpointOptions{StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	repo := openLayout(t, "oci:"+dir+":vm")
+	vm, err := repo.Manifest(ctx, v1.Manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	forged, err := repo.Manifest(ctx, e1.Manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var layers []ocispec.Descriptor
+	for _, l := range forged.Layers {
+		if l.MediaType != ociimage.MediaTypeRAMPageMap {
+			layers = append(layers, l)
+		}
+	}
+	for _, l := range vm.Layers {
+		if l.MediaType == ociimage.MediaTypeRAMPageMap {
+			layers = append(layers, l)
+		}
+	}
+	forged.Layers = layers
+	fdesc, err := repo.PutManifest(ctx, forged)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ociimage.TagManifest(ctx, repo, fdesc, "vm"); err != nil {
+		t.Fatal(err)
+	}
+
+	// The victim, unchanged, checkpoints again under its tag.
+	victim2, _ := fakeFileVMAt(t, victimRAM)
+	v2, err := Checkpoint(ctx, victim2.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v2.Config.RAM.Parent() != fdesc.Digest {
+		t.Fatalf("the victim's checkpoint did not build on the forged parent (%s): the test does not attack anything", v2.Config.RAM.Parent())
+	}
+	_, err = Prepare(ctx, openLayout(t, "oci:"+dir+"@"+v2.Manifest.Digest.String()), PrepareOptions{Cache: ramfile.Cache{Dir: filepath.Join(t.TempDir(), "cache")}})
+	if errcode.Of(err) != errcode.DigestMismatch {
+		t.Fatalf("prepare of a checkpoint built on a forged parent: %v, want DIGEST_MISMATCH", err)
+	}
+}
+
+// A QEMU may name any file as its RAM: vmsnap reads only a regular file on
+// a RAM filesystem that this QEMU maps, and touches the VM not at all
+// otherwise.
+func TestMemoryFileReadsOnlyTheFileQEMUMaps(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	unmapped := filepath.Join(t.TempDir(), "other.ram")
+	if err := os.WriteFile(unmapped, make([]byte, fakeRAM), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(t.TempDir(), "link.ram")
+	os.Symlink(unmapped, link)
+	for name, path := range map[string]string{
+		"a file QEMU does not map": unmapped,
+		"a FIFO":                   fifo,
+		"procfs":                   "/proc/self/environ",
+		"a link":                   link,
+	} {
+		t.Run(name, func(t *testing.T) {
+			q, _ := fakeFileVM(t)
+			q.RAMBackend.MemPath = path
+			_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":vm"), CheckpointOptions{StagingDir: t.TempDir()})
+			if errcode.Of(err) != errcode.InvalidInput {
+				t.Fatalf("mem-path %s: got %v, want INVALID_INPUT", path, err)
+			}
+			if slices.Contains(q.Commands(), "stop") {
+				t.Fatal("the VM was stopped before the RAM file was refused")
+			}
+		})
 	}
 }

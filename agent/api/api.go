@@ -68,6 +68,23 @@ type ChainLink struct {
 	ChangedPages int       `json:"changedPages"`
 }
 
+// PrepareRequest asks the node agent to ready a memory-file image's RAM
+// file in its cache (POST /v1/prepare). The cache is the caller's
+// namespace's (STATE_DIR/ram/NAMESPACE): QEMU before 8.2 opens a
+// share=off file read-write, so files are shared within one tenant only.
+type PrepareRequest struct {
+	Image    string `json:"image"` // REF@sha256:...
+	AllowTag bool   `json:"allowTag,omitempty"`
+	// Namespace whose cache to use: the caller's by default; an admin
+	// (--admin-namespace, or a process on the node) may name any.
+	Namespace string `json:"namespace,omitempty"`
+	// QEMUDir is the cache directory as the target QEMU sees it (where
+	// its container mounts it), for qemuArgs and memoryFile; default the
+	// agent's own path of it.
+	QEMUDir string `json:"qemuDir,omitempty"`
+	Workers int    `json:"workers,omitempty"`
+}
+
 // PrepareResult is what `vmsnap prepare` made ready: the RAM file of a
 // memory-file image on this node, and what the target QEMU adds to its
 // arguments to map it (then -incoming defer, then restore --qmp).
@@ -164,6 +181,9 @@ type StagedState struct {
 	Digest string `json:"digest"`
 	Dir    string `json:"dir"`
 	Bytes  int64  `json:"bytes"`
+	// Format is the image's state format; "memory-file": only its device
+	// state was staged, its RAM file is prepared apart (vmsnap prepare).
+	Format string `json:"format,omitempty"`
 }
 
 // Endpoint is where a restored VM now lives. Whoever routes to the VM

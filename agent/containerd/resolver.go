@@ -240,10 +240,40 @@ func (r *Resolver) Resolve(ctx context.Context, ref agent.VMRef) (*agent.Resolve
 			return nil, err
 		}
 	}
+	mounts := spec.Mounts
+	h.OpenRAMFile = func(memPath string) (*os.File, error) { return openRAMFile(mounts, podDir, memPath) }
 	r.mu.Lock()
 	r.known[c.ID] = agent.Gone{PodUID: ref.PodUID, Container: ref.Container, ContainerID: c.ID}
 	r.mu.Unlock()
 	return &agent.Resolved{Target: t, Handles: h}, nil
+}
+
+// openRAMFile opens, for a memory-file checkpoint, the VM's RAM file: the
+// mem-path its QEMU reports, which is a path inside the QEMU container and
+// as hostile as anything the tenant's QEMU says. It is mapped and opened as
+// the disk is (hostPath: a bind-mounted volume of the pod's own, below
+// podDir; openat2 beneath it, no symbolic link, magic link, mount or ".."
+// crossed; a regular file, opened read-only through the descriptor
+// checked), but never in the container's writable layer or root
+// filesystem: guest RAM belongs on a volume (an emptyDir with medium:
+// Memory). The checkpoint reads what was opened, and only the VM's
+// recorded memory size of it.
+func openRAMFile(mounts []specs.Mount, podDir, memPath string) (*os.File, error) {
+	const what = "RAM file (QEMU's mem-path)"
+	if len(memPath) > 4096 {
+		return nil, errcode.New(errcode.InvalidInput, "the VM's %s %q is longer than a path may be", what, clip(memPath))
+	}
+	in, err := containerPath(what, memPath)
+	if err != nil {
+		return nil, err
+	}
+	_, f, err := hostPath(mounts, podDir, what, in, 0)
+	var notOnMount *notOnMountError
+	if errors.As(err, &notOnMount) {
+		return nil, errcode.New(errcode.InvalidInput,
+			"the VM's %s %s is in the QEMU container's own root filesystem, not on a volume: put the RAM file on a volume of the pod (an emptyDir with medium: Memory), or checkpoint with format stream", what, in)
+	}
+	return f, err
 }
 
 // find returns the newest container of pod uid named name whose task runs.

@@ -286,6 +286,9 @@ func AgentArgs(o Options) []string {
 	if o.MaxWorkers > 0 {
 		args = append(args, "--max-workers", strconv.Itoa(o.MaxWorkers))
 	}
+	if o.RAMCacheMaxBytes > 0 {
+		args = append(args, "--ram-cache-max-bytes", strconv.FormatInt(o.RAMCacheMaxBytes, 10))
+	}
 	if o.RegistryCAConfigMap != "" {
 		args = append(args, "--ca-file", RegistryCADir+"/"+RegistryCAKey)
 	}

@@ -289,7 +289,7 @@ func TestJobTemplateFilledAsDocumented(t *testing.T) {
 func TestAgentOptionsPassedThrough(t *testing.T) {
 	o := Options{
 		AllowRepositories: []string{"10.0.0.5:5000/vms", "reg.example/tenant-a"}, AdminNamespaces: []string{"vm-ctl", DefaultNamespace},
-		LayoutRoot: "/srv/vmsnap-layouts", OperationTimeout: 20 * time.Minute, MaxWorkers: 6, RegistryCAConfigMap: "registry-ca",
+		LayoutRoot: "/srv/vmsnap-layouts", OperationTimeout: 20 * time.Minute, MaxWorkers: 6, RAMCacheMaxBytes: 1 << 30, RegistryCAConfigMap: "registry-ca",
 		ContainerdSocket: "/var/snap/microk8s/common/run/containerd.sock", ContainerdRoot: "/var/snap/microk8s/common/var/lib/containerd",
 		KubeletPodsDir: "/var/snap/microk8s/common/var/lib/kubelet/pods",
 	}
@@ -300,7 +300,7 @@ func TestAgentOptionsPassedThrough(t *testing.T) {
 		"--allow-repository", "10.0.0.5:5000/vms", "--allow-repository", "reg.example/tenant-a",
 		"--admin-namespace", "vmsnap-system", "--admin-namespace", "vm-ctl",
 		"--layout-root", "/srv/vmsnap-layouts", "--kubelet-pods-dir", "/var/snap/microk8s/common/var/lib/kubelet/pods",
-		"--operation-timeout", "20m0s", "--max-workers", "6",
+		"--operation-timeout", "20m0s", "--max-workers", "6", "--ram-cache-max-bytes", "1073741824",
 		"--ca-file", "/etc/vmsnap/ca/ca.pem"}
 	if !slices.Equal(c.Command, want) {
 		t.Errorf("agent command\n%q, want\n%q", c.Command, want)

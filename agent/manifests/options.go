@@ -62,6 +62,12 @@ const (
 	// --marker-dir), on an emptyDir of the pod.
 	DefaultRestoreMarkerDir    = "/vm/markers"
 	DefaultRestoreMarkerVolume = "vmsnap-markers"
+	// DefaultRestoreRAMDir holds a memory-file snapshot's RAM file in the
+	// restored pod (MemoryFile), on DefaultRestoreRAMVolume, an emptyDir
+	// with medium: Memory.
+	DefaultRestoreRAMDir    = "/vm/ram"
+	DefaultRestoreRAMVolume = "vm-ram"
+	DefaultRestoreRAMLimit  = "8Gi"
 	// DefaultRestoreRunVolume is the emptyDir holding QMPSocket's directory.
 	DefaultRestoreRunVolume = "vm-run"
 	// DefaultBaseDir is where the QEMU image holds the overlay's backing
@@ -164,12 +170,15 @@ type Options struct {
 	// are allowed (--layout-root, mounted at the same path; empty: none).
 	// OperationTimeout bounds each operation (--operation-timeout; zero:
 	// the agent's default). MaxWorkers caps a request's workers
-	// (--max-workers; zero: the agent's default).
+	// (--max-workers; zero: the agent's default). RAMCacheMaxBytes bounds
+	// each namespace's RAM file cache, filled by prepare requests
+	// (--ram-cache-max-bytes; zero: no bound).
 	AllowRepositories []string
 	AdminNamespaces   []string
 	LayoutRoot        string
 	OperationTimeout  time.Duration
 	MaxWorkers        int
+	RAMCacheMaxBytes  int64
 
 	// Host paths of the agent, each mounted at the same path in its
 	// container so that paths containerd reports are valid there as is.
@@ -230,6 +239,20 @@ type Options struct {
 	// with vmsnap launch --defer (-incoming defer) for the agent to load
 	// the state (vmsnap restore --agent ... --pod-uid NEW_POD_UID).
 	RestoreViaAgent bool
+	// MemoryFile renders the restored pod for a snapshot in the
+	// memory-file format (a VM whose RAM is a shared memory-backend-file):
+	// after the restore init container has staged the device state, the
+	// vmsnap-prepare init container materializes the RAM file into the
+	// pod's own RestoreRAMVolume (an emptyDir with medium: Memory, at most
+	// RestoreRAMSizeLimit, mounted at RestoreRAMDir) and records the QEMU
+	// arguments that map it in the state directory; vmsnap launch starts
+	// QEMU with them and loads the device state over QMP. Each pod has its
+	// own copy: no RAM file is shared across pods or tenants (QEMU before
+	// 8.2 opens a share=off file read-write). Not with RestoreViaAgent.
+	MemoryFile          bool
+	RestoreRAMDir       string
+	RestoreRAMVolume    string
+	RestoreRAMSizeLimit resource.Quantity
 	// BaseDir is the directory of the QEMU image that holds the overlay's
 	// backing file; an init container copies it beside the restored overlay.
 	BaseDir string
@@ -294,6 +317,11 @@ func (o Options) withDefaults() Options {
 	def(&o.RestoreMarkerDir, DefaultRestoreMarkerDir)
 	def(&o.RestoreMarkerVolume, DefaultRestoreMarkerVolume)
 	def(&o.RestoreRunVolume, DefaultRestoreRunVolume)
+	def(&o.RestoreRAMDir, DefaultRestoreRAMDir)
+	def(&o.RestoreRAMVolume, DefaultRestoreRAMVolume)
+	if o.RestoreRAMSizeLimit.IsZero() {
+		o.RestoreRAMSizeLimit = resource.MustParse(DefaultRestoreRAMLimit)
+	}
 	def(&o.OnRestart, DefaultOnRestart)
 	def(&o.BaseDir, DefaultBaseDir)
 	if isZeroResources(o.AgentResources) {
@@ -365,13 +393,13 @@ func (o Options) Validate() error {
 	for _, n := range []struct{ what, v string }{
 		{"Namespace", o.Namespace}, {"Name", o.Name}, {"RestoreStateVolume", o.RestoreStateVolume},
 		{"RestoreDiskVolume", o.RestoreDiskVolume}, {"RestoreMarkerVolume", o.RestoreMarkerVolume},
-		{"RestoreRunVolume", o.RestoreRunVolume},
+		{"RestoreRunVolume", o.RestoreRunVolume}, {"RestoreRAMVolume", o.RestoreRAMVolume},
 	} {
 		if len(n.v) > 63 || !dnsLabel.MatchString(n.v) {
 			bad("%s %q is not a DNS label", n.what, n.v)
 		}
 	}
-	vols := []string{o.RestoreStateVolume, o.RestoreDiskVolume, o.RestoreMarkerVolume, o.RestoreRunVolume, VolumeRegistry, VolumeRegistryCA}
+	vols := []string{o.RestoreStateVolume, o.RestoreDiskVolume, o.RestoreMarkerVolume, o.RestoreRunVolume, o.RestoreRAMVolume, VolumeRegistry, VolumeRegistryCA}
 	for i, v := range vols {
 		if slices.Contains(vols[:i], v) {
 			bad("the restored pod's volume name %q is used twice", v)
@@ -398,8 +426,8 @@ func (o Options) Validate() error {
 			bad("AdminNamespaces: %q is not a namespace name", n)
 		}
 	}
-	if o.OperationTimeout < 0 || o.MaxWorkers < 0 {
-		bad("OperationTimeout and MaxWorkers must not be negative")
+	if o.OperationTimeout < 0 || o.MaxWorkers < 0 || o.RAMCacheMaxBytes < 0 {
+		bad("OperationTimeout, MaxWorkers and RAMCacheMaxBytes must not be negative")
 	}
 	if len(o.Name) > 40 {
 		bad("Name %q is too long to prefix object names", o.Name)
@@ -451,8 +479,11 @@ func (o Options) Validate() error {
 		}
 		seen[c] = true
 	}
-	if o.RestoreStateSizeLimit.Sign() < 0 {
-		bad("RestoreStateSizeLimit must not be negative")
+	if o.RestoreStateSizeLimit.Sign() < 0 || o.RestoreRAMSizeLimit.Sign() < 0 {
+		bad("RestoreStateSizeLimit and RestoreRAMSizeLimit must not be negative")
+	}
+	if o.MemoryFile && o.RestoreViaAgent {
+		bad("MemoryFile with RestoreViaAgent is not supported: the restored pod prepares its RAM file and loads the device state itself (leave RestoreViaAgent out)")
 	}
 
 	hostPaths := []struct{ what, p string }{
@@ -476,6 +507,7 @@ func (o Options) Validate() error {
 	podPaths := []struct{ what, p string }{
 		{"RestoreStateDir", o.RestoreStateDir}, {"directory of RestoreDiskPath", path.Dir(o.RestoreDiskPath)},
 		{"RestoreMarkerDir", o.RestoreMarkerDir}, {"directory of QMPSocket", path.Dir(o.QMPSocket)}, {"BaseDir", o.BaseDir},
+		{"RestoreRAMDir", o.RestoreRAMDir},
 		{"registry paths", "/etc/vmsnap"},
 	}
 	for i, a := range podPaths {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	corev1 "k8s.io/api/core/v1"
 	"path"
+	"slices"
 	"strings"
 
 	"sigs.k8s.io/yaml"
@@ -80,6 +81,9 @@ type document struct {
 	// flow placeholders are list values of their own: "key:" followed by
 	// the one item "- ${X}" is written "key: ${X}", for a JSON array.
 	flow []string
+	// repeated are note targets that may match several lines (a setting
+	// of several containers): the comment goes above each.
+	repeated []string
 }
 
 // A note explains the one line of a document that target picks: either
@@ -114,20 +118,22 @@ func (d document) render() ([]byte, error) {
 	}
 	above := make(map[int][]string, len(d.notes))
 	for _, n := range d.notes {
-		at := -1
+		var at []int
 		for i, l := range lines {
 			if n.matches(strings.TrimSpace(l)) {
-				if at >= 0 {
-					return nil, fmt.Errorf("manifests: the comment for %q matches lines %d and %d of the %T", n.target, at+1, i+1, d.obj)
+				if len(at) > 0 && !slices.Contains(d.repeated, n.target) {
+					return nil, fmt.Errorf("manifests: the comment for %q matches lines %d and %d of the %T", n.target, at[0]+1, i+1, d.obj)
 				}
-				at = i
+				at = append(at, i)
 			}
 		}
-		if at < 0 {
+		if len(at) == 0 {
 			return nil, fmt.Errorf("manifests: the comment for %q matches no line of the %T", n.target, d.obj)
 		}
-		indent := lines[at][:len(lines[at])-len(strings.TrimLeft(lines[at], " "))]
-		above[at] = append(above[at], comment(indent, n.why, commentWidth)...)
+		for _, a := range at {
+			indent := lines[a][:len(lines[a])-len(strings.TrimLeft(lines[a], " "))]
+			above[a] = append(above[a], comment(indent, n.why, commentWidth)...)
+		}
 	}
 	var out strings.Builder
 	for _, h := range d.header {
@@ -375,7 +381,7 @@ func restoreDoc(o Options) document {
 	h = append(h, placeholderLines(placeholders(append([]string{pod.Name, pod.Namespace}, vals...)...))...)
 	h = append(h,
 		"",
-		"Three containers, each non-root ("+fmt.Sprintf("%d:%d", o.RestoreUser, o.RestoreGroup)+": make it QEMU's user), read-only root",
+		containerCount(o)+" containers, each non-root ("+fmt.Sprintf("%d:%d", o.RestoreUser, o.RestoreGroup)+": make it QEMU's user), read-only root",
 		"  filesystem, every capability dropped, no privilege escalation, seccomp RuntimeDefault,",
 		"  no hostPath: the restricted Pod Security Standard, met in a tenant's namespace.",
 		"  "+BackingContainerName+" copies the overlay's backing file from "+o.BaseDir+" in the QEMU image",
@@ -401,7 +407,7 @@ func restoreDoc(o Options) document {
 	notes := []note{
 		{"- name: DOCKER_CONFIG", "Registry credentials: a directory with config.json, from the mounted pull secret."},
 		{"secretName: " + o.PullSecret, "The pull secret, read-only; .dockerconfigjson becomes config.json."},
-		{"defaultMode: 292", "0444: secret files belong to root and these containers are not; only this one mounts them."},
+		{"defaultMode: 292", "0444: secret files belong to root and these containers are not; only " + pullers(o) + "."},
 		{"- launch", "Starts QEMU once with -incoming, and cold (or not at all: --on-restart fail) on a restart."},
 		{"- args: " + QEMUArgsPlaceholder, "The source VM's exact options, a JSON array; -incoming is the launcher's to add."},
 		{"- mountPath: " + path.Dir(o.QMPSocket), "QEMU's QMP socket directory: the root filesystem is read-only."},
@@ -416,10 +422,41 @@ func restoreDoc(o Options) document {
 			note{"defaultMode: 288", "0440: root and the pod's fsGroup may read the key, others not (vmsnap refuses that)."},
 			note{"fsGroup:", "The init container is not root: the key file's group lets it read the 0440 file."})
 	}
-	if !o.RestoreViaAgent {
-		notes = append(notes, note{"sizeLimit: " + o.RestoreStateSizeLimit.String(), "The staged VM state (compressed); the pod is evicted past this."})
+	repeated := []string{"- name: DOCKER_CONFIG"}
+	memFile := o.MemoryFile && !o.RestoreViaAgent
+	stateLimit, ramLimit := "sizeLimit: "+o.RestoreStateSizeLimit.String(), "sizeLimit: "+o.RestoreRAMSizeLimit.String()
+	switch {
+	case o.RestoreViaAgent:
+	case !memFile:
+		notes = append(notes, note{stateLimit, "The staged VM state (compressed); the pod is evicted past this."})
+	case stateLimit == ramLimit:
+		notes = append(notes, note{stateLimit, "The staged device state; the RAM file, at least the guest's memory size (sparse: its zero pages take nothing). The pod is evicted past this."})
+		repeated = append(repeated, stateLimit)
+	default:
+		notes = append(notes,
+			note{stateLimit, "The staged device state (compressed; the RAM file is prepared apart); the pod is evicted past this."},
+			note{ramLimit, "At least the guest's memory size: the RAM file is that large (sparse: its zero pages take nothing)."})
 	}
-	return document{header: h, obj: pod, notes: notes, flow: []string{QEMUArgsPlaceholder}}
+	if memFile {
+		notes = append(notes,
+			note{"medium: Memory", "The guest's RAM file, the pod's own copy (never shared: QEMU 7.2 opens it read-write); counts against the pod's memory."},
+			note{"name: " + PrepareContainerName, "Materializes the RAM file (each region verified) and records the QEMU arguments that map it for vmsnap launch; its memory limit covers the file, whose tmpfs pages it is charged for."})
+	}
+	return document{header: h, obj: pod, notes: notes, flow: []string{QEMUArgsPlaceholder}, repeated: repeated}
+}
+
+func pullers(o Options) string {
+	if o.MemoryFile && !o.RestoreViaAgent {
+		return RestoreContainerName + " and " + PrepareContainerName + " mount them"
+	}
+	return "this one mounts them"
+}
+
+func containerCount(o Options) string {
+	if o.MemoryFile && !o.RestoreViaAgent {
+		return "Four"
+	}
+	return "Three"
 }
 
 // restoreSteps explains what the restored pod's last two containers do.
@@ -433,6 +470,22 @@ func restoreSteps(o Options) []string {
 			"    the agent on the node: vmsnap restore --agent unix://" + AgentSocket(o) + " --pod-uid UID",
 			"    --container qemu --qmp " + o.QMPSocket + " --image STATE@DIGEST; the agent checks QEMU",
 			"    against the recorded VM, then loads the state (include -qmp unix:" + o.QMPSocket + ",server=on,wait=off).",
+			"",
+		}
+	}
+	if o.MemoryFile {
+		return []string{
+			"  " + RestoreContainerName + " pulls the snapshot by digest, verifies every byte, puts the overlay at",
+			"    " + o.RestoreDiskPath + " and stages the device state in " + o.RestoreStateDir + " (MemoryFile).",
+			"  " + PrepareContainerName + " materializes the snapshot's RAM file in " + path.Join(o.RestoreRAMDir, "cache") + ", on the pod's",
+			"    own emptyDir with medium: Memory (never shared with other pods or tenants), and records",
+			"    the QEMU arguments that map it (share=off) in " + o.RestoreStateDir + "/prepared.json.",
+			"  qemu runs `vmsnap launch`, which checks that record against the staged snapshot and execs",
+			"    QEMU with the source VM's exact options (${QEMU_ARGS}), the RAM file's arguments and,",
+			"    on its first start only, -incoming defer; a detached `vmsnap load` then checks QEMU",
+			"    against the recorded VM, loads the device state over -qmp unix:" + o.QMPSocket + ",server=on,wait=off",
+			"    (include it) and continues the VM. ${QEMU_ARGS} must not map the RAM itself: no",
+			"    -object memory-backend-file for the machine's memory-backend, which the launcher adds.",
 			"",
 		}
 	}

@@ -23,6 +23,73 @@ type Restore struct {
 	Image string
 	// DiskImage is the disk overlay, REF@sha256:...; empty: no disk.
 	DiskImage string
+	// MemoryFile: Image is in the memory-file format; its RAM file is
+	// prepared into the pod's RAM volume (PrepareInit) and QEMU maps it.
+	MemoryFile bool
+}
+
+// PrepareContainerName is the name of the init container that prepares a
+// memory-file snapshot's RAM file (PrepareInit).
+const PrepareContainerName = "vmsnap-prepare"
+
+// PrepareArgs is PrepareInit's command line: the RAM file materialized in
+// the pod's RAM volume (a cache directory of its own below it: the
+// emptyDir's root is not the container user's), every region verified,
+// and the QEMU arguments recorded in the state directory for vmsnap launch.
+func PrepareArgs(o Options, r Restore) []string {
+	o = o.withDefaults()
+	args := []string{"vmsnap", "prepare", r.Image, "--cache-dir", path.Join(o.RestoreRAMDir, "cache"), "--state-dir", o.RestoreStateDir, "--json"}
+	if o.RegistryCAConfigMap != "" {
+		args = append(args, "--ca-file", RegistryCADir+"/"+RegistryCAKey)
+	}
+	return args
+}
+
+// PrepareInit is the init container that runs after RestoreInit for a
+// memory-file snapshot (r.MemoryFile), and the volume it adds: the RAM
+// volume, an emptyDir with medium: Memory (its pages are what QEMU maps)
+// of at most RestoreRAMSizeLimit, which counts against the pod's memory.
+// It is the pod's own copy of the RAM file: nothing is shared with other
+// pods, so a QEMU that writes the file (QEMU before 8.2 opens it
+// read-write) reaches only its own pod's.
+func PrepareInit(o Options, r Restore) (corev1.Container, []corev1.Volume) {
+	o = o.withDefaults()
+	mounts := []corev1.VolumeMount{
+		{Name: o.RestoreStateVolume, MountPath: o.RestoreStateDir},
+		ramMount(o),
+		registryMount(),
+	}
+	vols := []corev1.Volume{{Name: o.RestoreRAMVolume, VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{
+		Medium: corev1.StorageMediumMemory, SizeLimit: ptr(o.RestoreRAMSizeLimit)}}}}
+	if o.RegistryCAConfigMap != "" {
+		mounts = append(mounts, registryCAMount())
+	}
+	// The tmpfs pages it writes are charged to its memory cgroup: its
+	// limit must hold the whole RAM file besides its own needs.
+	res := *o.RestoreResources.DeepCopy()
+	if res.Limits == nil {
+		res.Limits = corev1.ResourceList{}
+	}
+	mem := o.RestoreRAMSizeLimit.DeepCopy()
+	if own, ok := res.Limits[corev1.ResourceMemory]; ok {
+		mem.Add(own)
+	}
+	res.Limits[corev1.ResourceMemory] = mem
+	return corev1.Container{
+		Name:                     PrepareContainerName,
+		Image:                    o.Image,
+		ImagePullPolicy:          o.ImagePullPolicy,
+		Command:                  PrepareArgs(o, r),
+		Env:                      []corev1.EnvVar{registryEnv()},
+		Resources:                res,
+		VolumeMounts:             mounts,
+		TerminationMessagePolicy: corev1.TerminationMessageFallbackToLogsOnError,
+		SecurityContext:          securityContext(o.RestoreUser, o.RestoreGroup),
+	}, vols
+}
+
+func ramMount(o Options) corev1.VolumeMount {
+	return corev1.VolumeMount{Name: o.RestoreRAMVolume, MountPath: o.RestoreRAMDir}
 }
 
 // RestoreArgs is the init container's command line: pull and verify the
@@ -78,6 +145,11 @@ func QEMUMounts(o Options, r Restore) []corev1.VolumeMount {
 	m := []corev1.VolumeMount{diskMount(o)}
 	if r.Image != "" {
 		m = append(m, corev1.VolumeMount{Name: o.RestoreStateVolume, MountPath: o.RestoreStateDir, ReadOnly: true})
+	}
+	if r.MemoryFile && r.Image != "" {
+		// Writable: QEMU before 8.2 opens its share=off RAM file
+		// read-write (it never writes it: the mapping is private).
+		m = append(m, ramMount(o))
 	}
 	return append(m,
 		corev1.VolumeMount{Name: o.RestoreRunVolume, MountPath: path.Dir(o.QMPSocket)},
@@ -220,7 +292,9 @@ func RestoreTemplate(o Options) Restore {
 	if o.RestoreViaAgent {
 		return Restore{DiskImage: TemplateRestore.DiskImage}
 	}
-	return TemplateRestore
+	r := TemplateRestore
+	r.MemoryFile = o.MemoryFile
+	return r
 }
 
 // QEMUArgsPlaceholder stands for the source VM's exact QEMU options in
@@ -266,6 +340,12 @@ func RestorePod(o Options) *corev1.Pod {
 	}
 	if err := AddRestore(&spec, ic, vols); err != nil {
 		panic(err) // cannot happen: the spec is ours
+	}
+	if r.MemoryFile && r.Image != "" {
+		pc, pvols := PrepareInit(o, r)
+		if err := AddRestore(&spec, pc, pvols); err != nil {
+			panic(err)
+		}
 	}
 	return &corev1.Pod{
 		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Pod"},

@@ -97,8 +97,8 @@ func (s *CheckpointSpec) Validate() error {
 	if s.Mode == vmstate.ModeLive && s.DiskPath != "" {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so its disk would not match the captured memory: use mode snapshot or pause to capture the disk")
 	}
-	if s.MaxChain < 0 {
-		return errcode.New(errcode.Usage, "maxChain %d: give how many deltas a chain may hold, or 0 for the default (%d)", s.MaxChain, vmstate.DefaultMaxChain)
+	if s.MaxChain < 0 || s.MaxChain > vmstate.MaxChain {
+		return errcode.New(errcode.Usage, "maxChain %d: give how many deltas a chain may hold, up to %d, or 0 for the default (%d)", s.MaxChain, vmstate.MaxChain, vmstate.DefaultMaxChain)
 	}
 	if s.Keep < 0 {
 		return errcode.New(errcode.Usage, "keep %d: give the number of checkpoints to keep, or 0 to prune nothing", s.Keep)

@@ -2,11 +2,17 @@ package snapshot
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"slices"
+
+	"github.com/opencontainers/go-digest"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate"
@@ -74,4 +80,82 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 		out.Evicted = append(out.Evicted, string(e.Key))
 	}
 	return out, nil
+}
+
+// PreparedFile is the file, in a directory where Stage put a memory-file
+// image's device state, in which `vmsnap prepare --state-dir` records
+// what it prepared (an api.PrepareResult), for `vmsnap launch` to start
+// QEMU with the arguments that map the RAM file.
+const PreparedFile = "prepared.json"
+
+// maxPreparedFile bounds what ReadPrepared reads: the file is in a pod's
+// volume.
+const maxPreparedFile = 64 << 10
+
+// WritePrepared records res in dir (PreparedFile), atomically.
+func WritePrepared(dir string, res *api.PrepareResult) error {
+	b, err := json.Marshal(res)
+	if err != nil {
+		return errcode.Wrap(errcode.Internal, err, "encoding the prepare result")
+	}
+	if err := atomicfile.WriteFile(filepath.Join(dir, PreparedFile), append(b, '\n'), 0o644); err != nil {
+		return errcode.Wrap(errcode.Internal, err, "writing %s in %s (is %s the writable state volume?)", PreparedFile, dir, errcode.Field("stateDir"))
+	}
+	return nil
+}
+
+// PreparedArgs returns the QEMU arguments that map the RAM file of the
+// memory-file image staged in dir, from what `vmsnap prepare --state-dir`
+// recorded there. What was recorded must be for the staged image (same
+// manifest digest), name a file of the cache named for that digest, and
+// its arguments must be exactly those vmsnap derives from the staged
+// image's config for that file: the file is in a pod's volume, and what
+// it says becomes QEMU's command line.
+func PreparedArgs(ctx context.Context, dir string) (digest.Digest, []string, error) {
+	d, cfg, err := StagedConfig(ctx, dir)
+	if err != nil {
+		return "", nil, err
+	}
+	if cfg.Format != vmstate.FormatMemoryFile {
+		return "", nil, errcode.New(errcode.Usage, "the snapshot staged in %s is in the %s format, which needs no prepare", dir, cfg.Format)
+	}
+	p := filepath.Join(dir, PreparedFile)
+	f, err := os.Open(p)
+	if err != nil {
+		return "", nil, errcode.Wrap(errcode.Usage, err,
+			"the snapshot staged in %s (%s) is in the memory-file format: its RAM file must be prepared first, with vmsnap prepare %s --cache-dir RAM_DIR --state-dir %s (an init container after the restore's)", dir, d, d, dir)
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxPreparedFile+1))
+	if err != nil || len(b) > maxPreparedFile {
+		return "", nil, errcode.New(errcode.InvalidInput, "%s: unreadable or over %d bytes (%v)", p, maxPreparedFile, err)
+	}
+	var res api.PrepareResult
+	if err := json.Unmarshal(b, &res); err != nil {
+		return "", nil, errcode.Wrap(errcode.InvalidInput, err, "%s is not a prepare result", p)
+	}
+	if res.Digest != d.String() {
+		return "", nil, errcode.New(errcode.InvalidInput, "%s is for snapshot %s, but %s is staged: run vmsnap prepare for the staged snapshot", p, clipped(res.Digest), d)
+	}
+	if ramfile.KeyOf(res.MemoryFile) != d || !filepath.IsAbs(res.MemoryFile) || filepath.Clean(res.MemoryFile) != res.MemoryFile {
+		return "", nil, errcode.New(errcode.InvalidInput, "%s names the RAM file %q, which is not the file prepared for %s", p, clipped(res.MemoryFile), d)
+	}
+	// A VM's own copy (prepare --copy-to) is mapped shared, a cache file
+	// private: the name says which, and the arguments must agree.
+	want := vmstate.QEMUArgs(cfg, res.MemoryFile, ramfile.IsOwnCopy(res.MemoryFile))
+	if !slices.Equal(res.QEMUArgs, want) {
+		return "", nil, errcode.New(errcode.InvalidInput, "%s has QEMU arguments %q, not those of the staged snapshot's RAM file (%q): run vmsnap prepare again", p, res.QEMUArgs, want)
+	}
+	fi, err := os.Stat(res.MemoryFile)
+	if err != nil || !fi.Mode().IsRegular() || fi.Size() != cfg.RAM.Bytes {
+		return "", nil, errcode.New(errcode.InvalidInput, "the prepared RAM file %s is not there as a file of %d bytes (%v): is its volume mounted at the same path in this container, and was it emptied (a node reboot empties medium: Memory)?", res.MemoryFile, cfg.RAM.Bytes, err)
+	}
+	return d, want, nil
+}
+
+func clipped(s string) string {
+	if len(s) > 100 {
+		return s[:100] + "..."
+	}
+	return s
 }

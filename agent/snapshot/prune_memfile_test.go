@@ -21,6 +21,7 @@ func TestPruneKeepsTheLayersAKeptDeltaBuildsOn(t *testing.T) {
 	if err := os.WriteFile(ram, randomState(t, memory), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	qmptest.MapFile(t, ram) // as QEMU would
 	store := t.TempDir()
 	var cps []string
 	for i := range 3 {

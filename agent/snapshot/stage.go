@@ -12,6 +12,7 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
+	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
 // StagedTag names the VM state image Stage puts in a directory, for
@@ -40,7 +41,7 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 		return nil, err
 	}
 	// Check the image before copying a byte of its chunks.
-	desc, m, _, err := vmstate.LoadConfig(ctx, src)
+	desc, m, cfg, err := vmstate.LoadConfig(ctx, src)
 	if err != nil {
 		return nil, err
 	}
@@ -59,20 +60,30 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if err != nil {
 		return nil, err
 	}
-	copied, err := ociimage.Copy(ctx, pinned, dst, s.MaxBytes, max(s.Jobs, 4))
+	// A memory-file image's RAM is prepared as a file (vmsnap prepare),
+	// not streamed: only its device state is staged. The manifest is the
+	// same, so the staged digest is the image's.
+	var keep func(ocispec.Descriptor) bool
+	if cfg.Format == vmstate.FormatMemoryFile {
+		keep = func(l ocispec.Descriptor) bool { return !ramfile.IsRAMLayer(l) }
+	}
+	copied, err := ociimage.CopyLayers(ctx, pinned, dst, s.MaxBytes, max(s.Jobs, 4), keep)
 	if err != nil {
 		return nil, err
 	}
 	if err := ociimage.TagManifest(ctx, dst, copied, StagedTag); err != nil {
 		return nil, err
 	}
-	return &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Dir: dir, Bytes: sizeOf(m)}, nil
+	st := &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Dir: dir, Bytes: sizeOf(m, keep), Format: string(cfg.Format)}
+	return st, nil
 }
 
-func sizeOf(m ocispec.Manifest) int64 {
+func sizeOf(m ocispec.Manifest, keep func(ocispec.Descriptor) bool) int64 {
 	n := m.Config.Size
 	for _, l := range m.Layers {
-		n += l.Size
+		if keep == nil || keep(l) {
+			n += l.Size
+		}
 	}
 	return n
 }
@@ -95,6 +106,22 @@ func StagedDigest(ctx context.Context, dir string) (digest.Digest, error) {
 	return desc.Digest, nil
 }
 
+// StagedConfig is the digest and config of the VM state image Stage put
+// in dir.
+func StagedConfig(ctx context.Context, dir string) (digest.Digest, vmstate.Config, error) {
+	d, err := StagedDigest(ctx, dir)
+	if err != nil {
+		return "", vmstate.Config{}, err
+	}
+	abs, _ := filepath.Abs(dir)
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: abs, Digest: d})
+	if err != nil {
+		return "", vmstate.Config{}, err
+	}
+	_, _, cfg, err := vmstate.LoadConfig(ctx, repo)
+	return d, cfg, err
+}
+
 // StreamStaged writes the raw VM state staged in dir to w, verifying every
 // chunk again (the volume may have been tampered with since).
 func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (int, error) }, o chunk.StreamOptions) error {
@@ -114,6 +141,17 @@ func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (i
 		return errcode.New(errcode.CompatMismatch,
 			"the staged image is in the mapped-ram format, which QEMU loads from a file, not from a stream: restore it with vmsnap restore --qmp into a QEMU 9.0 or later waiting with -incoming defer")
 	}
-	_, err = chunk.DecodeStream(ctx, m.Layers, repo, w, o)
+	layers := m.Layers
+	if cfg.Format == vmstate.FormatMemoryFile {
+		// The device state only: QEMU maps the RAM file vmsnap prepare
+		// made (and must run with x-ignore-shared).
+		layers = nil
+		for _, l := range m.Layers {
+			if !ramfile.IsRAMLayer(l) {
+				layers = append(layers, l)
+			}
+		}
+	}
+	_, err = chunk.DecodeStream(ctx, layers, repo, w, o)
 	return err
 }

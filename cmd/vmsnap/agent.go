@@ -34,6 +34,7 @@ through which Jobs and controllers checkpoint and restore VMs on this node:
 
   POST   /v1/checkpoints        {"vm":{"podUID","container","qmp","disk"},"image","diskImage","mode","keep"}
   POST   /v1/restores           {"vm":{"podUID","container","qmp"},"image":"REF@sha256:...","paused"}
+  POST   /v1/prepare            {"image":"REF@sha256:...","qemuDir","namespace"} -> {"qemuArgs","memoryFile",...}
   GET    /v1/operations[/ID]    DELETE /v1/operations/ID cancels
   GET    /v1/events[?operation=ID]   server-sent events of operation changes
   GET    /healthz  /readyz  /metrics (Prometheus)
@@ -54,6 +55,20 @@ putting its VM back as on any failure; a QMP message over 16 MiB ends the
 connection with QMP_ERROR; a migration stream or mapped-ram staging file
 larger than the VM's memory allows is aborted with QMP_ERROR, the VM
 continued and the staging file freed.
+
+Memory-file snapshots (a VM whose RAM is a shared memory-backend-file): a
+checkpoint reads the RAM file QEMU names as its mem-path, opened as the disk
+is: on a volume of the VM's own pod (below --kubelet-pods-dir/POD_UID; an
+emptyDir with medium: Memory), without following links, mounts or "..", a
+regular file, read-only; anything else is refused before the VM is stopped.
+POST /v1/prepare (vmsnap prepare --agent) materializes such a snapshot's RAM
+file in the agent's cache of the caller's namespace, --state-dir/ram/NAMESPACE
+(an admin may name another with "namespace"), under the same --allow-repository
+and --layout-root checks as a restore, and answers with the QEMU arguments that
+map it ("qemuDir": the cache directory as the target QEMU sees it). One cache
+per namespace: QEMU before 8.2 opens a share=off file read-write, so a RAM file
+is never shared across tenants. --ram-cache-max-bytes bounds each namespace's
+cache. The request is synchronous and takes one of the --max-concurrent slots.
 
 Registry credentials come from $DOCKER_CONFIG or --registry-config (a mounted
 dockerconfigjson secret), never from flags.
@@ -89,6 +104,10 @@ caller. Every directory from --layout-root down must be the agent's alone
 		fmt.Sprintf("most workers a request may ask for: twice the CPUs by default, at most %d (each holds up to about 50 MiB)", agent.HardMaxWorkers))
 	c.Flags().DurationVar(&cfg.OperationTimeout, "operation-timeout", agent.DefaultOperationTimeout,
 		"longest an operation may take, from its acceptance; then it fails with the code of what it waited for and its VM is put back")
+
+	c.Flags().Int64Var(&cfg.RAMCacheMaxBytes, "ram-cache-max-bytes", 0,
+		"bound of each namespace's RAM file cache (--state-dir/ram/NAMESPACE, filled by prepare requests), in allocated bytes: "+
+			"once a file is ready, the least recently used others past it are removed (QEMUs that map them keep their pages; 0: no bound)")
 
 	c.Flags().StringVar(&ctrdAddress, "containerd-address", "/run/containerd/containerd.sock", "the node's containerd socket")
 	c.Flags().StringVar(&ctrdNS, "containerd-namespace", "k8s.io", "containerd namespace of the kubelet's containers")

@@ -44,16 +44,19 @@ func cliError(t testing.TB, code errcode.Code, args ...string) api.ErrorDoc {
 func TestUsageErrors(t *testing.T) {
 	pinned := "oci:/tmp/x@sha256:" + strings.Repeat("a", 64)
 	cases := map[string][]string{
-		"unknown flag":            {"checkpoint", "--bogus"},
-		"unknown command":         {"frobnicate"},
-		"checkpoint without qmp":  {"checkpoint", "--image", "oci:/tmp/x:t"},
-		"disk without disk-image": {"checkpoint", "--qmp", "/s", "--image", "oci:/tmp/x:t", "--disk", "/d"},
-		"bad mode":                {"checkpoint", "--qmp", "/s", "--image", "oci:/tmp/x:t", "--mode", "fast"},
-		"live with disk":          {"checkpoint", "--qmp", "/s", "--image", "oci:/tmp/x:t", "--mode", "live", "--disk", "/d", "--disk-image", "oci:/tmp/x:d"},
-		"restore both forms":      {"restore", "--qmp", "/s", "--image", pinned, "--disk", "/d", "--disk-image", pinned},
-		"restore nothing":         {"restore"},
-		"restore half state":      {"restore", "--qmp", "/s"},
-		"inspect without ref":     {"inspect"},
+		"unknown flag":                       {"checkpoint", "--bogus"},
+		"unknown command":                    {"frobnicate"},
+		"checkpoint without qmp":             {"checkpoint", "--image", "oci:/tmp/x:t"},
+		"disk without disk-image":            {"checkpoint", "--qmp", "/s", "--image", "oci:/tmp/x:t", "--disk", "/d"},
+		"bad mode":                           {"checkpoint", "--qmp", "/s", "--image", "oci:/tmp/x:t", "--mode", "fast"},
+		"live with disk":                     {"checkpoint", "--qmp", "/s", "--image", "oci:/tmp/x:t", "--mode", "live", "--disk", "/d", "--disk-image", "oci:/tmp/x:d"},
+		"restore both forms":                 {"restore", "--qmp", "/s", "--image", pinned, "--disk", "/d", "--disk-image", pinned},
+		"restore nothing":                    {"restore"},
+		"restore half state":                 {"restore", "--qmp", "/s"},
+		"inspect without ref":                {"inspect"},
+		"prepare --agent with a cache dir":   {"prepare", "--agent", "unix:///nonexistent.sock", pinned, "--cache-dir", "/tmp/x"},
+		"prepare --agent with a cache bound": {"prepare", "--agent", "unix:///nonexistent.sock", pinned, "--max-cache-bytes", "1"},
+		"prepare --namespace without agent":  {"prepare", "--namespace", "tenant-a", pinned},
 	}
 	for name, args := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -19,6 +19,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 // execQEMU replaces this process with QEMU. Tests replace it to see the
@@ -67,7 +68,18 @@ init container writes its own marker to.
 
 ARGS are the source VM's exact options, without -incoming (refused: the
 launcher adds it). -qmp unix:SOCK,server=on,wait=off must be among them for
---state-dir: vmsnap stream continues the VM over that monitor once loaded.`,
+--state-dir: vmsnap stream continues the VM over that monitor once loaded.
+
+A memory-file snapshot (its RAM a file, restore --to-dir staged only its
+device state) needs its RAM file prepared first: vmsnap prepare REF@sha256:...
+--cache-dir RAM_DIR --state-dir STATE_DIR records the QEMU arguments that map
+it in STATE_DIR/prepared.json, which launch checks against the staged
+snapshot. The first start then adds those arguments and -incoming defer, and
+a detached "vmsnap load --dir STATE_DIR --qmp SOCK" waits for QEMU's monitor,
+checks QEMU against the recorded VM, loads the device state (with
+x-ignore-shared, which QEMU 7.2 cannot take on its command line) and
+continues the VM; if the load fails it quits QEMU, so the container restarts
+and --on-restart decides.`,
 		Args: cobra.ArbitraryArgs,
 		RunE: func(c *cobra.Command, args []string) error {
 			if c.ArgsLenAtDash() != 0 {
@@ -96,7 +108,7 @@ func runLaunch(ctx context.Context, out *globalOutput, f launchFlags, argv []str
 	if err != nil {
 		return errcode.Wrap(errcode.Usage, err, "finding QEMU %q", argv[0])
 	}
-	name, what, incoming, err := f.plan(ctx)
+	name, what, incoming, loader, err := f.plan(ctx)
 	if err != nil {
 		return err
 	}
@@ -109,6 +121,13 @@ func runLaunch(ctx context.Context, out *globalOutput, f launchFlags, argv []str
 	case claimed:
 		fmt.Fprintf(out.stderr, "vmsnap launch: loading %s, once (marker %s claimed): %s\n", what, marker, strings.Join(incoming, " "))
 		argv = append(argv, incoming...)
+		if loader != nil {
+			// Before QEMU: this process becomes QEMU. The loader waits
+			// for its monitor.
+			if err := startLoader(loader); err != nil {
+				return errcode.Wrap(errcode.Internal, err, "starting the vmsnap that loads the state into QEMU")
+			}
+		}
 	case f.onRestart == onRestartFail:
 		return errcode.New(errcode.InvalidInput,
 			"%s was loaded in this pod before (marker %s): this QEMU container has restarted since, and loading it again would put old memory on a disk the guest has written since. "+
@@ -155,25 +174,59 @@ func (f launchFlags) check(argv []string) error {
 	return nil
 }
 
-// plan returns the marker's name, what is loaded (for messages) and the
-// -incoming arguments of a first start.
-func (f launchFlags) plan(ctx context.Context) (name, what string, incoming []string, err error) {
-	if f.deferred {
-		return "loaded-defer", "the VM state (loaded by the agent into -incoming defer)", []string{"-incoming", "defer"}, nil
+// startLoader starts, detached (a session of its own, so that it outlives
+// this process becoming QEMU), the vmsnap command that loads a memory-file
+// snapshot's device state into QEMU over its monitor. Tests replace it.
+var startLoader = func(argv []string) error {
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Stdout = os.Stderr // the container's log, as QEMU's
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return err
 	}
-	d, err := snapshot.StagedDigest(ctx, f.stateDir)
+	return cmd.Process.Release()
+}
+
+// plan returns the marker's name, what is loaded (for messages), the
+// -incoming arguments of a first start and, for a memory-file snapshot,
+// the command line of the vmsnap that loads it (nil otherwise).
+//
+// A memory-file snapshot needs QEMU's x-ignore-shared capability on the
+// target before the load begins, and QEMU 7.2 cannot take it on its
+// command line (no migration.x-ignore-shared property before 8.x; checked:
+// "Property 'migration.x-ignore-shared' not found"): an -incoming exec:
+// migration starts at QEMU's start, before any monitor command. So QEMU
+// starts with the prepared RAM file's arguments and -incoming defer, and
+// `vmsnap load` sets the capability, checks the QEMU against the recorded
+// VM (the RAM file mapped private is the one prepared for this snapshot)
+// and loads the device state, as vmsnap restore --qmp does.
+func (f launchFlags) plan(ctx context.Context) (name, what string, incoming, loader []string, err error) {
+	if f.deferred {
+		return "loaded-defer", "the VM state (loaded by the agent into -incoming defer)", []string{"-incoming", "defer"}, nil, nil
+	}
+	d, cfg, err := snapshot.StagedConfig(ctx, f.stateDir)
 	if err != nil {
-		return "", "", nil, err
+		return "", "", nil, nil, err
 	}
 	self, err := os.Executable()
 	if err != nil {
-		return "", "", nil, errcode.Wrap(errcode.Internal, err, "finding the vmsnap binary for QEMU's exec: command")
+		return "", "", nil, nil, errcode.Wrap(errcode.Internal, err, "finding the vmsnap binary for QEMU's exec: command")
+	}
+	if cfg.Format == vmstate.FormatMemoryFile {
+		_, ramArgs, err := snapshot.PreparedArgs(ctx, f.stateDir)
+		if err != nil {
+			return "", "", nil, nil, err
+		}
+		incoming = append(append([]string(nil), ramArgs...), "-incoming", "defer")
+		return markerName("loaded", d), "the memory-file snapshot " + d.String() + " staged in " + f.stateDir + " (its RAM file prepared)",
+			incoming, []string{self, "load", "--dir", f.stateDir, "--qmp", f.qmp}, nil
 	}
 	if !shellSafe.MatchString(self) {
-		return "", "", nil, errcode.New(errcode.Usage, "the vmsnap binary's path %q has characters /bin/sh would interpret: install it elsewhere", self)
+		return "", "", nil, nil, errcode.New(errcode.Usage, "the vmsnap binary's path %q has characters /bin/sh would interpret: install it elsewhere", self)
 	}
 	return markerName("loaded", d), "the snapshot " + d.String() + " staged in " + f.stateDir,
-		[]string{"-incoming", "exec:" + self + " stream --dir " + f.stateDir + " --qmp " + f.qmp}, nil
+		[]string{"-incoming", "exec:" + self + " stream --dir " + f.stateDir + " --qmp " + f.qmp}, nil, nil
 }
 
 // markerName is PREFIX-ALGO-HEX: a file name for a digest.

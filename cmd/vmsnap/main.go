@@ -135,7 +135,7 @@ Exit status: 0 on success, otherwise the error code's status (see README).`,
 	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 		return errcode.New(errcode.Usage, "%v (see %s --help)", err, c.CommandPath())
 	})
-	root.AddCommand(newCheckpointCmd(out), newRestoreCmd(out), newInspectCmd(out), newStreamCmd(), newContinueCmd(),
+	root.AddCommand(newCheckpointCmd(out), newRestoreCmd(out), newInspectCmd(out), newStreamCmd(), newContinueCmd(), newLoadCmd(),
 		newAgentCmd(out), newManifestsCmd(out), newPruneCmd(out), newLaunchCmd(out), newPrepareCmd(out))
 	return root
 }

@@ -1,7 +1,10 @@
 package main
 
 import (
+	"fmt"
+
 	"github.com/spf13/cobra"
+	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/vmsnap/vmsnap/agent/manifests"
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -36,7 +39,23 @@ in the agent's namespace and in each restored pod's, then --registry-ca-configma
 Workloads run with read-only root filesystems, no privilege escalation,
 seccomp RuntimeDefault and dropped capabilities; the Job and the init
 container run as non-root. Registry credentials come from a mounted
-kubernetes.io/dockerconfigjson secret (--pull-secret).`,
+kubernetes.io/dockerconfigjson secret (--pull-secret).
+
+Memory-file snapshots (a VM whose RAM is a shared memory-backend-file, for
+instant resume): --part restore --memory-file adds, after the restore init
+container (which then stages only the device state), a vmsnap-prepare init
+container that materializes the snapshot's RAM file into the pod's own
+emptyDir with medium: Memory (--ram-size-limit, at least the guest's memory;
+it counts against the pod's memory) and records the QEMU arguments that map
+it private in the state directory. vmsnap launch starts QEMU with them and
+-incoming defer and loads the device state over the pod's QMP socket.
+Each restored pod fetches and holds its own copy: RAM files are never
+shared between pods, because QEMU before 8.2 opens a share=off file
+read-write and a tenant's QEMU could otherwise change another's memory.
+Sharing one prepared file between clones on a node (the agent's per-namespace
+cache, vmsnap prepare --agent) would need a hostPath into a tenant's pod,
+which the restricted Pod Security Standard forbids; it is not rendered.
+Not with --restore-via-agent.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			var ps []manifests.Part
@@ -80,8 +99,32 @@ kubernetes.io/dockerconfigjson secret (--pull-secret).`,
 	c.Flags().StringVar(&o.LayoutRoot, "layout-root", "", "agent: host directory under which oci: layouts are allowed over the API (default: none)")
 	c.Flags().DurationVar(&o.OperationTimeout, "operation-timeout", 0, "agent: bound on each operation (default: the agent's)")
 	c.Flags().IntVar(&o.MaxWorkers, "max-workers", 0, "agent: cap on a request's workers (default: the agent's)")
+	c.Flags().Int64Var(&o.RAMCacheMaxBytes, "ram-cache-max-bytes", 0, "agent: bound of each namespace's RAM file cache, in bytes (prepare requests; default: none)")
 	c.Flags().StringVar(&o.OnRestart, "on-restart", "", "restore: when the restored QEMU container restarts, cold (boot from its disk; default) or fail")
 	c.Flags().BoolVar(&o.RestoreViaAgent, "restore-via-agent", false, "restore: the init container restores the disk alone and QEMU waits (-incoming defer) for the agent to load the state")
+	c.Flags().BoolVar(&o.MemoryFile, "memory-file", false, "restore: the snapshot is in the memory-file format: an init container prepares its RAM file into the pod's own emptyDir (medium: Memory) and launch maps it")
+	c.Flags().Var(quantityFlag{&o.RestoreRAMSizeLimit}, "ram-size-limit", "restore, with --memory-file: size limit of the RAM volume, at least the guest's memory (default "+manifests.DefaultRestoreRAMLimit+")")
 	c.Flags().StringVar(&o.BaseDir, "base-dir", "", "restore: the QEMU image's directory holding the overlay's backing file (default "+manifests.DefaultBaseDir+")")
 	return c
 }
+
+// quantityFlag is a Kubernetes quantity (8Gi, 512Mi) as a flag.
+type quantityFlag struct{ q *resource.Quantity }
+
+func (f quantityFlag) String() string {
+	if f.q == nil || f.q.IsZero() {
+		return ""
+	}
+	return f.q.String()
+}
+
+func (f quantityFlag) Set(s string) error {
+	q, err := resource.ParseQuantity(s)
+	if err != nil {
+		return fmt.Errorf("%q is not a quantity such as 8Gi: %v", s, err)
+	}
+	*f.q = q
+	return nil
+}
+
+func (quantityFlag) Type() string { return "quantity" }

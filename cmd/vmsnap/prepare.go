@@ -9,8 +9,10 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/agent/snapshot"
+	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
 func newPrepareCmd(out *globalOutput) *cobra.Command {
@@ -24,6 +26,9 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 		copyTo   string
 		allowTag bool
 		timeout  time.Duration
+		agentAt  string
+		ns       string
+		stateDir string
 	)
 	c := &cobra.Command{
 		Use:   "prepare REF@DIGEST [--cache-dir DIR] [--json]",
@@ -57,20 +62,43 @@ checkpoint under the same tag is a delta of the pages it changed. The copy
 costs time in proportion to the snapshot's data (durationsMs.copy); without
 it, a restored VM is checkpointed with the stream.
 
+Every page of the materialized file is checked against the image's page map
+(SHA-256): a snapshot built on a parent whose layers do not hold what its map
+says fails with DIGEST_MISMATCH before any QEMU maps it.
+
 Trust: QEMU before 8.2 opens a share=off file read-write (its readonly=on
 would make the guest's RAM read-only), so a compromised QEMU could change
-the file under every VM that maps it. Keep a cache per tenant (the agent keeps
-one per namespace). For snapshots taken by QEMU 8.2 or later the arguments
-add readonly=on,rom=off and QEMU opens the file read-only.
+the file under every VM that maps it: keep a cache per tenant. For snapshots
+taken by QEMU 8.2 or later the arguments add readonly=on,rom=off, QEMU opens
+the file read-only, and the file is mode 0444.
 
-The cache directory is created with mode 0700 and must be owned by you and
-writable by nobody else (FORBIDDEN otherwise: a file someone else put there
-would become a VM's memory). The default is on tmpfs, whose pages QEMU maps
+The cache directory is created with mode 0700 and must be yours; every
+directory above it must be yours or root's and writable by nobody else, or
+root's and sticky like /dev/shm (FORBIDDEN otherwise: a file someone else put
+there would become a VM's memory). The default is on tmpfs, whose pages QEMU maps
 directly; a cache on disk works too, through the page cache.
 
 Registry access works as for checkpoint (--registry-config, --ca-file,
---insecure-registry).`,
+--insecure-registry).
+
+Through the node agent (--agent unix:///run/vmsnap/agent.sock): the agent
+prepares the file in its cache of the caller's namespace
+(AGENT_STATE_DIR/ram/NAMESPACE; an admin may name another with --namespace),
+with its own registry credentials and only for images its --allow-repository
+and --layout-root allow (FORBIDDEN otherwise), and bounds the cache with its
+--ram-cache-max-bytes; --cache-dir and --max-cache-bytes are then the
+agent's, not flags. --qemu-dir names that cache as the target QEMU sees it.
+In Kubernetes the restore pod prepares into a volume of its own instead
+(vmsnap manifests --part restore --memory-file): see vmsnap manifests --help.
+
+For vmsnap launch (a restored pod's QEMU): after vmsnap restore --to-dir DIR
+staged the snapshot's device state, vmsnap prepare REF@sha256:... --cache-dir
+RAM_DIR --state-dir DIR records its result in DIR/prepared.json, and vmsnap
+launch --state-dir DIR starts QEMU with those arguments and -incoming defer
+and loads the device state over QMP. The RAM volume must be mounted at the
+same path in the QEMU container (or give --qemu-dir).`,
 		Example: `  vmsnap prepare oci:/var/lib/snapshots:vm1@sha256:4f... --json
+  vmsnap prepare --agent unix:///run/vmsnap/agent.sock registry.example.com/vms/vm1@sha256:4f... --json
   vmsnap prepare registry.example.com/vms/vm1@sha256:4f... --cache-dir /dev/shm/vmsnap --max-cache-bytes 64G`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
@@ -79,6 +107,41 @@ Registry access works as for checkpoint (--registry-config, --ca-file,
 			keys, err := decrypt.options()
 			if err != nil {
 				return coded(err)
+			}
+			if agentAt != "" && len(decrypt.keys) > 0 {
+				return coded(errcode.New(errcode.Usage, "through --agent, the agent decrypts with the keys of its own --decryption-key-dir: drop --decryption-key"))
+			}
+			if agentAt != "" {
+				for _, f := range []string{"cache-dir", "max-cache-bytes"} {
+					if c.Flags().Changed(f) {
+						return coded(errcode.New(errcode.Usage, "--%s is the agent's with --agent (its --state-dir/ram/NAMESPACE and --ram-cache-max-bytes): leave it out", f))
+					}
+				}
+				cl, err := agent.NewClient(agentAt)
+				if err != nil {
+					return coded(err)
+				}
+				fmt.Fprintf(out.stderr, "vmsnap: asking the agent at %s to prepare %s\n", agentAt, args[0])
+				res, err := cl.Prepare(ctx, api.PrepareRequest{Image: args[0], AllowTag: allowTag, Namespace: ns, QEMUDir: qemuDir, Workers: stream.workers})
+				if err != nil {
+					return coded(fromAgent(err))
+				}
+				report(out, res, func(w io.Writer) { printPrepare(w, res) })
+				return nil
+			}
+			if ns != "" {
+				return coded(errcode.New(errcode.Usage, "--namespace names the agent's cache to fill: add --agent unix:///PATH/agent.sock"))
+			}
+			if stateDir != "" {
+				// Staged first (restore --to-dir): the result is for the
+				// staged snapshot, and launch checks that it is.
+				d, err := snapshot.StagedDigest(ctx, stateDir)
+				if err != nil {
+					return coded(err)
+				}
+				if !strings.HasSuffix(args[0], "@"+d.String()) {
+					return coded(errcode.New(errcode.Usage, "%s staged snapshot %s, not %s: prepare the snapshot restore --to-dir staged there", stateDir, d, args[0]))
+				}
 			}
 			p := newPhasedProgress(out.stderr)
 			defer p.finish()
@@ -90,6 +153,11 @@ Registry access works as for checkpoint (--registry-config, --ca-file,
 			if err != nil {
 				return coded(err)
 			}
+			if stateDir != "" {
+				if err := snapshot.WritePrepared(stateDir, res); err != nil {
+					return coded(err)
+				}
+			}
 			report(out, res, func(w io.Writer) { printPrepare(w, res) })
 			return nil
 		},
@@ -100,6 +168,9 @@ Registry access works as for checkpoint (--registry-config, --ca-file,
 	c.Flags().StringVar(&copyTo, "copy-to", "", "give the VM its own copy of the RAM file in this directory, mapped shared (share=on), so that it can be checkpointed again as a delta on this snapshot; costs a copy of the snapshot's data, and the copy is yours to remove with the VM")
 	c.Flags().BoolVar(&allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&timeout, "timeout", 30*time.Minute, "give up after this long")
+	c.Flags().StringVar(&stateDir, "state-dir", "", "where restore --to-dir staged this snapshot: record the result there (prepared.json) for vmsnap launch --state-dir")
+	c.Flags().StringVar(&agentAt, "agent", "", "ask the node agent at unix:///PATH to prepare the file in its cache of your namespace instead of here")
+	c.Flags().StringVar(&ns, "namespace", "", "with --agent, for an admin caller: the namespace whose cache to fill (default the caller's)")
 	stream.add(c)
 	reg.add(c)
 	decrypt.add(c)

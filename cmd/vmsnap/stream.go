@@ -2,8 +2,11 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"syscall"
 	"time"
 
@@ -141,4 +144,70 @@ func dialRetry(ctx context.Context, path string) (*qmp.Client, error) {
 			return nil, err
 		}
 	}
+}
+
+// newLoadCmd is what vmsnap launch starts, detached, for a memory-file
+// snapshot: QEMU waits with -incoming defer, and this loads the staged
+// device state over its monitor as restore --qmp does (compatibility and
+// the prepared RAM file checked first, x-ignore-shared set) and continues
+// the VM. On failure it quits QEMU: a QEMU left waiting forever would look
+// like a running VM.
+func newLoadCmd() *cobra.Command {
+	var (
+		dir, qmpPath string
+		timeout      time.Duration
+		stream       streamFlags
+	)
+	c := &cobra.Command{
+		Use:    "load --dir DIR --qmp SOCK",
+		Short:  "Load a staged memory-file snapshot into a QEMU waiting with -incoming defer (started by vmsnap launch)",
+		Hidden: true,
+		Args:   cobra.NoArgs,
+		RunE: func(c *cobra.Command, _ []string) error {
+			if dir == "" || qmpPath == "" {
+				return coded(errcode.New(errcode.Usage, "load needs --dir DIR and --qmp SOCK"))
+			}
+			ctx, cancel := context.WithTimeout(c.Context(), timeout)
+			defer cancel()
+			err := runLoad(ctx, c.ErrOrStderr(), dir, qmpPath, stream)
+			if err != nil {
+				fmt.Fprintf(c.ErrOrStderr(), "vmsnap load: %v: quitting QEMU\n", err)
+				qctx, qcancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer qcancel()
+				if mon, derr := qmp.Dial(qctx, qmpPath); derr == nil {
+					_ = mon.Execute(qctx, "quit", nil, nil)
+					mon.Close()
+				}
+			}
+			return coded(err)
+		},
+	}
+	c.Flags().StringVar(&dir, "dir", "", "where restore --to-dir staged the snapshot and prepare --state-dir recorded its RAM file")
+	c.Flags().StringVar(&qmpPath, "qmp", "", "the waiting QEMU's monitor socket")
+	c.Flags().DurationVar(&timeout, "timeout", 10*time.Minute, "give up (and quit QEMU) after this long")
+	stream.add(c)
+	return c
+}
+
+func runLoad(ctx context.Context, log io.Writer, dir, qmpPath string, f streamFlags) error {
+	d, _, err := snapshot.PreparedArgs(ctx, dir)
+	if err != nil {
+		return err
+	}
+	// QEMU is starting: wait for its monitor, then leave it to the restore.
+	mon, err := dialRetry(ctx, qmpPath)
+	if err != nil {
+		return errcode.Ensure(errcode.QMPError, err, "waiting for QEMU's monitor at %s", qmpPath)
+	}
+	mon.Close()
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return errcode.Wrap(errcode.Usage, err, "%s", dir)
+	}
+	res, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{QMPPath: qmpPath, Image: "oci:" + abs + "@" + d.String(), Stream: f.options()})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(log, "vmsnap load: loaded %s into QEMU in %.0f ms; the VM runs\n", d, res.VMState.DurationsMs["total"])
+	return nil
 }

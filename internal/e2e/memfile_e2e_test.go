@@ -5,11 +5,14 @@ package e2e
 // a node cache and restored into QEMUs that map that file private.
 
 import (
+	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -264,5 +267,97 @@ func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
 	}
 	if fileDigest(t, p.MemoryFile) != fileBefore {
 		t.Fatal("the cached RAM file changed while the guest ran on it")
+	}
+}
+
+// The Kubernetes restore pod's path for a memory-file snapshot, on a real
+// QEMU: the init container stages the device state only (restore --to-dir)
+// and prepares the RAM file into the pod's own RAM volume (prepare
+// --state-dir), and vmsnap launch starts QEMU mapping that file private,
+// with -incoming defer, while a detached vmsnap load checks the QEMU and
+// loads the device state (x-ignore-shared, which QEMU 7.2 cannot take on
+// its command line). The guest carries on; a restart boots cold.
+func TestMemoryFileE2ELaunch(t *testing.T) {
+	testguest.Assets(t)
+	bin := hardBuildStatic(t, t.TempDir(), "vmsnap", vmsnapPkg, "")
+	dir := testguest.FreeShortDir(t)
+	shm := shmDir(t)
+	const memMB = 256
+	src := testguest.Start(t, testguest.Options{Disk: testguest.NewDisk(t, dir), Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
+	if _, err := src.WaitReady(waitCtx(t)); err != nil {
+		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
+	}
+	before, err := src.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	store := filepath.Join(testguest.FreeShortDir(t), "store")
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm",
+		"--disk", filepath.Join(dir, "overlay.qcow2"), "--disk-image", "oci:"+store+":vm-disk", "--mode", "pause")
+	if cp.VMState.Format != string(vmstate.FormatMemoryFile) {
+		t.Fatalf("format %s, want memory-file", cp.VMState.Format)
+	}
+	resume := src.ResumeCounter()
+	src.Kill()
+
+	tdir := targetDir(t, dir)
+	state, markers, overlay := filepath.Join(tdir, "state"), filepath.Join(tdir, "markers"), filepath.Join(tdir, "overlay.qcow2")
+	if err := os.Mkdir(markers, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// Launch refuses a memory-file snapshot whose RAM file was not prepared.
+	rs := cliJSON[api.RestoreResult](t, "restore", "--image", cp.VMState.Image, "--to-dir", state, "--disk-image", cp.Disk.Image, "--disk", overlay, "--marker-dir", markers)
+	if rs.Staged == nil || rs.Staged.Format != string(vmstate.FormatMemoryFile) || rs.Staged.Bytes >= 16<<20 {
+		t.Fatalf("staged %+v: want the device state only (the guest has 16 MiB of random data in RAM)", rs.Staged)
+	}
+	var staged int64
+	filepath.Walk(state, func(_ string, fi os.FileInfo, err error) error {
+		if err == nil && fi.Mode().IsRegular() {
+			staged += fi.Size()
+		}
+		return nil
+	})
+	if staged >= 16<<20 {
+		t.Errorf("the state directory holds %d bytes: the RAM regions were staged too", staged)
+	}
+	mon := filepath.Join(tdir, "vmsnap.qmp")
+	launcher := []string{bin, "launch", "--state-dir", state, "--qmp", mon, "--marker-dir", markers, "--on-restart", "cold", "--"}
+	qmpArgs := []string{"-qmp", "unix:" + mon + ",server=on,wait=off"}
+	out, err := exec.Command(bin, append(append(launcher[1:], "qemu-system-x86_64"), qmpArgs...)...).CombinedOutput()
+	var exitErr *exec.ExitError
+	if !errors.As(err, &exitErr) || exitErr.ExitCode() != errcode.Usage.ExitStatus() || !strings.Contains(string(out), "vmsnap prepare") {
+		t.Fatalf("launch without a prepared RAM file: %v\n%s", err, out)
+	}
+	if ents, _ := os.ReadDir(markers); len(ents) != 1 { // the restore's own marker only
+		t.Fatalf("a refused launch claimed the snapshot: %v", ents)
+	}
+
+	// The RAM volume: the pod's own copy.
+	ram := filepath.Join(shm, "pod-ram", "cache")
+	p := cliJSON[api.PrepareResult](t, "prepare", cp.VMState.Image, "--cache-dir", ram, "--state-dir", state)
+	if !strings.HasPrefix(p.MemoryFile, ram+"/") {
+		t.Fatalf("prepare: %+v", p)
+	}
+	vm := testguest.Start(t, testguest.Options{Disk: overlay, Dir: tdir, Launcher: launcher, ExtraArgs: qmpArgs})
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+		if st := hardWaitLoaded(t, vm); st == "running" {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("after the load the VM is %q\n%s", st, vm.Stderr())
+		}
+	}
+	assertResumed(t, vm, before, resume, resume)
+	if !strings.Contains(vm.Stderr(), "vmsnap load: loaded "+cp.VMState.Digest) {
+		t.Errorf("the loader did not say it loaded the snapshot:\n%s", vm.Stderr())
+	}
+	if _, err := os.Stat(filepath.Join(markers, "loaded-sha256-"+strings.TrimPrefix(cp.VMState.Digest, "sha256:"))); err != nil {
+		t.Fatalf("the launcher left no marker: %v", err)
+	}
+	vm.Kill()
+	<-vm.Done()
+	// A restart: cold, from the disk, never the old memory again.
+	cold := testguest.Start(t, testguest.Options{Disk: overlay, Dir: tdir, Launcher: launcher, ExtraArgs: qmpArgs})
+	if _, err := cold.WaitReady(waitCtx(t)); err != nil {
+		t.Fatalf("the restarted QEMU did not boot cold: %v\n%s", err, cold.Stderr())
 	}
 }

@@ -77,6 +77,7 @@ func TestKubernetes(t *testing.T) {
 		{"InitRerun", s.initRerun},
 		{"RestoreViaAgent", s.restoreViaAgent},
 		{"VMNotFound", s.vmNotFound},
+		{"MemoryFile", s.memoryFile},
 	} {
 		if !t.Run(step.name, step.run) {
 			return

@@ -28,10 +28,17 @@ import (
 // A cache serves one trust domain: QEMU before 8.2 opens a share=off file
 // read-write (its readonly=on makes the guest's RAM read-only), so a
 // compromised QEMU could write into the file under every VM that maps it.
-// The agent keeps one cache per namespace; QEMU 8.2 and later get
-// readonly=on,rom=off (QEMUArgs) and cannot.
+// QEMU 8.2 and later get readonly=on,rom=off (vmstate.QEMUArgs) and files
+// of mode 0444 (ReadOnly).
 type Cache struct {
 	Dir string
+	// ReadOnly makes the files it fills mode 0444 rather than 0644: for
+	// QEMUs that open them read-only (8.2 and later, readonly=on), so that
+	// a QEMU running as the cache's user cannot reopen one for writing
+	// without first changing its mode. (Root, and a QEMU as that user
+	// that does chmod, are not stopped by a mode: keep QEMU a user of its
+	// own to rely on it.)
+	ReadOnly bool
 }
 
 // suffix names a complete file; partial ones are ".sha256-HEX.ram.*".
@@ -121,23 +128,69 @@ func (c Cache) CopyFor(key digest.Digest, size int64, dir string) (string, error
 	return out.Name(), nil
 }
 
-// open makes the cache directory if needed (mode 0700) and checks that it
-// belongs to this user and that nobody else may write into it: a file
-// another user planted there would be mapped as a VM's memory.
+// open makes the cache directory if needed (mode 0700) and checks it and
+// every directory above it: each must be a real directory (no link),
+// owned by this user or root, and writable by nobody else, unless it is
+// root's and sticky (/dev/shm, /tmp), where others cannot rename what is
+// ours. Otherwise someone else could swap the cache, or a directory above
+// it, for one holding files of theirs, which would become a VM's memory.
 func (c Cache) open() error {
 	if c.Dir == "" {
 		return errcode.New(errcode.Usage, "no cache directory: set %s", errcode.Field("cacheDir"))
 	}
-	if err := os.MkdirAll(c.Dir, 0o700); err != nil {
-		return errcode.Wrap(errcode.Internal, err, "creating the RAM cache %s", c.Dir)
-	}
-	fi, err := os.Lstat(c.Dir)
+	dir, err := filepath.Abs(c.Dir)
 	if err != nil {
-		return errcode.Wrap(errcode.Internal, err, "RAM cache %s", c.Dir)
+		return errcode.Wrap(errcode.Usage, err, "RAM cache %s", c.Dir)
 	}
+	// Make what is missing, one level at a time, checking each level
+	// before creating inside it.
+	for _, d := range ancestors(dir) {
+		fi, err := os.Lstat(d)
+		if errors.Is(err, fs.ErrNotExist) {
+			if err := os.Mkdir(d, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
+				return errcode.Wrap(errcode.Internal, err, "creating the RAM cache %s", d)
+			}
+			fi, err = os.Lstat(d)
+		}
+		if err != nil {
+			return errcode.Wrap(errcode.Internal, err, "RAM cache %s", d)
+		}
+		if err := safeDir(d, fi, d == dir); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ancestors lists dir's directories from the root down, dir last.
+func ancestors(dir string) []string {
+	var out []string
+	for d := dir; ; d = filepath.Dir(d) {
+		out = append(out, d)
+		if d == filepath.Dir(d) {
+			break
+		}
+	}
+	slices.Reverse(out)
+	return out
+}
+
+// safeDir is open's rule for one directory.
+func safeDir(d string, fi fs.FileInfo, last bool) error {
 	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !fi.IsDir() || !ok || int(st.Uid) != os.Geteuid() || fi.Mode().Perm()&0o022 != 0 {
-		return errcode.New(errcode.Forbidden, "RAM cache %s must be a directory owned by this user (uid %d) that only it may write to (chmod go-w): a file someone else placed there would become a VM's memory", c.Dir, os.Geteuid())
+	me := uint32(os.Geteuid())
+	owner := ok && (st.Uid == me || st.Uid == 0)
+	writable := fi.Mode().Perm()&0o022 != 0
+	sticky := fi.Mode()&fs.ModeSticky != 0 && ok && st.Uid == 0
+	switch {
+	case fi.Mode()&fs.ModeSymlink != 0 || !fi.IsDir():
+		return errcode.New(errcode.Forbidden, "RAM cache: %s is not a directory (a link?): give a cache directory whose path has no links", d)
+	case !owner:
+		return errcode.New(errcode.Forbidden, "RAM cache: %s belongs to uid %d, not to this user (uid %d) or root: someone else could swap the cache for files of theirs, which would become a VM's memory; pick another directory", d, st.Uid, me)
+	case last && (st.Uid != me || fi.Mode().Perm()&0o077 != 0):
+		return errcode.New(errcode.Forbidden, "RAM cache %s must be this user's (uid %d) with mode 0700: the files in it are guests' memory (chmod 700 it)", d, me)
+	case writable && !sticky:
+		return errcode.New(errcode.Forbidden, "RAM cache: %s may be written by others (chmod go-w it, or pick another directory): they could swap the cache for files of theirs", d)
 	}
 	return nil
 }
@@ -174,7 +227,8 @@ func (c Cache) Fill(ctx context.Context, key digest.Digest, size int64, fill fun
 	if err := flockContext(ctx, lock); err != nil {
 		return "", 0, err
 	}
-	defer os.Remove(lock.Name())
+	// The lock file stays: removing it while another fill waits on it
+	// would let a third take a lock of its own on a new file.
 	if p, ok := c.Get(key, size); ok { // another fill made it meanwhile
 		return p, 0, nil
 	}
@@ -191,7 +245,11 @@ func (c Cache) Fill(ctx context.Context, key digest.Digest, size int64, fill fun
 	if fetched, err = fill(tmp); err != nil {
 		return "", fetched, err
 	}
-	if err := tmp.Chmod(0o644); err != nil {
+	mode := os.FileMode(0o644)
+	if c.ReadOnly {
+		mode = 0o444
+	}
+	if err := tmp.Chmod(mode); err != nil {
 		return "", fetched, errcode.Wrap(errcode.Internal, err, "RAM cache")
 	}
 	if err := os.Rename(tmp.Name(), c.Path(key)); err != nil {
@@ -237,7 +295,7 @@ func (c Cache) List() ([]Entry, error) {
 	for _, de := range des {
 		p := filepath.Join(c.Dir, de.Name())
 		key := KeyOf(p)
-		if key == "" || strings.HasPrefix(de.Name(), ".") {
+		if key == "" || p != c.Path(key) { // a VM's own copy, a partial file
 			continue
 		}
 		fi, err := os.Lstat(p)
@@ -280,6 +338,7 @@ func (c Cache) Evict(maxBytes int64, keep digest.Digest) ([]Entry, error) {
 		if err := os.Remove(e.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return removed, errcode.Wrap(errcode.Internal, err, "evicting %s from the RAM cache", e.Path)
 		}
+		os.Remove(e.Path + ".lock")
 		total -= e.Bytes
 		removed = append(removed, e)
 	}

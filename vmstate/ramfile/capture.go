@@ -14,6 +14,7 @@ import (
 	"github.com/klauspost/compress/zstd"
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
@@ -27,7 +28,7 @@ import (
 type Capture struct {
 	Size    int64
 	Map     PageMap
-	parent  PageMap  // nil for a base
+	parent  *PageMap // nil for a base
 	changed []uint32 // pages whose entry differs from the parent's, ascending
 	staging *os.File // the changed non-zero pages, in order
 	// StagedBytes is what the staging file holds; ScannedBytes what was
@@ -38,6 +39,17 @@ type Capture struct {
 // Changed is how many pages differ from the parent (or are non-zero, for a
 // base): what the checkpoint stores.
 func (c *Capture) Changed() int { return len(c.changed) }
+
+// Regions is how many region layers Store will make.
+func (c *Capture) Regions() int {
+	n, last := 0, int64(-1)
+	for _, p := range c.changed {
+		if r := int64(p) * PageSize / RegionSize; r != last {
+			n, last = n+1, r
+		}
+	}
+	return n
+}
 
 // Close frees the staging file.
 func (c *Capture) Close() {
@@ -52,13 +64,13 @@ func (c *Capture) Close() {
 // write meanwhile (the VM is stopped), hashes every page, and copies each
 // page that differs from parent (nil: each non-zero page) into a staging
 // file in stagingDir. Only f's data extents are read: a hole is zero pages.
-func Scan(f *os.File, size int64, parent PageMap, stagingDir string) (c *Capture, err error) {
+func Scan(f *os.File, size int64, parent *PageMap, stagingDir string) (c *Capture, err error) {
 	if err := CheckSize(size); err != nil {
 		return nil, err
 	}
 	pages := Pages(size)
-	if parent != nil && len(parent) != pages {
-		return nil, errcode.New(errcode.InvalidInput, "the parent's page map has %d pages, the RAM file %d", len(parent), pages)
+	if parent != nil && parent.Len() != pages {
+		return nil, errcode.New(errcode.InvalidInput, "the parent's page map has %d pages, the RAM file %d", parent.Len(), pages)
 	}
 	if fi, err := f.Stat(); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "reading the RAM file")
@@ -70,7 +82,7 @@ func Scan(f *os.File, size int64, parent PageMap, stagingDir string) (c *Capture
 		return nil, errcode.Wrap(errcode.Internal, err, "creating the RAM staging file in %s (pick another with %s)", stagingDir, errcode.Field("stagingDir"))
 	}
 	os.Remove(staging.Name())
-	c = &Capture{Size: size, Map: make(PageMap, pages), parent: parent, staging: staging}
+	c = &Capture{Size: size, Map: newPageMap(pages), parent: parent, staging: staging}
 	defer func() {
 		if err != nil {
 			c.Close()
@@ -88,9 +100,14 @@ func Scan(f *os.File, size int64, parent PageMap, stagingDir string) (c *Capture
 			for p := 0; p < n; p += PageSize {
 				page := buf[p : p+PageSize]
 				i := int((off + int64(p)) / PageSize)
-				h := hashPage(page)
-				c.Map[i] = h
-				if h != 0 && (parent == nil || parent[i] != h) {
+				h := fastHash(page)
+				c.Map.Fast[i] = h
+				if h == 0 {
+					continue
+				}
+				if parent != nil && parent.Fast[i] == h {
+					c.Map.Strong[i] = parent.Strong[i] // unchanged
+				} else {
 					if _, err := w.Write(page); err != nil {
 						return stagingErr(stagingDir, err)
 					}
@@ -107,8 +124,8 @@ func Scan(f *os.File, size int64, parent PageMap, stagingDir string) (c *Capture
 	if err := w.Flush(); err != nil {
 		return nil, stagingErr(stagingDir, err)
 	}
-	for i, h := range c.Map {
-		if (parent == nil && h != 0) || (parent != nil && parent[i] != h) {
+	for i, h := range c.Map.Fast {
+		if (parent == nil && h != 0) || (parent != nil && parent.Fast[i] != h) {
 			c.changed = append(c.changed, uint32(i))
 		}
 	}
@@ -129,26 +146,32 @@ const (
 // bytes that may hold data (SEEK_DATA/SEEK_HOLE; a filesystem without them
 // is all data).
 func dataExtents(f *os.File, size int64, fn func(start, end int64) error) error {
+	return dataExtentsIn(f, 0, size, fn)
+}
+
+// dataExtentsIn is dataExtents between the page-aligned offsets from and
+// to.
+func dataExtentsIn(f *os.File, from, to int64, fn func(start, end int64) error) error {
 	fd := int(f.Fd())
-	for off := int64(0); off < size; {
-		data, err := syscall.Seek(fd, off, seekData)
+	for off := from; off < to; {
+		data, err := unix.Seek(fd, off, seekData)
 		switch {
 		case errors.Is(err, syscall.ENXIO):
 			return nil
 		case errors.Is(err, syscall.EINVAL):
-			return fn(off, size)
+			return fn(off, to)
 		case err != nil:
 			return errcode.Wrap(errcode.Internal, err, "reading the RAM file's extents")
 		}
-		if data >= size {
+		if data >= to {
 			return nil
 		}
-		hole, err := syscall.Seek(fd, data, seekHole)
+		hole, err := unix.Seek(fd, data, seekHole)
 		if err != nil {
 			return errcode.Wrap(errcode.Internal, err, "reading the RAM file's extents")
 		}
 		start := data &^ (PageSize - 1)
-		end := min((max(hole, data+1)+PageSize-1)&^(PageSize-1), size)
+		end := min((max(hole, data+1)+PageSize-1)&^(PageSize-1), to)
 		if err := fn(max(start, off), end); err != nil {
 			return err
 		}
@@ -190,30 +213,13 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 		return d, chunk.Put(ctx, sink, d, data, &uploaded)
 	}
 
-	// The page map, in pieces.
-	enc, err := chunk.NewEncoder(opts.Level)
-	if err != nil {
-		return out, errcode.Wrap(errcode.Internal, err, "zstd encoder")
-	}
-	for first := 0; first < len(c.Map); first += pageMapPiece {
-		n := min(pageMapPiece, len(c.Map)-first)
-		raw := make([]byte, 8*n)
-		for i, h := range c.Map[first : first+n] {
-			putUint64(raw[8*i:], h)
-		}
-		d, err := put(ctx, enc, raw, func(data []byte) ocispec.Descriptor { return pageMapDesc(first, n, data) })
-		if err != nil {
-			return out, err
-		}
-		out.PageMap = append(out.PageMap, d)
-	}
-
 	// The regions: a reader builds each region's blob from the staging
 	// file in order, workers compress and store them.
 	type job struct {
 		index  int
 		offset int64
 		raw    []byte
+		pages  []uint32 // the pages raw holds, in order
 	}
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -238,6 +244,12 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 				return
 			}
 			for j := range jobs {
+				for k, page := range j.pages {
+					if c.Map.Fast[page] != 0 {
+						at := headerSize + k*PageSize
+						c.Map.Strong[page] = strongHashOf(j.raw[at : at+PageSize])
+					}
+				}
 				if ctx.Err() == nil {
 					d, err := put(ctx, enc, j.raw, func(data []byte) ocispec.Descriptor { return regionDesc(j.offset, len(j.raw), data) })
 					if err != nil {
@@ -265,12 +277,13 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 				return context.Cause(ctx)
 			}
 			raw = raw[:headerSize]
+			first := i
 			for ; i < len(c.changed) && int64(c.changed[i])*PageSize/RegionSize == region; i++ {
 				p := int(c.changed[i]) % pagesPerRegion
 				bitmap[p/8] |= 1 << (p % 8)
 				n := len(raw)
 				raw = raw[:n+PageSize]
-				if c.Map[c.changed[i]] == 0 {
+				if c.Map.Fast[c.changed[i]] == 0 {
 					clear(raw[n:])
 					continue
 				}
@@ -284,7 +297,7 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 				opts.Progress(done.Add(int64(len(raw)-headerSize) / PageSize))
 			}
 			select {
-			case jobs <- job{index: index, offset: region * RegionSize, raw: raw}:
+			case jobs <- job{index: index, offset: region * RegionSize, raw: raw, pages: c.changed[first:i]}:
 			case <-ctx.Done():
 				return context.Cause(ctx)
 			}
@@ -298,6 +311,27 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 	if err := context.Cause(ctx); err != nil {
 		return out, err
 	}
+	// The page map, in pieces, once the workers have filled in the strong
+	// hashes of the pages they stored.
+	enc, err := chunk.NewEncoder(opts.Level)
+	if err != nil {
+		return out, errcode.Wrap(errcode.Internal, err, "zstd encoder")
+	}
+	for first := 0; first < c.Map.Len(); first += pageMapPiece {
+		n := min(pageMapPiece, c.Map.Len()-first)
+		raw := make([]byte, entrySize*n)
+		for i := range n {
+			e := raw[entrySize*i:]
+			putUint64(e, c.Map.Fast[first+i])
+			copy(e[8:entrySize], c.Map.Strong[first+i][:])
+		}
+		d, err := put(ctx, enc, raw, func(data []byte) ocispec.Descriptor { return pageMapDesc(first, n, data) })
+		if err != nil {
+			return out, err
+		}
+		out.PageMap = append(out.PageMap, d)
+	}
+
 	out.Regions = make([]ocispec.Descriptor, len(regions))
 	for i, d := range regions {
 		out.Regions[i] = d

@@ -17,30 +17,122 @@ import (
 )
 
 // LoadPageMap fetches and verifies a RAM file's page map.
-func LoadPageMap(ctx context.Context, layers Layers, src chunk.BlobSource, size int64) (PageMap, error) {
+func LoadPageMap(ctx context.Context, layers Layers, src chunk.BlobSource, size int64) (*PageMap, error) {
 	dec, err := chunk.NewDecoder()
 	if err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "zstd decoder")
 	}
 	defer dec.Close()
-	m := make(PageMap, 0, Pages(size))
+	pages := Pages(size)
+	m := newPageMap(pages)
+	next := 0
 	for _, l := range layers.PageMap {
-		_, count, err := pageMapRange(l)
+		first, count, err := pageMapRange(l)
 		if err != nil {
 			return nil, err
 		}
-		raw, err := fetch(ctx, src, dec, l, 8*count, nil)
+		if first != next || first+count > pages {
+			return nil, errcode.New(errcode.InvalidInput, "page map layer %s covers pages %d+%d, want the next from page %d of %d", l.Digest, first, count, next, pages)
+		}
+		raw, err := fetch(ctx, src, dec, l, entrySize*count, nil)
 		if err != nil {
 			return nil, err
 		}
 		for i := range count {
-			m = append(m, binary.LittleEndian.Uint64(raw[8*i:]))
+			e := raw[entrySize*i:]
+			m.Fast[first+i] = binary.LittleEndian.Uint64(e)
+			copy(m.Strong[first+i][:], e[8:entrySize])
+		}
+		next += count
+	}
+	if next != pages {
+		return nil, errcode.New(errcode.InvalidInput, "the page map covers %d of the RAM file's %d pages", next, pages)
+	}
+	return &m, nil
+}
+
+// Verify checks every page of a materialized RAM file against the strong
+// hashes of its image's page map: a data page must hash to its entry, and a
+// page the map calls zero must be zeros (or a hole). It reads the file's
+// data extents only, with workers goroutines.
+func Verify(ctx context.Context, f *os.File, size int64, m *PageMap, workers int) error {
+	if m.Len() != Pages(size) {
+		return errcode.New(errcode.InvalidInput, "the page map has %d pages, the RAM file %d", m.Len(), Pages(size))
+	}
+	workers = max(workers, 1)
+	const stripe = 64 << 20
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stripes := make(chan int64)
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf := make([]byte, RegionSize)
+			for start := range stripes {
+				if ctx.Err() != nil {
+					continue
+				}
+				if err := verifyStripe(f, start, min(start+stripe, size), m, buf); err != nil {
+					cancel(err)
+				}
+			}
+		}()
+	}
+	for start := int64(0); start < size; start += stripe {
+		select {
+		case stripes <- start:
+		case <-ctx.Done():
 		}
 	}
-	if len(m) != Pages(size) {
-		return nil, errcode.New(errcode.InvalidInput, "the page map covers %d of the RAM file's %d pages", len(m), Pages(size))
+	close(stripes)
+	wg.Wait()
+	return context.Cause(ctx)
+}
+
+func verifyStripe(f *os.File, start, end int64, m *PageMap, buf []byte) error {
+	mismatch := func(page int) error {
+		return errcode.New(errcode.DigestMismatch, "page %d of the materialized RAM file does not match the image's page map: a layer of this image, or of a checkpoint it builds on, holds other pages than its checkpoint read (a forged or corrupt parent?); nothing was loaded", page)
 	}
-	return m, nil
+	next := start // the first page not checked yet
+	holesTo := func(to int64) error {
+		for off := next; off < to; off += PageSize {
+			if !m.IsZero(int(off / PageSize)) {
+				return mismatch(int(off / PageSize))
+			}
+		}
+		return nil
+	}
+	err := dataExtentsIn(f, start, end, func(from, to int64) error {
+		if err := holesTo(from); err != nil {
+			return err
+		}
+		for off := from; off < to; {
+			n := int(min(int64(len(buf)), to-off))
+			if _, err := f.ReadAt(buf[:n], off); err != nil {
+				return errcode.Wrap(errcode.Internal, err, "reading the RAM file")
+			}
+			for p := 0; p < n; p += PageSize {
+				i := int((off + int64(p)) / PageSize)
+				page := buf[p : p+PageSize]
+				if m.IsZero(i) {
+					if !isZero(page) {
+						return mismatch(i)
+					}
+				} else if strongHashOf(page) != m.Strong[i] {
+					return mismatch(i)
+				}
+			}
+			off += int64(n)
+		}
+		next = to
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	return holesTo(end)
 }
 
 // fetch gets a blob from src (which verifies its digest) and decompresses

@@ -10,19 +10,21 @@
 //     pages; zstd), so that a restore fetches, verifies and writes each
 //     region on its own, at its place;
 //   - zero pages are never stored;
-//   - with a page map (one 64-bit hash per page, 0 for a zero page), so
-//     that the next checkpoint of the same VM finds the pages that changed
-//     by comparing hashes, reading no blob, and stores only those: a delta
-//     whose region layers come after its parent's in the manifest. Applying
-//     every region layer in manifest order gives the file back.
+//   - with a page map (two hashes per page, see PageMap), so that the next
+//     checkpoint of the same VM finds the pages that changed by comparing
+//     hashes, reading no blob, and stores only those: a delta whose region
+//     layers come after its parent's in the manifest. Applying every region
+//     layer in manifest order gives the file back.
 //
-// Which page changed is decided by the page map's hash (xxhash64): a guest
-// that makes a page collide with the hash of what its parent held at that
+// Which page changed is decided by the fast hash (xxhash64): a guest that
+// makes a page collide with the hash of what its parent held at that
 // address only loses its own write in its own snapshot. Every region layer
-// is verified by its sha256 digest before a byte of it is used.
+// is verified by its sha256 digest before a byte of it is used, and the
+// materialized file, page by page, against the strong hashes.
 package ramfile
 
 import (
+	"crypto/sha256"
 	"encoding/binary"
 	"strconv"
 
@@ -51,17 +53,41 @@ const (
 	maxRegionRaw = headerSize + RegionSize
 
 	// MaxRAMBytes bounds the RAM file an image may declare (1 TiB): it
-	// sizes the page map vmsnap holds (8 bytes a page).
+	// sizes the page map vmsnap holds (24 bytes a page).
 	MaxRAMBytes = 1 << 40
-	// pageMapPiece is how many pages one page-map layer covers (8 MiB of
+	// MaxRegionLayers is how many region layers one manifest may list,
+	// parents' included: a layer's descriptor takes about 250 bytes of a
+	// manifest, which may not pass ociimage.MaxManifestSize (4 MiB).
+	MaxRegionLayers = 12000
+	// MaxFileBytes is the largest RAM file whose base fits in
+	// MaxRegionLayers (23 GiB): the memory-file format holds guests up to
+	// that size.
+	MaxFileBytes = MaxRegionLayers * RegionSize
+	// pageMapPiece is how many pages one page-map layer covers (24 MiB of
 	// hashes for 4 GiB of RAM).
 	pageMapPiece = 1 << 20
 )
 
-// hashPage is a page's entry in the page map: 0 for a page of zeros, else
-// its xxhash64 (a data page hashing to 0 is entered as 1, so that it is
-// never taken for zeros).
-func hashPage(p []byte) uint64 {
+// A page map has two hashes per page, 24 bytes in all:
+//
+//   - fast: xxhash64, computed for every page while the VM is stopped, to
+//     find the pages that changed since the parent (0 for a page of zeros;
+//     a data page hashing to 0 is entered as 1);
+//   - strong: the first 16 bytes of its SHA-256, computed after the VM
+//     runs again for the pages it stored, and taken over from the parent
+//     for the others (zeros for a page of zeros).
+//
+// A prepare checks every page of the file it materialized against the
+// strong hashes of the image's own map: a parent whose layers do not hold
+// what its map says (a forged image under the tag) gives a file that fails
+// that check, instead of a VM running someone else's memory.
+const entrySize = 8 + strongSize
+
+const strongSize = 16
+
+type strongHash [strongSize]byte
+
+func fastHash(p []byte) uint64 {
 	h := xxhash.Sum64(p)
 	if h == zeroPageHash && isZero(p) {
 		return 0
@@ -70,6 +96,11 @@ func hashPage(p []byte) uint64 {
 		return 1
 	}
 	return h
+}
+
+func strongHashOf(p []byte) strongHash {
+	sum := sha256.Sum256(p)
+	return strongHash(sum[:strongSize])
 }
 
 var zeroPage [PageSize]byte
@@ -86,8 +117,21 @@ func isZero(p []byte) bool {
 	return string(p) == string(zeroPage[:len(p)])
 }
 
-// PageMap holds one entry per page of a RAM file (hashPage).
-type PageMap []uint64
+// PageMap holds both hashes of every page of a RAM file.
+type PageMap struct {
+	Fast   []uint64
+	Strong []strongHash
+}
+
+func newPageMap(pages int) PageMap {
+	return PageMap{Fast: make([]uint64, pages), Strong: make([]strongHash, pages)}
+}
+
+// Len is how many pages the map covers.
+func (m PageMap) Len() int { return len(m.Fast) }
+
+// IsZero says whether page i is a page of zeros.
+func (m PageMap) IsZero(i int) bool { return m.Fast[i] == 0 }
 
 // Pages is how many pages a RAM file of size bytes has.
 func Pages(size int64) int { return int((size + PageSize - 1) / PageSize) }
@@ -222,10 +266,10 @@ func SplitLayers(layers []ocispec.Descriptor, ramSize int64) (Layers, error) {
 func pageMapRange(l ocispec.Descriptor) (first, count int, err error) {
 	a, errA := strconv.Atoi(l.Annotations[ociimage.AnnotationRAMFirstPage])
 	b, errB := strconv.Atoi(l.Annotations[ociimage.AnnotationRawSize])
-	if errA != nil || errB != nil || a < 0 || b <= 0 || b%8 != 0 {
+	if errA != nil || errB != nil || a < 0 || b <= 0 || b%entrySize != 0 || b/entrySize > pageMapPiece {
 		return 0, 0, errcode.New(errcode.InvalidInput, "page map layer %s has no valid %s and %s", l.Digest, ociimage.AnnotationRAMFirstPage, ociimage.AnnotationRawSize)
 	}
-	return a, b / 8, nil
+	return a, b / entrySize, nil
 }
 
 // IsRAMLayer says whether a layer belongs to the RAM file rather than to
@@ -238,7 +282,7 @@ func pageMapDesc(first, count int, data []byte) ocispec.Descriptor {
 	d := blobDesc(ociimage.MediaTypeRAMPageMap, data)
 	d.Annotations = map[string]string{
 		ociimage.AnnotationRAMFirstPage: strconv.Itoa(first),
-		ociimage.AnnotationRawSize:      strconv.Itoa(count * 8),
+		ociimage.AnnotationRawSize:      strconv.Itoa(count * entrySize),
 	}
 	return d
 }

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sys/unix"
 
@@ -73,7 +74,7 @@ func readAll(t *testing.T, f *os.File) []byte {
 
 // checkpoint scans f against parent and stores it, returning the layers a
 // manifest would list: the page map and the parent's regions then these.
-func checkpoint(t *testing.T, repo ociimage.Repository, f *os.File, parent PageMap, parentRegions Layers) (Layers, *Capture, Stored) {
+func checkpoint(t *testing.T, repo ociimage.Repository, f *os.File, parent *PageMap, parentRegions Layers) (Layers, *Capture, Stored) {
 	t.Helper()
 	c, err := Scan(f, testSize, parent, t.TempDir())
 	if err != nil {
@@ -308,5 +309,42 @@ func TestMaterializeRefusesMoreDataThanDeclared(t *testing.T) {
 	}
 	if _, err := Materialize(context.Background(), l, repo, out, testSize, MaterializeOptions{MaxDataBytes: c.StagedBytes + RegionSize}); err != nil {
 		t.Fatalf("the true size refused: %v", err)
+	}
+}
+
+// Every directory above the cache counts: one that others may write (not
+// root's and sticky) or a link lets them swap the cache for files of
+// theirs.
+func TestCacheRefusesUnsafeDirectoriesAbove(t *testing.T) {
+	fill := func(f *os.File) (int64, error) { return 0, f.Truncate(PageSize) }
+	key := digest.FromString("image")
+	open := t.TempDir()
+	if err := os.Chmod(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	real := t.TempDir()
+	link := filepath.Join(t.TempDir(), "link")
+	if err := os.Symlink(real, link); err != nil {
+		t.Fatal(err)
+	}
+	for name, dir := range map[string]string{
+		"a world-writable parent": filepath.Join(open, "vmsnap", "ram"),
+		"a link in the path":      filepath.Join(link, "ram"),
+	} {
+		if _, _, err := (Cache{Dir: dir}).Fill(context.Background(), key, PageSize, fill); errcode.Of(err) != errcode.Forbidden {
+			t.Errorf("%s (%s): got %v, want FORBIDDEN", name, dir, err)
+		}
+	}
+	// Under a sticky world-writable directory of root's (/dev/shm, /tmp),
+	// a directory of our own is fine.
+	if fi, err := os.Stat("/tmp"); err == nil && fi.Mode()&os.ModeSticky != 0 {
+		dir, err := os.MkdirTemp("/tmp", "vmsnap-cache-test-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer os.RemoveAll(dir)
+		if _, _, err := (Cache{Dir: filepath.Join(dir, "ram")}).Fill(context.Background(), key, PageSize, fill); err != nil {
+			t.Errorf("a cache of our own under sticky /tmp: %v", err)
+		}
 	}
 }
