@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"strings"
 
 	"github.com/google/go-containerregistry/pkg/v1/types"
 	"github.com/opencontainers/go-digest"
@@ -161,7 +162,7 @@ func PullArtifact(ctx context.Context, repo Repository, artifactType string, con
 			"%s has a config of type %q, not %s; it was not written by this version of vmsnap", ref, m.Config.MediaType, wantConfig)
 	}
 	if err := checkChunkLayers(m.Layers); err != nil {
-		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.Wrap(errcode.InvalidInput, err, "%s", ref)
+		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.Ensure(errcode.InvalidInput, err, "%s", ref)
 	}
 
 	cfg, err := repo.Blob(ctx, m.Config, MaxConfigSize)
@@ -187,7 +188,10 @@ func PullArtifact(ctx context.Context, repo Repository, artifactType string, con
 // in memory. Errors are INVALID_INPUT.
 func checkChunkLayers(layers []ocispec.Descriptor) error {
 	for i, l := range layers {
-		switch l.MediaType {
+		// An encrypted layer is checked as its plaintext kind: its config
+		// is readable without a key (inspect); reading its bytes needs one
+		// (CheckDecrypted).
+		switch strings.TrimSuffix(l.MediaType, MediaTypeEncryptedSuffix) {
 		case MediaTypeChunk, MediaTypeRAMRegion, MediaTypeRAMPageMap:
 		default:
 			return errcode.New(errcode.InvalidInput, "layer %d has media type %q, not %s", i, l.MediaType, MediaTypeChunk)

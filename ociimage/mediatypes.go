@@ -94,3 +94,19 @@ func describeArtifact(artifactType, configMediaType string) string {
 	}
 	return "image of type " + artifactType
 }
+
+// Encryption, as the OCI image encryption convention of containers/ocicrypt
+// (containerd's imgcrypt, skopeo) has it: an encrypted layer's media type is
+// the plaintext one plus this suffix, whatever that one is.
+const (
+	MediaTypeEncryptedSuffix = "+encrypted"
+	// AnnotationEncKeysJWE on an encrypted layer: the layer's private
+	// options (key, nonce, plaintext digest) wrapped with JWE for every
+	// recipient, base64.
+	AnnotationEncKeysJWE = "org.opencontainers.image.enc.keys.jwe"
+	// AnnotationEncPubOpts on an encrypted layer: the cipher and its HMAC,
+	// base64 JSON.
+	AnnotationEncPubOpts = "org.opencontainers.image.enc.pubopts"
+	// annotationEncPrefix: every annotation of the convention starts with it.
+	annotationEncPrefix = "org.opencontainers.image.enc."
+)

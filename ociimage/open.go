@@ -17,6 +17,8 @@ type openOptions struct {
 	attempts  int      // tries of one request before giving up
 	backoff   time.Duration
 	userAgent string
+	encrypt   *EncryptOptions // layers written are encrypted (Encrypt)
+	decrypt   []DecryptionKey // encrypted layers read are decrypted (Decrypt)
 }
 
 // Defaults of the retry policy: four tries of every request, 0.5 s, 1.5 s and
@@ -63,6 +65,18 @@ func WithUserAgent(ua string) Option {
 	return func(o *openOptions) { o.userAgent = ua }
 }
 
+// WithEncryption encrypts every layer written (Encrypt), for a layout as
+// for a registry.
+func WithEncryption(e EncryptOptions) Option {
+	return func(o *openOptions) { o.encrypt = &e }
+}
+
+// WithDecryptionKeys reads encrypted layers as plaintext with these keys
+// (Decrypt), for a layout as for a registry. It may be given more than once.
+func WithDecryptionKeys(keys ...DecryptionKey) Option {
+	return func(o *openOptions) { o.decrypt = append(o.decrypt, keys...) }
+}
+
 // Open returns the repository ref names. It does not touch the store: a
 // layout directory is created by the first write, and a registry is first
 // contacted by the first request (CheckAccess makes one on purpose). For a
@@ -76,13 +90,26 @@ func Open(ctx context.Context, ref Reference, opts ...Option) (Repository, error
 	for _, opt := range opts {
 		opt(&o)
 	}
+	var repo Repository
 	switch {
 	case ref.IsLayout():
-		return &Layout{ref: ref, dir: ref.Layout}, nil
+		repo = &Layout{ref: ref, dir: ref.Layout}
 	case ref.Registry != "":
-		return openRegistry(ref, o)
+		r, err := openRegistry(ref, o)
+		if err != nil {
+			return nil, err
+		}
+		repo = r
+	default:
+		return nil, errcode.New(errcode.InvalidInput, "empty image reference; %s", referenceForms)
 	}
-	return nil, errcode.New(errcode.InvalidInput, "empty image reference; %s", referenceForms)
+	if len(o.decrypt) > 0 {
+		repo = Decrypt(repo, o.decrypt)
+	}
+	if o.encrypt != nil {
+		return Encrypt(repo, *o.encrypt)
+	}
+	return repo, nil
 }
 
 // CheckAccess makes one authenticated request to the store, so that wrong
@@ -90,7 +117,7 @@ func Open(ctx context.Context, ref Reference, opts ...Option) (Repository, error
 // (REGISTRY_ERROR) are reported before any work starts, for instance before
 // a VM is stopped. A layout needs no such check.
 func CheckAccess(ctx context.Context, repo Repository) error {
-	if r, ok := repo.(*Registry); ok {
+	if r, ok := Underlying(repo).(*Registry); ok {
 		return r.checkAccess(ctx)
 	}
 	return ctx.Err()

@@ -147,6 +147,10 @@ func (c Config) checkRAM(layers []ocispec.Descriptor) (stream []ocispec.Descript
 	if c.Format != FormatMemoryFile {
 		return layers, ram, nil
 	}
+	// Encrypted layers read without a key that opens them (AUTH_FAILED).
+	if err := ociimage.CheckDecrypted(layers); err != nil {
+		return nil, ram, err
+	}
 	if c.RAM == nil || c.RAM.Backend == "" || len(c.RAM.Chain) == 0 || len(c.RAM.Chain) > maxChainLinks {
 		return nil, ram, errcode.New(errcode.InvalidInput, "the image is in the memory-file format but its config does not describe the RAM file and its chain")
 	}

@@ -36,6 +36,13 @@ const (
 	// and in the restored pod.
 	VolumeRegistryCA = "vmsnap-registry-ca"
 	volLayoutRoot    = "layout-root"
+	// The agent's encryption Secrets (AgentRecipientSecret,
+	// AgentDecryptionKeySecret).
+	volRecipient      = "vmsnap-encrypt-recipient"
+	volDecryptionKeys = "vmsnap-decryption-keys"
+	// VolumeDecryptionKey is the volume of DecryptionKeySecret, in the
+	// restored pod's init container.
+	VolumeDecryptionKey = "vmsnap-decryption-key"
 )
 
 // AgentCapability is the only capability the agent keeps. Root without it
@@ -115,6 +122,20 @@ func registryCAVolume(o Options) corev1.Volume {
 		ConfigMap: &corev1.ConfigMapVolumeSource{
 			LocalObjectReference: corev1.LocalObjectReference{Name: o.RegistryCAConfigMap},
 			Items:                []corev1.KeyToPath{{Key: RegistryCAKey, Path: RegistryCAKey}},
+		},
+	}}
+}
+
+// decryptionKeyVolume mounts DecryptionKeySecret's key.pem with mode 0440:
+// readable by root and by the pod's fsGroup, which Kubernetes adds to
+// every container's groups, never by others (vmsnap refuses a key file
+// others may read).
+func decryptionKeyVolume(o Options) corev1.Volume {
+	return corev1.Volume{Name: VolumeDecryptionKey, VolumeSource: corev1.VolumeSource{
+		Secret: &corev1.SecretVolumeSource{
+			SecretName:  o.DecryptionKeySecret,
+			Items:       []corev1.KeyToPath{{Key: DecryptionKeyName, Path: DecryptionKeyName}},
+			DefaultMode: ptr(int32(0o440)),
 		},
 	}}
 }
@@ -271,6 +292,12 @@ func AgentArgs(o Options) []string {
 	if o.RegistryCAConfigMap != "" {
 		args = append(args, "--ca-file", RegistryCADir+"/"+RegistryCAKey)
 	}
+	if o.AgentRecipientSecret != "" {
+		args = append(args, "--encrypt-recipient", "jwe:"+AgentRecipientDir+"/"+AgentRecipientName)
+	}
+	if o.AgentDecryptionKeySecret != "" {
+		args = append(args, "--decryption-key-dir", AgentDecryptionKeyDir)
+	}
 	return args
 }
 
@@ -305,6 +332,12 @@ func agentMounts(o Options) []corev1.VolumeMount {
 	if o.RegistryCAConfigMap != "" {
 		m = append(m, registryCAMount())
 	}
+	if o.AgentRecipientSecret != "" {
+		m = append(m, corev1.VolumeMount{Name: volRecipient, MountPath: AgentRecipientDir, ReadOnly: true})
+	}
+	if o.AgentDecryptionKeySecret != "" {
+		m = append(m, corev1.VolumeMount{Name: volDecryptionKeys, MountPath: AgentDecryptionKeyDir, ReadOnly: true})
+	}
 	return m
 }
 
@@ -322,6 +355,18 @@ func agentVolumes(o Options) []corev1.Volume {
 	}
 	if o.RegistryCAConfigMap != "" {
 		v = append(v, registryCAVolume(o))
+	}
+	if o.AgentRecipientSecret != "" {
+		v = append(v, corev1.Volume{Name: volRecipient, VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+			SecretName: o.AgentRecipientSecret, Items: []corev1.KeyToPath{{Key: AgentRecipientName, Path: AgentRecipientName}}, DefaultMode: ptr(int32(0o444)),
+		}}})
+	}
+	if o.AgentDecryptionKeySecret != "" {
+		// Every key of the Secret is a private key file; 0440 root:root,
+		// readable by the agent (root) only.
+		v = append(v, corev1.Volume{Name: volDecryptionKeys, VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
+			SecretName: o.AgentDecryptionKeySecret, DefaultMode: ptr(int32(0o440)),
+		}}})
 	}
 	return v
 }

@@ -88,6 +88,18 @@ const (
 	// RegistryConfigDir is where the registry credentials secret is mounted
 	// (DOCKER_CONFIG): it holds config.json, the secret's .dockerconfigjson.
 	RegistryConfigDir = "/etc/vmsnap/registry"
+	// DecryptionKeyDir is where DecryptionKeySecret is mounted in the restore
+	// init container; its key DecryptionKeyName is passed as
+	// --decryption-key.
+	DecryptionKeyDir  = "/etc/vmsnap/decryption"
+	DecryptionKeyName = "key.pem"
+	// AgentRecipientDir is where AgentRecipientSecret is mounted in the
+	// agent; its key AgentRecipientName is passed as --encrypt-recipient.
+	AgentRecipientDir  = "/etc/vmsnap/recipient"
+	AgentRecipientName = "recipient.pem"
+	// AgentDecryptionKeyDir is where AgentDecryptionKeySecret is mounted in
+	// the agent, passed as --decryption-key-dir.
+	AgentDecryptionKeyDir = "/etc/vmsnap/decryption-keys"
 	// TerminationLog is where the checkpoint Job writes its result JSON.
 	TerminationLog = "/dev/termination-log"
 )
@@ -133,6 +145,21 @@ type Options struct {
 	// pod's namespace: create it there too), passed as --ca-file. Empty:
 	// the system's roots.
 	RegistryCAConfigMap string
+	// DecryptionKeySecret names a Secret whose key key.pem is the PEM
+	// private key that decrypts encrypted snapshots (README "Encryption").
+	// It is mounted in the restore init container only, mode 0440 (group
+	// read: the container is not root, so the restored pod needs an
+	// fsGroup, which RestorePod sets), and passed as --decryption-key.
+	// Empty: snapshots are not encrypted.
+	DecryptionKeySecret string
+	// AgentRecipientSecret names a Secret in Namespace whose key
+	// recipient.pem is a PEM public key: the agent encrypts every
+	// checkpoint for it (--encrypt-recipient). AgentDecryptionKeySecret
+	// names a Secret in Namespace whose every key is a PEM private key the
+	// agent decrypts restores with (--decryption-key-dir), mounted 0440
+	// (root:root) in the agent only. Empty: none.
+	AgentRecipientSecret     string
+	AgentDecryptionKeySecret string
 
 	// The agent's policy (vmsnap agent flags), passed through:
 	// AllowRepositories are the registry targets (HOST[:PORT]/PREFIX) the
@@ -383,6 +410,11 @@ func (o Options) Validate() error {
 	}
 	if o.RegistryCAConfigMap != "" && (len(o.RegistryCAConfigMap) > 253 || !dnsLabel.MatchString(strings.ReplaceAll(o.RegistryCAConfigMap, ".", "-"))) {
 		bad("RegistryCAConfigMap %q is not a ConfigMap name", o.RegistryCAConfigMap)
+	}
+	for name, v := range map[string]string{"DecryptionKeySecret": o.DecryptionKeySecret, "AgentRecipientSecret": o.AgentRecipientSecret, "AgentDecryptionKeySecret": o.AgentDecryptionKeySecret} {
+		if v != "" && (len(v) > 253 || !dnsLabel.MatchString(strings.ReplaceAll(v, ".", "-"))) {
+			bad("%s %q is not a Secret name", name, v)
+		}
 	}
 	for _, r := range o.AllowRepositories {
 		if r == "" || strings.ContainsAny(r, " \t\n@") || strings.Contains(r, "://") || !strings.Contains(r, "/") {

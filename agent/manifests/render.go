@@ -308,6 +308,12 @@ func daemonSetDoc(o Options) document {
 	if o.RegistryCAConfigMap != "" {
 		notes = append(notes, note{"- configMap:", "The registry's private CA (ca.pem) from ConfigMap " + o.RegistryCAConfigMap + ", passed as --ca-file."})
 	}
+	if o.AgentRecipientSecret != "" {
+		notes = append(notes, note{"secretName: " + o.AgentRecipientSecret, "The public key every checkpoint is encrypted for (recipient.pem, --encrypt-recipient)."})
+	}
+	if o.AgentDecryptionKeySecret != "" {
+		notes = append(notes, note{"secretName: " + o.AgentDecryptionKeySecret, "Private keys restores decrypt with (--decryption-key-dir), 0440 root:root: the agent's only."})
+	}
 	for _, c := range o.AgentExtraCapabilities {
 		notes = append(notes, note{"- " + string(c), "Added by the operator (AgentExtraCapabilities)."})
 	}
@@ -409,6 +415,12 @@ func restoreDoc(o Options) document {
 	}
 	if o.RegistryCAConfigMap != "" {
 		notes = append(notes, note{"- configMap:", "The registry's private CA (ca.pem) from ConfigMap " + o.RegistryCAConfigMap + ", passed as --ca-file; create it in the pod's namespace."})
+	}
+	if o.DecryptionKeySecret != "" {
+		notes = append(notes,
+			note{"secretName: " + o.DecryptionKeySecret, "The snapshots' decryption key (key.pem), passed as --decryption-key; create it in the pod's namespace."},
+			note{"defaultMode: 288", "0440: root and the pod's fsGroup may read the key, others not (vmsnap refuses that)."},
+			note{"fsGroup:", "The init container is not root: the key file's group lets it read the 0440 file."})
 	}
 	repeated := []string{"- name: DOCKER_CONFIG"}
 	memFile := o.MemoryFile && !o.RestoreViaAgent

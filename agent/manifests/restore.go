@@ -114,6 +114,9 @@ func RestoreArgs(o Options, r Restore) []string {
 	if o.RegistryCAConfigMap != "" {
 		args = append(args, "--ca-file", RegistryCADir+"/"+RegistryCAKey)
 	}
+	if o.DecryptionKeySecret != "" {
+		args = append(args, "--decryption-key", DecryptionKeyDir+"/"+DecryptionKeyName)
+	}
 	return args
 }
 
@@ -207,6 +210,10 @@ func RestoreInit(o Options, r Restore) (corev1.Container, []corev1.Volume) {
 	if o.RegistryCAConfigMap != "" {
 		mounts = append(mounts, registryCAMount())
 		vols = append(vols, registryCAVolume(o))
+	}
+	if o.DecryptionKeySecret != "" {
+		mounts = append(mounts, corev1.VolumeMount{Name: VolumeDecryptionKey, MountPath: DecryptionKeyDir, ReadOnly: true})
+		vols = append(vols, decryptionKeyVolume(o))
 	}
 	c := corev1.Container{
 		Name:                     RestoreContainerName,
@@ -306,10 +313,16 @@ func RestorePod(o Options) *corev1.Pod {
 	o = o.withDefaults()
 	r := RestoreTemplate(o)
 	ic, vols := RestoreInit(o, r)
+	sc := podSecurityContext()
+	if o.DecryptionKeySecret != "" {
+		// The decryption key's file is 0440, group fsGroup: readable by
+		// the init container, which is not root.
+		sc.FSGroup = ptr(o.RestoreGroup)
+	}
 	spec := corev1.PodSpec{
 		AutomountServiceAccountToken: ptr(false),
 		EnableServiceLinks:           ptr(false),
-		SecurityContext:              podSecurityContext(),
+		SecurityContext:              sc,
 		InitContainers:               []corev1.Container{BackingInit(o, "${QEMU_IMAGE}", "${BACKING_FILE}")},
 		Containers: []corev1.Container{{
 			Name:            "qemu",

@@ -2,6 +2,8 @@ package snapshot
 
 import (
 	"context"
+	"slices"
+	"strings"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
@@ -56,6 +58,11 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 	kinds := map[string]*api.LayerKind{}
 	for _, l := range m.Layers {
 		doc.StoredBytes += l.Size
+		for _, id := range ociimage.EncryptedFor(l) {
+			if !slices.Contains(doc.EncryptedFor, id) {
+				doc.EncryptedFor = append(doc.EncryptedFor, id)
+			}
+		}
 		kind := layerKind(l.MediaType)
 		k := kinds[kind]
 		if k == nil {
@@ -73,7 +80,14 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 	}
 	switch m.ArtifactType {
 	case ociimage.ArtifactTypeVMState:
-		_, _, cfg, err := vmstate.LoadConfig(ctx, pinned)
+		var cfg vmstate.Config
+		if len(doc.EncryptedFor) > 0 {
+			// Without a key the chunks cannot be checked, but the config is
+			// plaintext.
+			_, _, err = ociimage.PullArtifact(ctx, pinned, ociimage.ArtifactTypeVMState, &cfg)
+		} else {
+			_, _, cfg, err = vmstate.LoadConfig(ctx, pinned)
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -105,7 +119,12 @@ func inspectRef(ctx context.Context, ref ociimage.Reference, follow bool, opts [
 			}
 		}
 	case ociimage.ArtifactTypeDisk:
-		_, _, cfg, err := overlay.LoadDiskConfig(ctx, pinned)
+		var cfg overlay.DiskConfig
+		if len(doc.EncryptedFor) > 0 {
+			_, _, err = ociimage.PullArtifact(ctx, pinned, ociimage.ArtifactTypeDisk, &cfg)
+		} else {
+			_, _, cfg, err = overlay.LoadDiskConfig(ctx, pinned)
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -158,7 +177,7 @@ func inspectRootfs(ctx context.Context, link string, opts []ociimage.Option) (*a
 
 // layerKind names a layer's media type for people.
 func layerKind(mediaType string) string {
-	switch mediaType {
+	switch strings.TrimSuffix(mediaType, ociimage.MediaTypeEncryptedSuffix) {
 	case ociimage.MediaTypeChunk:
 		return "chunk"
 	case ociimage.MediaTypeRAMPageMap:

@@ -73,6 +73,8 @@ func Prune(ctx context.Context, s PruneSpec) (*api.PruneResult, error) {
 	if err != nil {
 		return nil, err
 	}
+	// Retention works on the stored manifests, encrypted or not.
+	r = ociimage.Underlying(r)
 	repo, ok := r.(pruneRepo)
 	if !ok {
 		return nil, errcode.New(errcode.Internal, "cannot prune a %T", r)

@@ -12,6 +12,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/containerd"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 func newAgentCmd(out *globalOutput) *cobra.Command {
@@ -22,6 +23,7 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 		podsDir     string
 		logLevel    string
 		reg         registryFlags
+		crypt       agentCryptFlags
 	)
 	c := &cobra.Command{
 		Use:   "agent --socket PATH --state-dir DIR",
@@ -90,7 +92,7 @@ caller. Every directory from --layout-root down must be the agent's alone
 (its owner, not writable by group or others).`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
-			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, podsDir, logLevel, reg))
+			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, podsDir, logLevel, reg, crypt))
 		},
 	}
 	c.Flags().StringVar(&cfg.Socket, "socket", "/run/vmsnap/agent.sock", "unix socket of the API")
@@ -123,14 +125,41 @@ caller. Every directory from --layout-root down must be the agent's alone
 		"directory a request's oci: layouts must be under (a caller in a pod: under DIR/NAMESPACE), only the agent may write below it, "+
 			"with no symbolic link below it and never overlapping --state-dir (none: every oci: layout is refused)")
 	reg.add(c)
+	crypt.encrypt.add(c)
+	c.Flags().StringVar(&crypt.keyDir, "decryption-key-dir", "",
+		"`DIR` of PEM private keys (a mounted Secret; each file mode 0600, or 0440 with the pod's fsGroup) with which restores decrypt encrypted images; requests never carry keys")
 	c.AddCommand(newAgentHealthCmd())
 	return c
 }
 
-func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDir, logLevel string, reg registryFlags) error {
+// agentCryptFlags: the agent encrypts every checkpoint for the operator's
+// recipients, and decrypts with the keys of a mounted directory.
+type agentCryptFlags struct {
+	encrypt encryptFlags
+	keyDir  string
+}
+
+func (f *agentCryptFlags) options() ([]ociimage.Option, error) {
+	opts, err := f.encrypt.options()
+	if err != nil || f.keyDir == "" {
+		return opts, err
+	}
+	keys, err := ociimage.LoadDecryptionKeyDir(f.keyDir)
+	if err != nil {
+		return nil, err
+	}
+	return append(opts, ociimage.WithDecryptionKeys(keys...)), nil
+}
+
+func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDir, logLevel string, reg registryFlags, crypt agentCryptFlags) error {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(logLevel)); err != nil {
 		return errcode.New(errcode.Usage, "--log-level %q: use debug, info, warn or error", logLevel)
+	}
+	// Keys are read before anything else starts: a bad one fails here.
+	crypto, err := crypt.options()
+	if err != nil {
+		return err
 	}
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	opts := []containerd.Option{containerd.WithLogger(log)}
@@ -144,7 +173,7 @@ func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDi
 	defer res.Close()
 	cfg.Resolver = res
 	cfg.Logger = log
-	cfg.Store = reg.options()
+	cfg.Store = append(reg.options(), crypto...)
 	srv, err := agent.New(ctx, cfg)
 	if err != nil {
 		return err

@@ -63,6 +63,8 @@ type checkpointFlags struct {
 	timeout                           time.Duration
 	stream                            streamFlags
 	registry                          registryFlags
+	encrypt                           encryptFlags
+	decrypt                           decryptFlags
 	agent                             agentFlags
 }
 
@@ -147,6 +149,8 @@ does not fail the checkpoint: "pruned.error" says why.`,
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
 	f.stream.add(c)
 	f.registry.add(c)
+	f.encrypt.add(c)
+	f.decrypt.add(c)
 	f.agent.add(c)
 	addOutputFlags(c, out, true)
 	return c
@@ -170,6 +174,20 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 	if err != nil {
 		return err
 	}
+	if f.agent.address != "" && (f.encrypt.set() || len(f.decrypt.keys) > 0) {
+		return errcode.New(errcode.Usage, "through --agent, the agent encrypts for the recipients of its own --encrypt-recipient (the operator's policy): drop --encrypt-recipient and --encrypt-dedup-key here")
+	}
+	encrypt, err := f.encrypt.options()
+	if err != nil {
+		return err
+	}
+	// A memory-file delta reads its parent's page map: encrypted, it needs
+	// a key.
+	decrypt, err := f.decrypt.options()
+	if err != nil {
+		return err
+	}
+	encrypt = append(encrypt, decrypt...)
 	if f.agent.address != "" && (format != vmstate.FormatAuto || f.stagingDir != "") {
 		return errcode.New(errcode.Usage, "--format and --staging-dir apply to a local checkpoint: the node agent picks the format itself")
 	}
@@ -194,7 +212,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		p := newPhasedProgress(out.stderr)
 		res, err = snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{
 			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: mode,
-			Stream: f.stream.options(), Store: f.registry.options(), Progress: p.update,
+			Stream: f.stream.options(), Store: append(f.registry.options(), encrypt...), Progress: p.update,
 			Format: format, StagingDir: f.stagingDir, Keep: f.keep, Parent: f.parent, MaxChain: f.maxChain,
 		})
 		p.finish()

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -75,6 +76,9 @@ func printInspect(w io.Writer, d *api.InspectResult, indent string) {
 	}
 	fmt.Fprintf(w, "%simage:   %s\n", indent, d.Image)
 	fmt.Fprintf(w, "%schunks:  %d, %s stored\n", indent, d.Chunks, humanBytes(d.StoredBytes))
+	if len(d.EncryptedFor) > 0 {
+		fmt.Fprintf(w, "%sencrypted for: %s (restore needs --decryption-key with one of their private keys)\n", indent, strings.Join(d.EncryptedFor, ", "))
+	}
 	if len(d.Layers) > 1 {
 		for _, k := range d.Layers {
 			fmt.Fprintf(w, "%s  %-12s %5d layers, %s (largest %s)\n", indent, k.Kind+":", k.Count, humanBytes(k.Bytes), humanBytes(k.Largest))

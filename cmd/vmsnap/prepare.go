@@ -18,6 +18,7 @@ import (
 func newPrepareCmd(out *globalOutput) *cobra.Command {
 	var (
 		reg      registryFlags
+		decrypt  decryptFlags
 		stream   streamFlags
 		cacheDir string
 		private  bool
@@ -104,6 +105,13 @@ same path in the QEMU container (or give --qemu-dir).`,
 		RunE: func(c *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(c.Context(), timeout)
 			defer cancel()
+			keys, err := decrypt.options()
+			if err != nil {
+				return coded(err)
+			}
+			if agentAt != "" && len(decrypt.keys) > 0 {
+				return coded(errcode.New(errcode.Usage, "through --agent, the agent decrypts with the keys of its own --decryption-key-dir: drop --decryption-key"))
+			}
 			if agentAt != "" {
 				for _, f := range []string{"cache-dir", "max-cache-bytes"} {
 					if c.Flags().Changed(f) {
@@ -140,7 +148,7 @@ same path in the QEMU container (or give --qemu-dir).`,
 			defer p.finish()
 			res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
 				Image: args[0], AllowTag: allowTag, CacheDir: cacheDir, PrivateParent: private, MaxCacheBytes: maxCache, QEMUDir: qemuDir, CopyTo: copyTo,
-				Workers: stream.workers, Store: reg.options(), Progress: p.update,
+				Workers: stream.workers, Store: append(reg.options(), keys...), Progress: p.update,
 			})
 			p.finish()
 			if err != nil {
@@ -167,6 +175,7 @@ same path in the QEMU container (or give --qemu-dir).`,
 	c.Flags().StringVar(&ns, "namespace", "", "with --agent, for an admin caller: the namespace whose cache to fill (default the caller's)")
 	stream.add(c)
 	reg.add(c)
+	decrypt.add(c)
 	addOutputFlags(c, out, true)
 	return c
 }

@@ -22,6 +22,7 @@ type restoreFlags struct {
 	timeout                            time.Duration
 	stream                             streamFlags
 	registry                           registryFlags
+	decrypt                            decryptFlags
 	agent                              agentFlags
 }
 
@@ -89,6 +90,7 @@ checkpoint (--registry-config, --ca-file, --insecure-registry).`,
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up after this long")
 	f.stream.add(c)
 	f.registry.add(c)
+	f.decrypt.add(c)
 	f.agent.add(c)
 	addOutputFlags(c, out, true)
 	return c
@@ -114,6 +116,8 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		return errcode.New(errcode.Usage, "--image needs a destination: --qmp SOCK (a waiting QEMU) or --to-dir DIR")
 	case f.qmp == "" && f.toDir == "" && !diskForm:
 		return errcode.New(errcode.Usage, "nothing to restore: give --disk-image and --disk, or --qmp and --image, or --image and --to-dir (see vmsnap restore --help)")
+	case f.agent.address != "" && len(f.decrypt.keys) > 0:
+		return errcode.New(errcode.Usage, "through --agent, the agent decrypts with the keys of its own --decryption-key-dir (a mounted Secret): drop --decryption-key")
 	case f.agent.address != "" && (f.qmp == "" || diskForm || f.toDir != ""):
 		return errcode.New(errcode.Usage, "through --agent, restore loads VM state into a waiting QEMU: give --qmp (the path in the container) and --image only")
 	case f.markerDir != "" && (f.qmp != "" || f.agent.address != ""):
@@ -146,7 +150,11 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 	res := &api.RestoreResult{}
 	p := newPhasedProgress(out.stderr)
 	defer p.finish()
-	store := f.registry.options()
+	decrypt, err := f.decrypt.options()
+	if err != nil {
+		return err
+	}
+	store := append(f.registry.options(), decrypt...)
 	if diskForm {
 		d, err := snapshot.RestoreDisk(ctx, snapshot.DiskRestoreSpec{
 			Image: f.diskImage, Path: f.disk, AllowTag: f.allowTag, Stream: f.stream.options(), Store: store, Progress: p.update,

@@ -18,6 +18,10 @@ package e2e
 //   - vmsnap: checkpoint (pause mode) to the same registry, command start to
 //     digest; restore into a QEMU waiting with -incoming defer, command
 //     start to VM running;
+//   - vmsnap encrypted: the same checkpoint with --encrypt-recipient (an
+//     RSA-2048 key, random layer keys) into a fresh repository, and its
+//     restore with --decryption-key, interleaved with the plain runs; the
+//     ratios encrypted/plain are the encryption overhead (issue 16);
 //   - vmsnap's peak RSS (a subprocess of the built binary) on a 1 GiB and a
 //     2 GiB guest, live mode's downtime, and incremental checkpoints: of an
 //     unchanged VM, after 5% of the guest's random data was rewritten (from
@@ -83,6 +87,7 @@ const (
 	targetRSSMiB            = 160
 	targetDowntimeMs        = 50
 	targetIncremental       = 0.15
+	targetEncryptionRatio   = 1.10 // issue 16: encrypted within 10% of plain
 )
 
 type bench struct {
@@ -95,6 +100,8 @@ type bench struct {
 	profile string
 	seq     int
 	main    *testguest.VM // the 1 GiB guest
+	encPriv string        // the recipient's private key, for the encrypted runs
+	encPub  string
 	rep     benchReport
 }
 
@@ -120,6 +127,7 @@ type benchReport struct {
 	baseHash                []time.Duration
 	baseSize                int64
 	ckpt, restore, layout   []timed
+	encCkpt, encRestore     []timed // encrypted for an RSA-2048 recipient (README "Encryption")
 	load0, load1            string
 	ckptStored              int64
 	ckptDur                 map[string]float64
@@ -213,9 +221,10 @@ func (bb *bench) run() {
 	bb.main = src
 	bb.rep.qemu = qemuVersion(b, src.QMPPath())
 	type stored struct {
-		base  baseImage
-		image string
+		base       baseImage
+		image, enc string
 	}
+	bb.encPriv, bb.encPub, _ = e2eKey(b, b.TempDir(), "bench", false)
 	var images []stored
 	for i := range bb.runs {
 		bb.rep.limit = append(bb.rep.limit, bb.limit(src, false))
@@ -226,9 +235,11 @@ func (bb *bench) run() {
 		base := bb.baselineCheckpoint(src)
 		cp, t := bb.checkpoint(src)
 		bb.rep.ckpt = append(bb.rep.ckpt, t)
+		ecp, et := bb.encryptedCheckpoint(src)
+		bb.rep.encCkpt = append(bb.rep.encCkpt, et)
 		bb.rep.layout = append(bb.rep.layout, bb.layoutCheckpoint(src))
 		bb.rep.raw, bb.rep.ckptStored, bb.rep.ckptDur = cp.VMState.RawBytes, cp.VMState.StoredBytes, cp.VMState.DurationsMs
-		images = append(images, stored{base, cp.VMState.Image})
+		images = append(images, stored{base, cp.VMState.Image, ecp.VMState.Image})
 	}
 	bb.profileCheckpoint(src)
 	bb.rep.rss1, bb.rep.sub1, _ = bb.subprocessCheckpoint(src)
@@ -242,6 +253,7 @@ func (bb *bench) run() {
 	for _, im := range images {
 		bb.rep.baseRestore = append(bb.rep.baseRestore, bb.baselineRestore(im.base, boot))
 		bb.rep.restore = append(bb.rep.restore, bb.restoreState(im.image, boot))
+		bb.rep.encRestore = append(bb.rep.encRestore, bb.restoreState(im.enc, boot, "--decryption-key", bb.encPriv))
 	}
 
 	// Incremental checkpoints, on a guest whose RAM is a shared file so
@@ -768,6 +780,18 @@ func (bb *bench) checkpoint(vm *testguest.VM) (api.CheckpointResult, timed) {
 	return cp, t
 }
 
+// encryptedCheckpoint is checkpoint with its layers encrypted for an
+// RSA-2048 recipient (random keys, no dedup secret), into a fresh
+// repository as the plain one's.
+func (bb *bench) encryptedCheckpoint(vm *testguest.VM) (api.CheckpointResult, timed) {
+	cp, t := bb.cli(vm, append([]string{"checkpoint", "--qmp", vm.QMPPath(), "--image", bb.repo("vmsnap-enc") + ":state", "--mode", "pause",
+		"--encrypt-recipient", "jwe:" + bb.encPub}, benchCheckpointArgs()...)...)
+	qmpOnce(bb.b, vm.QMPPath(), "cont", nil)
+	bb.b.Logf("bench: vmsnap checkpoint, encrypted %v (%s stored, %d chunks, phases %v); cpu %s", t.d.Round(time.Millisecond),
+		humanBytes(cp.VMState.StoredBytes), cp.VMState.Chunks, cp.VMState.DurationsMs, t.cpu)
+	return cp, t
+}
+
 // layoutCheckpoint is vmsnap's checkpoint into an OCI layout on local
 // disk: the pipeline without a registry.
 func (bb *bench) layoutCheckpoint(vm *testguest.VM) timed {
@@ -789,16 +813,16 @@ func (bb *bench) layoutCheckpoint(vm *testguest.VM) timed {
 	return t
 }
 
-func (bb *bench) restoreState(image string, src testguest.Status) timed {
+func (bb *bench) restoreState(image string, src testguest.Status, extra ...string) timed {
 	target := bb.target()
 	defer target.Kill()
 	var res api.RestoreResult
-	t := bb.runCLI(target, &res, "restore", "--qmp", target.QMPPath(), "--image", image)
+	t := bb.runCLI(target, &res, append([]string{"restore", "--qmp", target.QMPPath(), "--image", image}, extra...)...)
 	if res.VMState == nil || !res.VMState.VMRunning {
 		bb.b.Fatalf("restore result: %+v", res)
 	}
 	bb.resumed(target, src)
-	bb.b.Logf("bench: vmsnap restore %v (phases %v); cpu %s", t.d.Round(time.Millisecond), res.VMState.DurationsMs, t.cpu)
+	bb.b.Logf("bench: vmsnap restore %s%v (phases %v); cpu %s", strings.Join(extra, " "), t.d.Round(time.Millisecond), res.VMState.DurationsMs, t.cpu)
 	return t
 }
 
@@ -1142,6 +1166,17 @@ func (r *benchReport) ratios() (ckptVsBase, ckptVsLimit, restoreVsBase, size, in
 	return
 }
 
+// encryptionCPU is encrypted over plain in CPU seconds of every process.
+func (r *benchReport) encryptionCPU() (ckpt, restore float64) {
+	sum := func(c cpuTimes) float64 { return c.qemu + c.registry + c.client }
+	return sum(medianCPU(r.encCkpt)) / sum(medianCPU(r.ckpt)), sum(medianCPU(r.encRestore)) / sum(medianCPU(r.restore))
+}
+
+// encryptionOverhead is encrypted over plain, checkpoint and restore.
+func (r *benchReport) encryptionOverhead() (ckpt, restore float64) {
+	return median(r.encCkpt).Seconds() / median(r.ckpt).Seconds(), median(r.encRestore).Seconds() / median(r.restore).Seconds()
+}
+
 func (r *benchReport) print(w io.Writer, bb *bench) {
 	fmt.Fprintf(w, "\n=== vmsnap make bench: %d MiB guest with %d MiB random data (and %d/%d MiB for RSS); median of %d runs ===\n",
 		benchMemMB, benchDataMB, benchBigMemMB, benchBigDataMB, bb.runs)
@@ -1165,8 +1200,10 @@ func (r *benchReport) print(w io.Writer, bb *bench) {
 	row("baseline checkpoint: zstd -3 -T1 + skopeo", r.baseCkpt, r.baseSize)
 	row("vmsnap checkpoint (pause, registry)", r.ckpt, r.ckptStored)
 	row("  vmsnap checkpoint into oci: layout", r.layout, r.ckptStored)
+	row("  vmsnap checkpoint, encrypted (jwe RSA-2048)", r.encCkpt, r.ckptStored)
 	row("baseline restore: skopeo + zstd -dc", r.baseRestore, r.baseSize)
 	row("vmsnap restore (command to running)", r.restore, r.ckptStored)
+	row("  vmsnap restore, encrypted (--decryption-key)", r.encRestore, r.ckptStored)
 	tw.Flush()
 	fmt.Fprintf(w, "baseline checkpoint phases (medians): stop+migrate+zstd %.2fs, sha256sum+layout %.2fs, skopeo push %.2fs\n",
 		medianD(r.baseMigrate).Seconds(), medianD(r.baseHash).Seconds(), medianD(r.basePush).Seconds())
@@ -1192,6 +1229,13 @@ func (r *benchReport) print(w io.Writer, bb *bench) {
 		float64(r.raw2)/(1<<20), r.sub2.Seconds(), r.limit2.Seconds(), rss2, verdict(rss2 < targetRSSMiB && rss2 <= rss1*1.1))
 	live := slices.Max(append([]float64{0}, r.live...))
 	fmt.Fprintf(tw, "  live mode downtime (QEMU's; worst of %d; checkpoint %.2fs)\t%.0f ms\t< %d ms\t%s\n", len(r.live), medianF(r.liveTotal)/1000, live, targetDowntimeMs, verdict(live < targetDowntimeMs && len(r.live) > 0))
+	ec, er := r.encryptionOverhead()
+	fmt.Fprintf(tw, "  encrypted checkpoint / plain (same run, medians)\t%.3fx\t<= %.2fx\t%s\n", ec, targetEncryptionRatio, verdict(ec <= targetEncryptionRatio))
+	fmt.Fprintf(tw, "  encrypted restore / plain (same run, medians)\t%.3fx\t<= %.2fx\t%s\n", er, targetEncryptionRatio, verdict(er <= targetEncryptionRatio))
+	// CPU seconds move less with the machine's load than wall times do.
+	cc, cr := r.encryptionCPU()
+	fmt.Fprintf(tw, "    CPU of every process, encrypted / plain: checkpoint %.3fx (client %+.2fs), restore %.3fx (client %+.2fs)\t\t\t\n",
+		cc, medianCPU(r.encCkpt).client-medianCPU(r.ckpt).client, cr, medianCPU(r.encRestore).client-medianCPU(r.restore).client)
 	if inc >= 0 {
 		fmt.Fprintf(tw, "  incremental: uploaded after a %d%% change / first\t%.1f%%\t<= %.0f%%\t%s\n", benchRewritePct, 100*inc, 100*targetIncremental, verdict(inc <= targetIncremental))
 	}
@@ -1255,6 +1299,12 @@ func (r *benchReport) metrics(b *testing.B) {
 	b.ReportMetric(float64(r.rss1)/1024, "rss-1G-MiB")
 	b.ReportMetric(float64(r.rss2)/1024, "rss-2G-MiB")
 	b.ReportMetric(slices.Max(append([]float64{0}, r.live...)), "live-downtime-ms")
+	ec, er := r.encryptionOverhead()
+	b.ReportMetric(ec, "enc-ckpt/plain")
+	b.ReportMetric(er, "enc-restore/plain")
+	cc, cr := r.encryptionCPU()
+	b.ReportMetric(cc, "enc-ckpt-cpu/plain")
+	b.ReportMetric(cr, "enc-restore-cpu/plain")
 	if inc >= 0 {
 		b.ReportMetric(100*inc, "incr-%")
 	}

@@ -416,6 +416,9 @@ func ValidateLayers(layers []ocispec.Descriptor) (int64, error) {
 	if len(layers) > ociimage.MaxLayers {
 		return 0, errcode.New(errcode.InvalidInput, "%d chunks: more than the %d allowed", len(layers), ociimage.MaxLayers)
 	}
+	if err := ociimage.CheckDecrypted(layers); err != nil {
+		return 0, err
+	}
 	var total int64
 	for i, l := range layers {
 		if l.MediaType != ociimage.MediaTypeChunk {

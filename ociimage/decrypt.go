@@ -1,0 +1,140 @@
+package ociimage
+
+import (
+	"context"
+	"runtime"
+	"sync"
+
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+// Decrypt returns repo with encrypted layers (IsEncrypted) read as
+// plaintext: Manifest unwraps every encrypted layer's key with keys and
+// returns the plaintext layer descriptors (media type without
+// "+encrypted", the plaintext digest), and Blob of such a descriptor
+// fetches the ciphertext (verified against its digest), checks its HMAC,
+// decrypts it and verifies the plaintext digest before returning a byte.
+// Callers read an encrypted image as a plain one. A layer none of keys
+// opens makes Manifest fail with AUTH_FAILED, naming the keys it is
+// encrypted for. Plaintext layers and configs pass through.
+func Decrypt(repo Repository, keys []DecryptionKey) Repository {
+	return &decrypting{Repository: repo, keys: keys, layers: map[digest.Digest]decLayer{}}
+}
+
+type decrypting struct {
+	Repository
+	keys   []DecryptionKey
+	mu     sync.Mutex
+	layers map[digest.Digest]decLayer // by plaintext digest
+}
+
+type decLayer struct {
+	enc ocispec.Descriptor
+	key layerKey
+}
+
+// Unwrap returns the repository underneath.
+func (d *decrypting) Unwrap() Repository { return d.Repository }
+
+func (d *decrypting) Manifest(ctx context.Context, desc ocispec.Descriptor) (ocispec.Manifest, error) {
+	m, err := d.Repository.Manifest(ctx, desc)
+	if err != nil {
+		return m, err
+	}
+	layers := make([]ocispec.Descriptor, len(m.Layers))
+	found := make([]decLayer, len(m.Layers))
+	// Unwrapping is a private-key operation per layer (about a millisecond
+	// for RSA): one goroutine per core.
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(runtime.GOMAXPROCS(0))
+	for i, l := range m.Layers {
+		if !IsEncrypted(l) {
+			layers[i] = l
+			continue
+		}
+		g.Go(func() error {
+			if err := gctx.Err(); err != nil {
+				return err
+			}
+			plain, k, err := decryptLayer(l, d.keys)
+			if err != nil {
+				return err
+			}
+			layers[i], found[i] = plain, decLayer{enc: l, key: k}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		return ocispec.Manifest{}, err
+	}
+	d.mu.Lock()
+	for i, f := range found {
+		if f.enc.Digest != "" {
+			d.layers[layers[i].Digest] = f
+		}
+	}
+	d.mu.Unlock()
+	m.Layers = layers
+	return m, nil
+}
+
+func (d *decrypting) Blob(ctx context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error) {
+	d.mu.Lock()
+	l, ok := d.layers[desc.Digest]
+	d.mu.Unlock()
+	if !ok {
+		return d.Repository.Blob(ctx, desc, limit)
+	}
+	if desc.Size != l.enc.Size {
+		return nil, errcode.New(errcode.DigestMismatch, "blob %s: %d bytes asked for, the encrypted layer has %d", desc.Digest, desc.Size, l.enc.Size)
+	}
+	ct, err := d.Repository.Blob(ctx, l.enc, limit)
+	if err != nil {
+		return nil, err
+	}
+	// The HMAC is not recomputed: the plaintext digest, wrapped in the
+	// authenticated JWE with the key, is checked below and refuses every
+	// ciphertext the HMAC would, for one pass over the data less.
+	l.key.xorAt(ct, ct, 0)
+	if digest.FromBytes(ct) != desc.Digest {
+		clear(ct)
+		return nil, errcode.New(errcode.DigestMismatch, "encrypted layer %s decrypts to data that is not %s: the image was altered", l.enc.Digest, desc.Digest)
+	}
+	return ct, nil
+}
+
+// Unwrapper is a Repository that wraps another (Encrypt, Decrypt).
+type Unwrapper interface {
+	Unwrap() Repository
+}
+
+// Underlying returns the store under any wrappers (Encrypt, Decrypt): the
+// manifests and blobs as stored.
+func Underlying(repo Repository) Repository {
+	for {
+		u, ok := repo.(Unwrapper)
+		if !ok {
+			return repo
+		}
+		repo = u.Unwrap()
+	}
+}
+
+// Decrypting reports whether repo reads encrypted layers as plaintext
+// (Decrypt), so that its manifests differ from the stored ones.
+func Decrypting(repo Repository) bool {
+	for {
+		if _, ok := repo.(*decrypting); ok {
+			return true
+		}
+		u, ok := repo.(Unwrapper)
+		if !ok {
+			return false
+		}
+		repo = u.Unwrap()
+	}
+}

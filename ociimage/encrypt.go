@@ -1,0 +1,320 @@
+package ociimage
+
+import (
+	"context"
+	"crypto/sha256"
+	"hash"
+	"io"
+	"maps"
+	"sync"
+
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+// EncryptOptions says how Encrypt encrypts layers.
+type EncryptOptions struct {
+	// Recipients can decrypt the layers; at least one.
+	Recipients []Recipient
+	// DedupSecret, when set, derives each layer's key and nonce from it and
+	// the layer's plaintext digest (HMAC-SHA256), so that an unchanged
+	// chunk encrypts to the same blob in every checkpoint made with the
+	// same secret and is not uploaded again. The trade-off: anyone who can
+	// read the repository sees which layers are equal between those
+	// checkpoints (not their content, and not whether they equal a layer a
+	// reader holds without the secret). Without it every layer has a random
+	// key, and every checkpoint uploads everything again.
+	DedupSecret []byte
+}
+
+// Encrypt returns repo with its layers encrypted as the OCI image
+// encryption convention has it (ocicrypt, containerd's imgcrypt, skopeo):
+// every blob put, of whatever media type, except configs, is stored
+// encrypted under a key of its own wrapped for o.Recipients, and
+// PutManifest rewrites the manifest's layers to the encrypted blobs
+// (MediaType+"+encrypted", the keys and cipher options in annotations).
+// Configs and manifests stay plaintext. Callers put and name the plaintext
+// blobs as before. HasBlob reports only the layers put through this
+// repository, so that every other layer is put (and encrypted).
+func Encrypt(repo Repository, o EncryptOptions) (Repository, error) {
+	if len(o.Recipients) == 0 {
+		return nil, errcode.New(errcode.Usage, "encryption needs at least one recipient (%s)", errcode.Field("encryptRecipient"))
+	}
+	return &encrypting{Repository: repo, o: o, layers: map[digest.Digest]*encLayer{}}, nil
+}
+
+type encrypting struct {
+	Repository
+	o      EncryptOptions
+	mu     sync.Mutex
+	layers map[digest.Digest]*encLayer // by plaintext digest
+}
+
+// encLayer is one plaintext layer's encrypted blob, once done is closed.
+type encLayer struct {
+	done chan struct{}
+	desc ocispec.Descriptor // the encrypted blob, with its annotations
+	err  error
+}
+
+// Unwrap returns the repository underneath.
+func (e *encrypting) Unwrap() Repository { return e.Repository }
+
+// isConfig reports whether a blob of this media type is a config, which
+// stays plaintext (its digest is what the manifest's config names).
+func isConfig(mediaType string) bool {
+	switch mediaType {
+	case MediaTypeVMStateConfig, MediaTypeDiskConfig, ocispec.MediaTypeImageConfig,
+		"application/vnd.docker.container.image.v1+json", ocispec.MediaTypeEmptyJSON:
+		return true
+	}
+	return false
+}
+
+func (e *encrypting) HasBlob(ctx context.Context, d digest.Digest) (bool, error) {
+	e.mu.Lock()
+	l := e.layers[d]
+	e.mu.Unlock()
+	if l == nil {
+		return false, nil
+	}
+	select {
+	case <-l.done:
+		return l.err == nil, nil
+	case <-ctx.Done():
+		return false, ctx.Err()
+	}
+}
+
+func (e *encrypting) PutBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) error {
+	_, err := e.AddBlob(ctx, desc, data)
+	return err
+}
+
+// AddBlob encrypts and stores a layer, and reports whether the store was
+// sent any data (with a DedupSecret, an unchanged layer is not).
+func (e *encrypting) AddBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) (bool, error) {
+	if isConfig(desc.MediaType) {
+		return addBlob(ctx, e.Repository, desc, data)
+	}
+	// The plaintext is not hashed again (its writer just digested it, as
+	// a registry put is not checked here either): a wrong desc.Digest is
+	// wrapped as the plaintext digest, and restore refuses the layer
+	// (DIGEST_MISMATCH), never returns it.
+	if int64(len(data)) != desc.Size {
+		return false, errcode.New(errcode.DigestMismatch, "data for blob %s is %d bytes, not the %d its descriptor says", desc.Digest, len(data), desc.Size)
+	}
+	return e.once(ctx, desc.Digest, func() (ocispec.Descriptor, bool, error) {
+		k, err := newLayerKey(desc.Digest, e.o.DedupSecret)
+		if err != nil {
+			return ocispec.Descriptor{}, false, err
+		}
+		ct := getBuffer(len(data))
+		defer putBuffer(ct)
+		h, m := sha256.New(), k.mac()
+		s := k.stream()
+		// Block by block, so that each block is hashed twice while it is
+		// still in the cache.
+		for off := 0; off < len(data); off += cryptBlock {
+			b := ct[off:min(off+cryptBlock, len(data))]
+			s.XORKeyStream(b, data[off:off+len(b)])
+			h.Write(b)
+			m.Write(b)
+		}
+		enc, err := e.describe(k, desc, h, m.Sum(nil))
+		if err != nil {
+			return enc, false, err
+		}
+		// The store does not keep ct once the put returns (the
+		// Repository contract), so its buffer is reused.
+		sent, err := addBlob(ctx, e.Repository, enc, ct)
+		return enc, sent, err
+	})
+}
+
+// PutBlobStream encrypts a layer of any size as it streams (CTR can start
+// anywhere, so the ciphertext is read twice without being stored: once to
+// digest it, once to upload it).
+func (e *encrypting) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) error {
+	if isConfig(desc.MediaType) {
+		return PutBlobFrom(ctx, e.Repository, desc, src)
+	}
+	_, err := e.once(ctx, desc.Digest, func() (ocispec.Descriptor, bool, error) {
+		k, err := newLayerKey(desc.Digest, e.o.DedupSecret)
+		if err != nil {
+			return ocispec.Descriptor{}, false, err
+		}
+		ct := &ctrReaderAt{src: src, k: k}
+		h, m, plain := sha256.New(), k.mac(), sha256.New()
+		buf := make([]byte, 1<<20)
+		for off := int64(0); off < desc.Size; {
+			n := int(min(int64(len(buf)), desc.Size-off))
+			got, err := src.ReadAt(buf[:n], off)
+			if got < n {
+				if err == nil || err == io.EOF {
+					return ocispec.Descriptor{}, false, errcode.New(errcode.DigestMismatch, "data for blob %s is shorter than the %d bytes its descriptor says", desc.Digest, desc.Size)
+				}
+				return ocispec.Descriptor{}, false, errcode.Ensure(errcode.Internal, err, "reading layer %s to encrypt it", desc.Digest)
+			}
+			plain.Write(buf[:n])
+			k.xorAt(buf[:n], buf[:n], off)
+			h.Write(buf[:n])
+			m.Write(buf[:n])
+			off += int64(n)
+		}
+		if digest.NewDigest(digest.SHA256, plain) != desc.Digest {
+			return ocispec.Descriptor{}, false, errcode.New(errcode.DigestMismatch, "data for blob %s does not match its descriptor", desc.Digest)
+		}
+		enc, err := e.describe(k, desc, h, m.Sum(nil))
+		if err != nil {
+			return enc, false, err
+		}
+		return enc, true, PutBlobFrom(ctx, e.Repository, enc, ct)
+	})
+	return err
+}
+
+// once runs put for the first caller of a plaintext digest; later callers
+// share its result. A failed put is forgotten, so it can be tried again.
+func (e *encrypting) once(ctx context.Context, d digest.Digest, put func() (ocispec.Descriptor, bool, error)) (bool, error) {
+	e.mu.Lock()
+	if l := e.layers[d]; l != nil {
+		e.mu.Unlock()
+		select {
+		case <-l.done:
+			return false, l.err
+		case <-ctx.Done():
+			return false, ctx.Err()
+		}
+	}
+	l := &encLayer{done: make(chan struct{})}
+	e.layers[d] = l
+	e.mu.Unlock()
+	var sent bool
+	l.desc, sent, l.err = put()
+	if l.err != nil {
+		e.mu.Lock()
+		delete(e.layers, d)
+		e.mu.Unlock()
+	}
+	close(l.done)
+	return sent, l.err
+}
+
+// describe returns the encrypted blob's descriptor, from the hash of its
+// ciphertext and its MAC.
+func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, ctHash hash.Hash, mac []byte) (ocispec.Descriptor, error) {
+	ann, err := k.annotations(plain.Digest, mac, e.o.Recipients)
+	if err != nil {
+		return ocispec.Descriptor{}, err
+	}
+	return ocispec.Descriptor{
+		MediaType:   plain.MediaType + MediaTypeEncryptedSuffix,
+		Digest:      digest.NewDigest(digest.SHA256, ctHash),
+		Size:        plain.Size,
+		Annotations: ann,
+	}, nil
+}
+
+// PutManifest stores m with every layer put through this repository
+// replaced by its encrypted blob. A layer stored before (a memory-file
+// delta names its parent's) keeps the encrypted blob it has: as given if
+// it is encrypted, or the one it was read from through Decrypt. Any other
+// layer is refused: it would be stored in the clear.
+func (e *encrypting) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.Descriptor, error) {
+	layers := make([]ocispec.Descriptor, len(m.Layers))
+	for i, l := range m.Layers {
+		e.mu.Lock()
+		el := e.layers[l.Digest]
+		e.mu.Unlock()
+		if el == nil {
+			enc, ok := e.stored(l)
+			if !ok {
+				return ocispec.Descriptor{}, errcode.New(errcode.Internal, "layer %s was not stored through the encrypting repository and would be stored in the clear", l.Digest)
+			}
+			layers[i] = enc
+			continue
+		}
+		select {
+		case <-el.done:
+		case <-ctx.Done():
+			return ocispec.Descriptor{}, ctx.Err()
+		}
+		if el.err != nil {
+			return ocispec.Descriptor{}, el.err
+		}
+		enc := l
+		enc.MediaType, enc.Digest, enc.Size = el.desc.MediaType, el.desc.Digest, el.desc.Size
+		enc.Annotations = maps.Clone(l.Annotations)
+		if enc.Annotations == nil {
+			enc.Annotations = map[string]string{}
+		}
+		maps.Copy(enc.Annotations, el.desc.Annotations)
+		layers[i] = enc
+	}
+	m.Layers = layers
+	return e.Repository.PutManifest(ctx, m)
+}
+
+// stored returns the encrypted form of a layer stored before this
+// checkpoint.
+func (e *encrypting) stored(l ocispec.Descriptor) (ocispec.Descriptor, bool) {
+	if IsEncrypted(l) {
+		return l, true
+	}
+	d, ok := e.Repository.(*decrypting)
+	if !ok {
+		return ocispec.Descriptor{}, false
+	}
+	d.mu.Lock()
+	dl, ok := d.layers[l.Digest]
+	d.mu.Unlock()
+	return dl.enc, ok
+}
+
+// addBlob puts data into repo, saying whether it was sent: through the
+// store's AddBlob when it has one (one request for a blob it holds), else
+// HasBlob and PutBlob.
+func addBlob(ctx context.Context, repo Repository, desc ocispec.Descriptor, data []byte) (bool, error) {
+	if a, ok := repo.(interface {
+		AddBlob(context.Context, ocispec.Descriptor, []byte) (bool, error)
+	}); ok {
+		return a.AddBlob(ctx, desc, data)
+	}
+	have, err := repo.HasBlob(ctx, desc.Digest)
+	if err != nil || have {
+		return false, err
+	}
+	return true, repo.PutBlob(ctx, desc, data)
+}
+
+// cryptBlock is how much is encrypted before it is hashed.
+const cryptBlock = 256 << 10
+
+// buffers recycles ciphertext buffers: a checkpoint encrypts its whole
+// stream chunk by chunk, and fresh buffers would cost page faults and GC.
+var buffers sync.Pool
+
+func getBuffer(n int) []byte {
+	if b, ok := buffers.Get().(*[]byte); ok && cap(*b) >= n {
+		return (*b)[:n]
+	}
+	return make([]byte, n)
+}
+
+func putBuffer(b []byte) { buffers.Put(&b) }
+
+// ctrReaderAt is a layer's ciphertext, read from its plaintext at any
+// offset.
+type ctrReaderAt struct {
+	src io.ReaderAt
+	k   layerKey
+}
+
+func (c *ctrReaderAt) ReadAt(p []byte, off int64) (int, error) {
+	n, err := c.src.ReadAt(p, off)
+	c.k.xorAt(p[:n], p[:n], off)
+	return n, err
+}
