@@ -62,10 +62,12 @@ const (
 // its xxhash64 (a data page hashing to 0 is entered as 1, so that it is
 // never taken for zeros).
 func hashPage(p []byte) uint64 {
-	h := xxhash.Sum64(p)
-	if h == zeroPageHash && isZero(p) {
+	// Most of a guest's pages are zero: comparing is cheaper than hashing,
+	// and stops at the first byte of a page of data.
+	if isZero(p) {
 		return 0
 	}
+	h := xxhash.Sum64(p)
 	if h == 0 {
 		return 1
 	}
