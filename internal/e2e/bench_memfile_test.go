@@ -86,25 +86,25 @@ type mfSize struct {
 	mfStored                                 int64
 	streamStored                             int64
 	// restores
-	streamRestore                  []time.Duration // wall, command start to running
-	streamRestoreFile              time.Duration   // the same into a shared RAM file (once)
-	streamRestoreFileAlloc         int64           // that file's allocated bytes after it
-	mfSave                         []float64       // the scan's part of the downtime, ms
-	mfAlloc                        []int64         // the RAM file's allocated bytes before the checkpoint
-	streamRestoreMs                []float64       // its durationsMs.total
-	coldPrepare, coldRestore       []time.Duration // wall
-	coldFetched                    int64
-	warmRestore                    []time.Duration // wall
-	warmRestoreMs, warmPrepareMs   []float64       // durationsMs.total
-	warmPrepare                    []time.Duration // wall of prepare finding the file
-	warmPhases                     map[string]float64
-	rssCkpt, rssPrepare            int64 // KiB, peak over the runs
-	chain                          []mfChainRow
-	chainRestore                   time.Duration // cold prepare + restore of base + deltas
-	chainFetched                   int64
-	exact                          string // what the exactness check compared
-	clones                         *cloneMemory
-	rewriteSpan                    string
+	streamRestore                []time.Duration // wall, command start to running
+	streamRestoreFile            time.Duration   // the same into a shared RAM file (once)
+	streamRestoreFileAlloc       int64           // that file's allocated bytes after it
+	mfSave                       []float64       // the scan's part of the downtime, ms
+	mfAlloc                      []int64         // the RAM file's allocated bytes before the checkpoint
+	streamRestoreMs              []float64       // its durationsMs.total
+	coldPrepare, coldRestore     []time.Duration // wall
+	coldFetched                  int64
+	warmRestore                  []time.Duration // wall
+	warmRestoreMs, warmPrepareMs []float64       // durationsMs.total
+	warmPrepare                  []time.Duration // wall of prepare finding the file
+	warmPhases                   map[string]float64
+	rssCkpt, rssPrepare          int64 // KiB, peak over the runs
+	chain                        []mfChainRow
+	chainRestore                 time.Duration // cold prepare + restore of base + deltas
+	chainFetched                 int64
+	exact                        string // what the exactness check compared
+	clones                       *cloneMemory
+	rewriteSpan                  string
 }
 
 type mfChainRow struct {
