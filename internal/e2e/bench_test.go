@@ -2,7 +2,11 @@
 
 package e2e
 
-// BenchmarkE2E is `make bench`: vmsnap against QEMU's own stream rate and
+// BenchmarkE2E is `make bench`, in two sections: BenchmarkE2E/stream, below,
+// and BenchmarkE2E/memfile, the memory-file format against the stream path
+// (bench_memfile_test.go); `-bench E2E/memfile` runs one alone.
+//
+// The stream section: vmsnap against QEMU's own stream rate and
 // against the pipeline a careful user would script, on real QEMU guests
 // (TCG) and a real registry (docker-registry with TLS and htpasswd), all in
 // one run on the same machine, so that the ratios mean something.
