@@ -2,7 +2,6 @@ package ramfile
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"errors"
@@ -302,34 +301,19 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 		return d, chunk.Put(ctx, sink, d, data, &uploaded)
 	}
 
-	// The page map, in pieces, each streamed through the encoder from a
-	// small buffer: serialized whole, a piece (8 bytes a page, up to 8 MiB)
-	// and the output buffer sized for it made vmsnap's peak memory grow with
-	// the guest's size. What comes out is small (zero pages hash to 0).
+	// The page map, in pieces.
 	enc, err := chunk.NewEncoder(opts.Level)
 	if err != nil {
 		return out, errcode.Wrap(errcode.Internal, err, "zstd encoder")
 	}
-	raw := make([]byte, 64<<10)
 	for first := 0; first < len(c.Map); first += pageMapPiece {
 		n := min(pageMapPiece, len(c.Map)-first)
-		var data bytes.Buffer
-		enc.Reset(&data)
-		for i := 0; i < n; {
-			k := min(len(raw)/8, n-i)
-			for j, h := range c.Map[first+i : first+i+k] {
-				putUint64(raw[8*j:], h)
-			}
-			if _, err := enc.Write(raw[:8*k]); err != nil {
-				return out, errcode.Wrap(errcode.Internal, err, "compressing the page map")
-			}
-			i += k
+		raw := make([]byte, 8*n)
+		for i, h := range c.Map[first : first+n] {
+			putUint64(raw[8*i:], h)
 		}
-		if err := enc.Close(); err != nil {
-			return out, errcode.Wrap(errcode.Internal, err, "compressing the page map")
-		}
-		d := pageMapDesc(first, n, data.Bytes())
-		if err := chunk.Put(ctx, sink, d, data.Bytes(), &uploaded); err != nil {
+		d, err := put(ctx, enc, raw, func(data []byte) ocispec.Descriptor { return pageMapDesc(first, n, data) })
+		if err != nil {
 			return out, err
 		}
 		out.PageMap = append(out.PageMap, d)
