@@ -76,8 +76,6 @@ func hashPage(p []byte) uint64 {
 
 var zeroPage [PageSize]byte
 
-var zeroPageHash = xxhash.Sum64(zeroPage[:])
-
 func isZero(p []byte) bool {
 	for len(p) >= PageSize {
 		if string(p[:PageSize]) != string(zeroPage[:]) {
