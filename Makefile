@@ -61,11 +61,15 @@ test-unit:
 # Benchmarks, one package at a time (-p 1: they measure CPU time on a shared
 # machine). BenchmarkE2E (internal/e2e/bench_test.go) prints a table: QEMU's
 # own stream rate, a scripted zstd + skopeo baseline and vmsnap, through a
-# TLS + auth registry, plus peak RSS, live downtime and incremental uploads;
-# it also writes a CPU profile of one checkpoint to bin/bench-cpu.pprof.
+# TLS + auth registry, plus peak RSS, live downtime and incremental uploads
+# (BenchmarkE2E/stream); it also writes a CPU profile of one checkpoint to
+# bin/bench-cpu.pprof. BenchmarkE2E/memfile sets the memory-file format
+# against the stream path on 1 and 4 GiB guests (bench_memfile_test.go).
+# One section alone: make bench BENCH=E2E/memfile
+BENCH ?= .
 bench: deps build guest
 	VMSNAP_BIN=$(CURDIR)/$(BIN) VMSNAP_BENCH_CPUPROFILE=$(CURDIR)/bin/bench-cpu.pprof \
-		$(GO) test -p 1 -run '^$$' -bench . -benchtime 1x -timeout 30m ./...
+		$(GO) test -p 1 -run '^$$' -bench '$(BENCH)' -benchtime 1x -timeout 40m ./...
 
 # Boots the test guest, checkpoints it into a local OCI layout, restores it
 # into a fresh QEMU and shows that the guest did not notice.

@@ -116,7 +116,7 @@ type Durations struct {
 	Stopped time.Duration // WhileStopped hook
 	Push    time.Duration // config and manifest
 	Total   time.Duration
-	Save    time.Duration // mapped-ram: QEMU writing the staging file (part of Stream)
+	Save    time.Duration // mapped-ram: QEMU writing the staging file; memory-file: scanning the RAM file, the VM stopped (part of Stream)
 }
 
 // CheckpointResult is what a checkpoint produced.

@@ -307,7 +307,14 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		parentMap = parent.pageMap
 	}
 
-	g, err := guardSource(ctx, mon, st.Running, migrationSettings{source: true, stoppedMemory: res.Config.Record.MemoryBytes, ignoreShared: true})
+	// No stoppedMemory: with x-ignore-shared QEMU sends only its few
+	// unshared pages (ROMs) and the devices, and the VM is stopped
+	// throughout (memory-file is never live). The one-final-pass settings
+	// (a bandwidth of memory/1000) made QEMU send a slice of those pages,
+	// then wait out its first 100 ms bandwidth window before completing:
+	// 100 ms of the guest's downtime. At full bandwidth it sends them in its
+	// first iteration and completes at once.
+	g, err := guardSource(ctx, mon, st.Running, migrationSettings{source: true, ignoreShared: true})
 	defer g.finish(&out, &err)
 	if err != nil {
 		return nil, err

@@ -274,6 +274,9 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			DurationsMs: map[string]float64{
 				"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream),
 				"disk": api.Ms(res.Durations.Stopped), "push": api.Ms(res.Durations.Push), "total": api.Ms(res.Durations.Total),
+				// mapped-ram: QEMU writing its file; memory-file: scanning the
+				// RAM file while the VM is stopped (both part of stream).
+				"save": api.Ms(res.Durations.Save),
 			},
 		},
 		Mode:       string(s.Mode),

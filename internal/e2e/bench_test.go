@@ -2,7 +2,11 @@
 
 package e2e
 
-// BenchmarkE2E is `make bench`: vmsnap against QEMU's own stream rate and
+// BenchmarkE2E is `make bench`, in two sections: BenchmarkE2E/stream, below,
+// and BenchmarkE2E/memfile, the memory-file format against the stream path
+// (bench_memfile_test.go); `-bench E2E/memfile` runs one alone.
+//
+// The stream section: vmsnap against QEMU's own stream rate and
 // against the pipeline a careful user would script, on real QEMU guests
 // (TCG) and a real registry (docker-registry with TLS and htpasswd), all in
 // one run on the same machine, so that the ratios mean something.
@@ -177,17 +181,17 @@ func BenchmarkE2E(b *testing.B) {
 		b.Cleanup(func() { os.RemoveAll(dir) })
 		b.Setenv("TMPDIR", dir)
 	}
+	b.Run("stream", benchStream)
+	b.Run("memfile", benchMemoryFile)
+}
+
+// benchStream is the comparison of the stream path with QEMU's limit and the
+// scripted baseline (make bench's first table).
+func benchStream(b *testing.B) {
 	var bb *bench
 	for b.Loop() {
-		bb = &bench{b: b, runs: 5, idle: 10 * time.Second,
+		bb = &bench{b: b, runs: benchRuns(b, 5), idle: 10 * time.Second,
 			profile: filepath.Join(os.TempDir(), "vmsnap-bench-cpu.pprof")}
-		if s := os.Getenv("VMSNAP_BENCH_RUNS"); s != "" {
-			n, err := strconv.Atoi(s)
-			if err != nil || n < 1 {
-				b.Fatalf("VMSNAP_BENCH_RUNS=%q: want a positive number", s)
-			}
-			bb.runs = n
-		}
 		if s := os.Getenv("VMSNAP_BENCH_IDLE"); s != "" {
 			d, err := time.ParseDuration(s)
 			if err != nil {
@@ -927,8 +931,25 @@ func (bb *bench) vmsnapBinary() string {
 // child's Maxrss, so it reports max(this process, vmsnap).
 func (bb *bench) subprocessCheckpoint(vm *testguest.VM) (int64, time.Duration, api.CheckpointResult) {
 	b := bb.b
-	args := append(append([]string{"checkpoint", "--qmp", vm.QMPPath(), "--image", bb.repo("rss") + ":state", "--mode", "pause", "--json"}, bb.regArgs()...), benchCheckpointArgs()...)
+	args := append([]string{"checkpoint", "--qmp", vm.QMPPath(), "--image", bb.repo("rss") + ":state", "--mode", "pause"}, benchCheckpointArgs()...)
+	var cp api.CheckpointResult
+	rss, d, ps := bb.peakRun(&cp, args...)
+	maxrss := ps.SysUsage().(*syscall.Rusage).Maxrss
+	qmpOnce(b, vm.QMPPath(), "cont", nil)
+	b.Logf("bench: vmsnap subprocess checkpoint of %s stream: %v, peak RSS (VmHWM) %.1f MiB (rusage Maxrss, with this process's: %.1f MiB), cpu %.2fs",
+		humanBytes(cp.VMState.RawBytes), d.Round(time.Millisecond), float64(rss)/1024, float64(maxrss)/1024, childCPU(ps))
+	return rss, d, cp
+}
+
+// peakRun runs the vmsnap binary with args, the registry's flags and
+// --json, decodes its result into result, and returns its peak RSS (KiB:
+// its own VmHWM, polled from /proc every 10 ms while it runs), its wall
+// time and its process state.
+func (bb *bench) peakRun(result any, args ...string) (int64, time.Duration, *os.ProcessState) {
+	b := bb.b
+	args = append(append(args, bb.regArgs()...), "--json")
 	cmd := exec.Command(bb.bin, args...)
+	cmd.Env = append(os.Environ(), bb.env...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -960,16 +981,10 @@ func (bb *bench) subprocessCheckpoint(vm *testguest.VM) (int64, time.Duration, a
 	if err != nil {
 		b.Fatalf("%s %s: %v\n%s%s", bb.bin, strings.Join(args, " "), err, stderr.String(), stdout.String())
 	}
-	var cp api.CheckpointResult
-	if err := json.Unmarshal(stdout.Bytes(), &cp); err != nil {
-		b.Fatal(err)
+	if err := json.Unmarshal(stdout.Bytes(), result); err != nil {
+		b.Fatalf("vmsnap %s printed no JSON result: %v\n%s", args[0], err, stdout.String())
 	}
-	rss := hwm.Load()
-	maxrss := cmd.ProcessState.SysUsage().(*syscall.Rusage).Maxrss
-	qmpOnce(b, vm.QMPPath(), "cont", nil)
-	b.Logf("bench: vmsnap subprocess checkpoint of %s stream: %v, peak RSS (VmHWM) %.1f MiB (rusage Maxrss, with this process's: %.1f MiB), cpu %.2fs",
-		humanBytes(cp.VMState.RawBytes), d.Round(time.Millisecond), float64(rss)/1024, float64(maxrss)/1024, childCPU(cmd.ProcessState))
-	return rss, d, cp
+	return hwm.Load(), d, cmd.ProcessState
 }
 
 // benchVmHWM is a process's peak resident set (VmHWM, in kB), or 0 once it has
@@ -1009,7 +1024,9 @@ func (bb *bench) incremental() {
 	defer vm.Kill()
 	repo := bb.repo("incremental")
 	cp := func(tag, mode string) (api.CheckpointResult, time.Duration) {
-		r, t := bb.cli(vm, append([]string{"checkpoint", "--qmp", vm.QMPPath(), "--image", repo + ":" + tag, "--mode", mode}, benchCheckpointArgs()...)...)
+		// --format stream: auto would pick memory-file for this guest
+		// (benchMemoryFile measures that format).
+		r, t := bb.cli(vm, append([]string{"checkpoint", "--qmp", vm.QMPPath(), "--image", repo + ":" + tag, "--mode", mode, "--format", "stream"}, benchCheckpointArgs()...)...)
 		return r, t.d
 	}
 	first, d := cp("first", "pause")

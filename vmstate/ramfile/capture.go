@@ -7,6 +7,7 @@ import (
 	"errors"
 
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -89,36 +90,7 @@ func Scan(f *os.File, size int64, parent *PageMap, stagingDir string) (c *Captur
 		}
 	}()
 	w := bufio.NewWriterSize(staging, 1<<20)
-	buf := make([]byte, RegionSize)
-	err = dataExtents(f, size, func(start, end int64) error {
-		for off := start; off < end; {
-			n := int(min(int64(len(buf)), end-off))
-			if _, err := f.ReadAt(buf[:n], off); err != nil {
-				return errcode.Wrap(errcode.Internal, err, "reading the RAM file at %d", off)
-			}
-			c.ScannedBytes += int64(n)
-			for p := 0; p < n; p += PageSize {
-				page := buf[p : p+PageSize]
-				i := int((off + int64(p)) / PageSize)
-				h := fastHash(page)
-				c.Map.Fast[i] = h
-				if h == 0 {
-					continue
-				}
-				if parent != nil && parent.Fast[i] == h {
-					c.Map.Strong[i] = parent.Strong[i] // unchanged
-				} else {
-					if _, err := w.Write(page); err != nil {
-						return stagingErr(stagingDir, err)
-					}
-					c.StagedBytes += PageSize
-				}
-			}
-			off += int64(n)
-		}
-		return nil
-	})
-	if err != nil {
+	if err := c.scan(f, w, stagingDir); err != nil {
 		return nil, err
 	}
 	if err := w.Flush(); err != nil {
@@ -130,6 +102,145 @@ func Scan(f *os.File, size int64, parent *PageMap, stagingDir string) (c *Captur
 		}
 	}
 	return c, nil
+}
+
+// scanWindow is how much of the RAM file Scan maps (or reads) at a time.
+const scanWindow = 2 << 20
+
+// window is a piece of the RAM file being scanned.
+type window struct {
+	off   int64
+	n     int
+	data  []byte
+	unmap func()
+	err   error
+	ready chan struct{} // closed once data is hashed into the page map, or err set
+}
+
+// scan hashes the file's data extents into c.Map and writes the pages that
+// differ from the parent to w, in file order.
+//
+// The pages are read where they are, through windows of the file mapped
+// read-only, not copied out by read(2): on tmpfs that copy was most of a
+// scan's time, and the VM is stopped meanwhile. Workers (one per CPU, up
+// to 4) map and hash windows in parallel; this goroutine stages the changed
+// pages of each window in order and unmaps it. At most two windows per
+// worker are mapped at once, so vmsnap's resident set holds a few MiB of
+// the file, whatever its size.
+func (c *Capture) scan(f *os.File, w *bufio.Writer, stagingDir string) error {
+	var wins []*window
+	if err := dataExtents(f, c.Size, func(start, end int64) error {
+		for off := start; off < end; off += scanWindow {
+			wins = append(wins, &window{off: off, n: int(min(scanWindow, end-off)), ready: make(chan struct{})})
+		}
+		return nil
+	}); err != nil {
+		return err
+	}
+	workers := max(1, min(runtime.GOMAXPROCS(0), 4))
+	slots := make(chan struct{}, 2*workers)
+	jobs := make(chan *window)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	go func() {
+		defer close(jobs)
+		for _, win := range wins {
+			select {
+			case slots <- struct{}{}:
+			case <-done:
+				return
+			}
+			select {
+			case jobs <- win:
+			case <-done:
+				return
+			}
+		}
+	}()
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for win := range jobs {
+				c.hashWindow(f, win)
+				close(win.ready)
+			}
+		}()
+	}
+	next := 0
+	defer func() {
+		// On an error: let the workers finish, and unmap what they mapped.
+		close(done)
+		wg.Wait()
+		for _, win := range wins[next:] {
+			select {
+			case <-win.ready:
+				if win.unmap != nil {
+					win.unmap()
+				}
+			default:
+			}
+		}
+	}()
+	for ; next < len(wins); next++ {
+		win := wins[next]
+		<-win.ready
+		err := win.err
+		if err == nil {
+			c.ScannedBytes += int64(win.n)
+			if err = c.stage(win, w); err != nil {
+				err = stagingErr(stagingDir, err)
+			}
+		}
+		if win.unmap != nil {
+			win.unmap()
+		}
+		<-slots
+		if err != nil {
+			next++
+			return err
+		}
+	}
+	return nil
+}
+
+// hashWindow maps (or, failing that, reads) win and enters its pages'
+// hashes in c.Map.
+func (c *Capture) hashWindow(f *os.File, win *window) {
+	b, err := syscall.Mmap(int(f.Fd()), win.off, win.n, syscall.PROT_READ, syscall.MAP_SHARED|syscall.MAP_POPULATE)
+	if err == nil {
+		win.data, win.unmap = b, func() { _ = syscall.Munmap(b) }
+	} else {
+		win.data = make([]byte, win.n)
+		if _, err := f.ReadAt(win.data, win.off); err != nil {
+			win.err = errcode.Wrap(errcode.Internal, err, "reading the RAM file at %d", win.off)
+			return
+		}
+	}
+	first := int(win.off / PageSize)
+	for p := 0; p < win.n; p += PageSize {
+		c.Map.Fast[first+p/PageSize] = fastHash(win.data[p : p+PageSize])
+	}
+}
+
+// stage writes the pages of win that differ from the parent to w.
+func (c *Capture) stage(win *window, w *bufio.Writer) error {
+	first := int(win.off / PageSize)
+	for p := 0; p < win.n; p += PageSize {
+		i := first + p/PageSize
+		h := c.Map.Fast[i]
+		switch {
+		case h == 0:
+		case c.parent != nil && c.parent.Fast[i] == h:
+			c.Map.Strong[i] = c.parent.Strong[i] // unchanged
+		default:
+			if _, err := w.Write(win.data[p : p+PageSize]); err != nil {
+				return err
+			}
+			c.StagedBytes += PageSize
+		}
+	}
+	return nil
 }
 
 func stagingErr(dir string, err error) error {

@@ -88,10 +88,12 @@ const strongSize = 16
 type strongHash [strongSize]byte
 
 func fastHash(p []byte) uint64 {
-	h := xxhash.Sum64(p)
-	if h == zeroPageHash && isZero(p) {
+	// Most of a guest's pages are zero: comparing is cheaper than hashing,
+	// and stops at the first byte of a page of data.
+	if isZero(p) {
 		return 0
 	}
+	h := xxhash.Sum64(p)
 	if h == 0 {
 		return 1
 	}
@@ -104,8 +106,6 @@ func strongHashOf(p []byte) strongHash {
 }
 
 var zeroPage [PageSize]byte
-
-var zeroPageHash = xxhash.Sum64(zeroPage[:])
 
 func isZero(p []byte) bool {
 	for len(p) >= PageSize {
