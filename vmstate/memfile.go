@@ -464,21 +464,22 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 		if free, err := freeSpace(opts.Cache.Dir); err == nil && free < cfg.RAM.DataBytes {
 			return 0, errcode.New(errcode.Internal, "the RAM cache %s has %d MiB free, and this image's RAM file needs %d MiB: free space there or pick another directory with %s", opts.Cache.Dir, free>>20, cfg.RAM.DataBytes>>20, errcode.Field("cacheDir"))
 		}
-		// The file may hold what the config declares, and a region's
-		// worth of rounding (a filesystem allocates whole blocks).
-		n, err := ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, ramfile.MaterializeOptions{
-			Workers: opts.Workers, Progress: opts.Progress, MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize})
-		if err != nil {
-			return n, err
+		// A delta's inherited pages are taken on its parent's page map's
+		// word at checkpoint: they are checked against the image's own
+		// map as they are written, before any QEMU maps the file. (A
+		// base's pages are all its own checkpoint's.)
+		mo := ramfile.MaterializeOptions{Workers: opts.Workers, Progress: opts.Progress,
+			// What the config declares, and a region's worth of rounding
+			// (a filesystem allocates whole blocks).
+			MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize}
+		if len(cfg.RAM.Chain) > 1 {
+			check, err := ramfile.LoadPageMap(ctx, ram, repo, cfg.RAM.Bytes)
+			if err != nil {
+				return 0, err
+			}
+			mo.Check, mo.Own = check, cfg.RAM.Chain[len(cfg.RAM.Chain)-1].Regions
 		}
-		// Every page against the image's own page map: the regions of a
-		// parent are taken on its map's word at checkpoint, and checked
-		// here, before any QEMU maps the file.
-		pageMap, err := ramfile.LoadPageMap(ctx, ram, repo, cfg.RAM.Bytes)
-		if err != nil {
-			return n, err
-		}
-		return n, ramfile.Verify(ctx, f, cfg.RAM.Bytes, pageMap, max(opts.Workers, 2))
+		return ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, mo)
 	})
 	if err != nil {
 		return nil, err

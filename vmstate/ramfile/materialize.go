@@ -51,90 +51,6 @@ func LoadPageMap(ctx context.Context, layers Layers, src chunk.BlobSource, size 
 	return &m, nil
 }
 
-// Verify checks every page of a materialized RAM file against the strong
-// hashes of its image's page map: a data page must hash to its entry, and a
-// page the map calls zero must be zeros (or a hole). It reads the file's
-// data extents only, with workers goroutines.
-func Verify(ctx context.Context, f *os.File, size int64, m *PageMap, workers int) error {
-	if m.Len() != Pages(size) {
-		return errcode.New(errcode.InvalidInput, "the page map has %d pages, the RAM file %d", m.Len(), Pages(size))
-	}
-	workers = max(workers, 1)
-	const stripe = 64 << 20
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	stripes := make(chan int64)
-	var wg sync.WaitGroup
-	for range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			buf := make([]byte, RegionSize)
-			for start := range stripes {
-				if ctx.Err() != nil {
-					continue
-				}
-				if err := verifyStripe(f, start, min(start+stripe, size), m, buf); err != nil {
-					cancel(err)
-				}
-			}
-		}()
-	}
-	for start := int64(0); start < size; start += stripe {
-		select {
-		case stripes <- start:
-		case <-ctx.Done():
-		}
-	}
-	close(stripes)
-	wg.Wait()
-	return context.Cause(ctx)
-}
-
-func verifyStripe(f *os.File, start, end int64, m *PageMap, buf []byte) error {
-	mismatch := func(page int) error {
-		return errcode.New(errcode.DigestMismatch, "page %d of the materialized RAM file does not match the image's page map: a layer of this image, or of a checkpoint it builds on, holds other pages than its checkpoint read (a forged or corrupt parent?); nothing was loaded", page)
-	}
-	next := start // the first page not checked yet
-	holesTo := func(to int64) error {
-		for off := next; off < to; off += PageSize {
-			if !m.IsZero(int(off / PageSize)) {
-				return mismatch(int(off / PageSize))
-			}
-		}
-		return nil
-	}
-	err := dataExtentsIn(f, start, end, func(from, to int64) error {
-		if err := holesTo(from); err != nil {
-			return err
-		}
-		for off := from; off < to; {
-			n := int(min(int64(len(buf)), to-off))
-			if _, err := f.ReadAt(buf[:n], off); err != nil {
-				return errcode.Wrap(errcode.Internal, err, "reading the RAM file")
-			}
-			for p := 0; p < n; p += PageSize {
-				i := int((off + int64(p)) / PageSize)
-				page := buf[p : p+PageSize]
-				if m.IsZero(i) {
-					if !isZero(page) {
-						return mismatch(i)
-					}
-				} else if strongHashOf(page) != m.Strong[i] {
-					return mismatch(i)
-				}
-			}
-			off += int64(n)
-		}
-		next = to
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	return holesTo(end)
-}
-
 // fetch gets a blob from src (which verifies its digest) and decompresses
 // it into exactly want bytes.
 func fetch(ctx context.Context, src chunk.BlobSource, dec interface {
@@ -163,14 +79,25 @@ type MaterializeOptions struct {
 	// layers write more than it declares is refused part-way, instead of
 	// filling the disk.
 	MaxDataBytes int64
+	// Check, if set, is the image's own page map, and Own how many of the
+	// last region layers the image's own checkpoint stored. Every page a
+	// layer before those (a parent's, taken on its page map's word at
+	// checkpoint) writes is checked against Check's strong hash, and every
+	// page Check has data for must be written by some layer: a parent
+	// whose layers do not hold what its map said is refused
+	// (DIGEST_MISMATCH) before any QEMU maps the file.
+	Check *PageMap
+	Own   int
 }
 
 // Materialize writes the RAM file the region layers make into f, which
 // must be empty: it is sized to size, then every region is fetched,
 // verified (digest, header, declared offset, pages inside the file) and
-// written at its offset, in manifest order, so that a delta's pages
-// replace its parent's. Zero pages are left as holes. It returns the
-// compressed bytes fetched.
+// written at its offset. Layers apply in manifest order, a delta's pages
+// replacing its parent's: they are processed newest first and each page is
+// written once, by the last layer that has it (a delta's zero page is left
+// a hole). With opts.Check, the pages of inherited layers are checked too.
+// It returns the compressed bytes fetched.
 func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os.File, size int64, opts MaterializeOptions) (int64, error) {
 	if err := CheckSize(size); err != nil {
 		return 0, err
@@ -181,42 +108,83 @@ func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os
 	if opts.Workers <= 0 {
 		opts.Workers = 2
 	}
-	var fetched atomic.Int64
-	// A run of strictly increasing offsets holds each region at most once:
-	// its layers may be written in any order. A run ends where a delta's
-	// layers begin.
+	if opts.Check != nil && opts.Check.Len() != Pages(size) {
+		return 0, errcode.New(errcode.InvalidInput, "the page map has %d pages, the RAM file %d", opts.Check.Len(), Pages(size))
+	}
+	m := &materializer{src: src, f: f, size: size, opts: opts, written: make([]byte, (Pages(size)+7)/8)}
+	// Runs of strictly increasing offsets hold each region at most once:
+	// a run's layers may be written in any order, by several workers. A
+	// run ends where a delta's layers begin.
 	regions := layers.Regions
-	for len(regions) > 0 {
-		n := 1
-		last, _ := RegionOffset(regions[0])
-		for n < len(regions) {
-			off, err := RegionOffset(regions[n])
+	var runs [][2]int // [start, end) in regions
+	for start := 0; start < len(regions); {
+		end := start + 1
+		last, err := RegionOffset(regions[start])
+		if err != nil {
+			return 0, err
+		}
+		for end < len(regions) {
+			off, err := RegionOffset(regions[end])
 			if err != nil {
-				return fetched.Load(), err
+				return 0, err
 			}
 			if off <= last {
 				break
 			}
-			last = off
-			n++
+			last, end = off, end+1
 		}
-		if err := materializeRun(ctx, regions[:n], src, f, size, opts, &fetched); err != nil {
-			return fetched.Load(), err
+		runs = append(runs, [2]int{start, end})
+		start = end
+	}
+	inherited := len(regions) - opts.Own
+	for k := len(runs) - 1; k >= 0; k-- {
+		r := runs[k]
+		if err := m.run(ctx, regions[r[0]:r[1]], r[0], inherited); err != nil {
+			return m.fetched.Load(), err
 		}
 		if err := checkAllocated(f, opts.MaxDataBytes); err != nil {
-			return fetched.Load(), err
+			return m.fetched.Load(), err
 		}
-		regions = regions[n:]
 	}
-	return fetched.Load(), nil
+	if c := opts.Check; c != nil {
+		for i := range c.Len() {
+			if !c.IsZero(i) && m.written[i/8]&(1<<(i%8)) == 0 {
+				return m.fetched.Load(), pageMismatch(i, "no layer holds it")
+			}
+		}
+	}
+	return m.fetched.Load(), nil
 }
 
-func materializeRun(ctx context.Context, run []ocispec.Descriptor, src chunk.BlobSource, f *os.File, size int64, opts MaterializeOptions, fetched *atomic.Int64) error {
+func pageMismatch(page int, why string) error {
+	return errcode.New(errcode.DigestMismatch, "page %d of the RAM file does not match the image's page map (%s): a layer of a checkpoint this image builds on holds other pages than its map says (a forged or corrupt parent?); nothing was loaded", page, why)
+}
+
+// materializer is one Materialize.
+type materializer struct {
+	src     chunk.BlobSource
+	f       *os.File
+	size    int64
+	opts    MaterializeOptions
+	fetched atomic.Int64
+	// written has a bit per page a layer wrote (newer layers first). A
+	// region's 512 pages are 64 whole bytes of it, so the workers of a run,
+	// each on regions of its own, never share a byte.
+	written []byte
+}
+
+// run writes one run's regions (first is the index of run[0] among all
+// region layers; those before inherited are a parent's).
+func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor, first, inherited int) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	jobs := make(chan ocispec.Descriptor)
+	type job struct {
+		l     ocispec.Descriptor
+		check bool
+	}
+	jobs := make(chan job)
 	var wg sync.WaitGroup
-	for range min(opts.Workers, len(run)) {
+	for range min(m.opts.Workers, len(run)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -227,29 +195,27 @@ func materializeRun(ctx context.Context, run []ocispec.Descriptor, src chunk.Blo
 			}
 			defer dec.Close()
 			buf := make([]byte, 0, maxRegionRaw)
-			for l := range jobs {
+			for j := range jobs {
 				if ctx.Err() != nil {
 					continue
 				}
-				if err := writeRegion(ctx, l, src, dec, buf, f, size); err != nil {
+				if err := m.region(ctx, j.l, dec, buf, j.check); err != nil {
 					cancel(err)
 					continue
 				}
-				if err := checkAllocated(f, opts.MaxDataBytes); err != nil {
-					cancel(err)
-					continue
+				n := m.fetched.Add(j.l.Size)
+				if m.opts.Progress != nil {
+					m.opts.Progress(n)
 				}
-				if opts.Progress != nil {
-					opts.Progress(fetched.Add(l.Size))
-				} else {
-					fetched.Add(l.Size)
+				if err := checkAllocated(m.f, m.opts.MaxDataBytes); err != nil {
+					cancel(err)
 				}
 			}
 		}()
 	}
-	for _, l := range run {
+	for i, l := range run {
 		select {
-		case jobs <- l:
+		case jobs <- job{l: l, check: m.opts.Check != nil && first+i < inherited}:
 		case <-ctx.Done():
 		}
 	}
@@ -258,66 +224,86 @@ func materializeRun(ctx context.Context, run []ocispec.Descriptor, src chunk.Blo
 	return context.Cause(ctx)
 }
 
-// writeRegion fetches one region layer, checks it and writes its pages:
-// runs of data pages in one pwrite each, zero pages as punched holes.
-func writeRegion(ctx context.Context, l ocispec.Descriptor, src chunk.BlobSource, dec interface {
+// region fetches one region layer, checks it and writes the pages no newer
+// layer wrote: runs of data pages in one pwrite each, zero pages left as
+// holes. With check, each such page must match the page map.
+func (m *materializer) region(ctx context.Context, l ocispec.Descriptor, dec interface {
 	DecodeAll([]byte, []byte) ([]byte, error)
-}, buf []byte, f *os.File, size int64) error {
+}, buf []byte, check bool) error {
 	want, err := rawRegionSize(l)
 	if err != nil {
 		return err
 	}
-	raw, err := fetch(ctx, src, dec, l, want, buf)
+	raw, err := fetch(ctx, m.src, dec, l, want, buf)
 	if err != nil {
 		return err
 	}
-	r, err := parseRegion(raw, l, size)
+	r, err := parseRegion(raw, l, m.size)
 	if err != nil {
 		return err
 	}
-	pages := r.pages
-	for i := 0; i < pagesPerRegion; {
-		if !r.has(i) {
-			i++
-			continue
+	base := int(r.offset / PageSize)
+	// Consecutive pages to write are one pwrite: they are consecutive in
+	// the blob as in the file.
+	var pending []byte
+	var pendingAt int64
+	flush := func() error {
+		if len(pending) == 0 {
+			return nil
 		}
-		j := i
-		for j < pagesPerRegion && r.has(j) {
-			j++
-		}
-		data := pages[:(j-i)*PageSize]
-		pages = pages[len(data):]
-		off := r.offset + int64(i)*PageSize
-		if err := writePages(f, data, off); err != nil {
-			return err
-		}
-		i = j
-	}
-	return nil
-}
-
-// writePages writes a run of pages at off, leaving its zero pages out of
-// the file (punched: a delta may zero a page its parent had data in).
-func writePages(f *os.File, data []byte, off int64) error {
-	for len(data) > 0 {
-		n := PageSize
-		zero := isZero(data[:PageSize])
-		for n < len(data) && isZero(data[n:n+PageSize]) == zero {
-			n += PageSize
-		}
-		var err error
-		if zero {
-			err = unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, int64(n))
-		} else {
-			_, err = f.WriteAt(data[:n], off)
-		}
+		_, err := m.f.WriteAt(pending, pendingAt)
+		pending = nil
 		if err != nil {
 			return errcode.Wrap(errcode.Internal, err, "writing the RAM file")
 		}
-		data, off = data[n:], off+int64(n)
+		return nil
 	}
-	return nil
+	data := r.pages
+	for i := range pagesPerRegion {
+		if !r.has(i) {
+			if err := flush(); err != nil {
+				return err
+			}
+			continue
+		}
+		page := data[:PageSize]
+		data = data[PageSize:]
+		p := base + i
+		if m.written[p/8]&(1<<(p%8)) != 0 {
+			if err := flush(); err != nil { // a newer layer has it
+				return err
+			}
+			continue
+		}
+		m.written[p/8] |= 1 << (p % 8)
+		zero := isZero(page)
+		if check {
+			switch {
+			case m.opts.Check.IsZero(p) && !zero:
+				return pageMismatch(p, "data where the map has zeros")
+			case !m.opts.Check.IsZero(p) && strongHashOf(page) != m.opts.Check.Strong[p]:
+				return pageMismatch(p, "its hash differs")
+			}
+		}
+		if zero {
+			if err := flush(); err != nil {
+				return err
+			}
+			continue
+		}
+		at := int64(p) * PageSize
+		if len(pending) > 0 && pendingAt+int64(len(pending)) == at {
+			pending = pending[:len(pending)+PageSize] // page follows in the blob
+		} else {
+			if err := flush(); err != nil {
+				return err
+			}
+			pending, pendingAt = page, at
+		}
+	}
+	return flush()
 }
+
 
 // rawRegionSize is the decompressed size a region layer declares: a
 // header and up to a region's pages.
