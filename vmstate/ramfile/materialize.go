@@ -304,7 +304,6 @@ func (m *materializer) region(ctx context.Context, l ocispec.Descriptor, dec int
 	return flush()
 }
 
-
 // rawRegionSize is the decompressed size a region layer declares: a
 // header and up to a region's pages.
 func rawRegionSize(l ocispec.Descriptor) (int, error) {
