@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"path"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -484,6 +485,8 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 	if err != nil {
 		return nil, err
 	}
+	// Best effort: without it, a restore reads the registry.
+	keepDeviceState(ctx, repo, desc, res.MemoryFile)
 	if res.Evicted, err = opts.Cache.Evict(opts.MaxCacheBytes, desc.Digest); err != nil {
 		return nil, err
 	}
@@ -600,4 +603,60 @@ func ownCopy(memPath string) bool {
 	}
 	st, ok := fi.Sys().(*syscall.Stat_t)
 	return err == nil && fi.Mode().IsRegular() && ok && st.Nlink == 1
+}
+
+// keepDeviceState copies the image's manifest, config and device state
+// (every layer but the RAM file's: a few hundred KiB) into an OCI layout
+// beside its cache file (ramfile.StatePath), complete or absent, so that a
+// restore on this node reads nothing from the registry (LocalState). An
+// image whose copy would not keep its digest (a decrypted copy of an
+// encrypted image) is not kept: the restore then reads the registry. It
+// is an optimization: a failure only means that.
+func keepDeviceState(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor, ramFile string) error {
+	dir := ramfile.StatePath(ramFile)
+	if _, err := os.Lstat(dir); err == nil {
+		return nil
+	}
+	tmp, err := os.MkdirTemp(filepath.Dir(dir), "."+filepath.Base(dir)+".*")
+	if err != nil {
+		return errcode.Wrap(errcode.Internal, err, "RAM cache")
+	}
+	defer os.RemoveAll(tmp)
+	dst, err := ociimage.Open(ctx, ociimage.Reference{Layout: tmp})
+	if err != nil {
+		return err
+	}
+	copied, err := ociimage.CopyLayers(ctx, ociimage.Pinned(repo, desc), dst, 0, 4, func(l ocispec.Descriptor) bool { return !ramfile.IsRAMLayer(l) })
+	if err != nil {
+		return err
+	}
+	if copied.Digest != desc.Digest {
+		return nil
+	}
+	if err := os.Rename(tmp, dir); err != nil && !errors.Is(err, fs.ErrExist) && !errors.Is(err, syscall.ENOTEMPTY) {
+		return errcode.Wrap(errcode.Internal, err, "RAM cache")
+	}
+	return nil
+}
+
+// LocalState is where a restore reads a memory-file image from when the
+// waiting QEMU maps a RAM file vmsnap prepared for it on this node: the
+// device state kept beside that file (keepDeviceState), which holds every
+// blob the restore needs, each verified by its digest as it is read. Nil
+// when there is none (the file is a VM's own copy, is not visible from
+// here, or was prepared for another image).
+func LocalState(ctx context.Context, mon Executor, image digest.Digest) ociimage.Repository {
+	b, err := readRAMBackend(ctx, mon)
+	if err != nil || b == nil || b.Type != "memory-backend-file" || ramfile.KeyOf(b.MemPath) != image || !filepath.IsAbs(b.MemPath) {
+		return nil
+	}
+	dir := ramfile.StatePath(b.MemPath)
+	if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
+		return nil
+	}
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir, Digest: image})
+	if err != nil {
+		return nil
+	}
+	return repo
 }

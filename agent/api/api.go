@@ -158,10 +158,13 @@ type RestoreResult struct {
 
 // RestoredState describes VM state loaded into a waiting QEMU.
 type RestoredState struct {
-	Image       string             `json:"image"`
-	Digest      string             `json:"digest"`
-	RawBytes    int64              `json:"rawBytes"`
-	VMRunning   bool               `json:"vmRunning"`
+	Image     string `json:"image"`
+	Digest    string `json:"digest"`
+	RawBytes  int64  `json:"rawBytes"`
+	VMRunning bool   `json:"vmRunning"`
+	// FromNode says the state was read from what vmsnap prepare kept on
+	// this node beside the RAM file the QEMU maps, not from the registry.
+	FromNode    bool               `json:"fromNode,omitempty"`
 	DurationsMs map[string]float64 `json:"durationsMs"`
 }
 

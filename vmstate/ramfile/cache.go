@@ -54,6 +54,13 @@ func (c Cache) Path(key digest.Digest) string {
 	return filepath.Join(c.Dir, key.Algorithm().String()+"-"+key.Encoded()+suffix)
 }
 
+// StatePath is, beside a cache file (or any file named for key), the OCI
+// layout that holds the image's manifest, config and device state: what a
+// restore of that image reads instead of the registry.
+func StatePath(ramFile string) string {
+	return strings.TrimSuffix(ramFile, suffix) + ".state"
+}
+
 // KeyOf is the manifest digest a RAM file's name carries, or "" if the
 // name is not one of vmsnap's: sha256-HEX.ram (a cache file) or
 // NAME.sha256-HEX.ram (a VM's own copy, CopyFor).
@@ -354,6 +361,7 @@ func (c Cache) Evict(maxBytes int64, keep digest.Digest) ([]Entry, error) {
 			return removed, errcode.Wrap(errcode.Internal, err, "evicting %s from the RAM cache", e.Path)
 		}
 		os.Remove(e.Path + ".lock")
+		os.RemoveAll(StatePath(e.Path))
 		total -= e.Bytes
 		removed = append(removed, e)
 	}
