@@ -365,12 +365,7 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		if err != nil {
 			return err
 		}
-		dataBytes := int64(0)
-		for i := range capture.Map.Len() {
-			if !capture.Map.IsZero(i) {
-				dataBytes += ramfile.PageSize
-			}
-		}
+		dataBytes := int64(capture.Map.DataPages()) * ramfile.PageSize
 		link := ChainLink{Created: res.Config.Created, Regions: len(stored.Regions), StoredBytes: stored.StoredBytes - layerBytes(stored.PageMap), ChangedPages: capture.Changed()}
 		var chain []ChainLink
 		var parentRegions []ocispec.Descriptor

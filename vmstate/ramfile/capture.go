@@ -2,10 +2,12 @@ package ramfile
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"errors"
 
+	"math/bits"
 	"os"
 	"runtime"
 	"sync"
@@ -28,7 +30,7 @@ import (
 // or stored.
 type Capture struct {
 	Size    int64
-	Map     PageMap
+	Map     *PageMap
 	parent  *PageMap // nil for a base
 	changed []uint32 // pages whose entry differs from the parent's, ascending
 	staging *os.File // the changed non-zero pages, in order
@@ -96,9 +98,21 @@ func Scan(f *os.File, size int64, parent *PageMap, stagingDir string) (c *Captur
 	if err := w.Flush(); err != nil {
 		return nil, stagingErr(stagingDir, err)
 	}
-	for i, h := range c.Map.Fast {
-		if (parent == nil && h != 0) || (parent != nil && parent.Fast[i] != h) {
-			c.changed = append(c.changed, uint32(i))
+	c.Map.finish()
+	// The pages to store: a base's data pages, a delta's pages whose fast
+	// hash differs from the parent's (zeroed ones included), walked over
+	// the words where either map has data.
+	for w := range c.Map.bits {
+		either := c.Map.bits[w]
+		if parent != nil {
+			either |= parent.bits[w]
+		}
+		for either != 0 {
+			i := w*64 + bits.TrailingZeros64(either)
+			either &= either - 1
+			if parent == nil || parent.Fast(i) != c.Map.Fast(i) {
+				c.changed = append(c.changed, uint32(i))
+			}
 		}
 	}
 	return c, nil
@@ -109,12 +123,13 @@ const scanWindow = 2 << 20
 
 // window is a piece of the RAM file being scanned.
 type window struct {
-	off   int64
-	n     int
-	data  []byte
-	unmap func()
-	err   error
-	ready chan struct{} // closed once data is hashed into the page map, or err set
+	off    int64
+	n      int
+	data   []byte
+	hashes []uint64 // the fast hash of each of its pages
+	unmap  func()
+	err    error
+	ready  chan struct{} // closed once data is hashed into the page map, or err set
 }
 
 // scan hashes the file's data extents into c.Map and writes the pages that
@@ -204,8 +219,7 @@ func (c *Capture) scan(f *os.File, w *bufio.Writer, stagingDir string) error {
 	return nil
 }
 
-// hashWindow maps (or, failing that, reads) win and enters its pages'
-// hashes in c.Map.
+// hashWindow maps (or, failing that, reads) win and hashes its pages.
 func (c *Capture) hashWindow(f *os.File, win *window) {
 	b, err := syscall.Mmap(int(f.Fd()), win.off, win.n, syscall.PROT_READ, syscall.MAP_SHARED|syscall.MAP_POPULATE)
 	if err == nil {
@@ -217,22 +231,26 @@ func (c *Capture) hashWindow(f *os.File, win *window) {
 			return
 		}
 	}
-	first := int(win.off / PageSize)
+	win.hashes = make([]uint64, win.n/PageSize)
 	for p := 0; p < win.n; p += PageSize {
-		c.Map.Fast[first+p/PageSize] = fastHash(win.data[p : p+PageSize])
+		win.hashes[p/PageSize] = fastHash(win.data[p : p+PageSize])
 	}
 }
 
-// stage writes the pages of win that differ from the parent to w.
+// stage enters win's data pages in the page map, in file order, and
+// writes those that differ from the parent to w.
 func (c *Capture) stage(win *window, w *bufio.Writer) error {
 	first := int(win.off / PageSize)
 	for p := 0; p < win.n; p += PageSize {
 		i := first + p/PageSize
-		h := c.Map.Fast[i]
+		h := win.hashes[p/PageSize]
+		if h == 0 {
+			continue
+		}
+		c.Map.add(i, h)
 		switch {
-		case h == 0:
-		case c.parent != nil && c.parent.Fast[i] == h:
-			c.Map.Strong[i] = c.parent.Strong[i] // unchanged
+		case c.parent != nil && c.parent.Fast(i) == h:
+			c.Map.strong[len(c.Map.strong)-1] = c.parent.Strong(i) // unchanged
 		default:
 			if _, err := w.Write(win.data[p : p+PageSize]); err != nil {
 				return err
@@ -356,9 +374,9 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 			}
 			for j := range jobs {
 				for k, page := range j.pages {
-					if c.Map.Fast[page] != 0 {
+					if !c.Map.IsZero(int(page)) {
 						at := headerSize + k*PageSize
-						c.Map.Strong[page] = strongHashOf(j.raw[at : at+PageSize])
+						c.Map.strong[c.Map.index(int(page))] = strongHashOf(j.raw[at : at+PageSize])
 					}
 				}
 				if ctx.Err() == nil {
@@ -394,7 +412,7 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 				bitmap[p/8] |= 1 << (p % 8)
 				n := len(raw)
 				raw = raw[:n+PageSize]
-				if c.Map.Fast[c.changed[i]] == 0 {
+				if c.Map.IsZero(int(c.changed[i])) {
 					clear(raw[n:])
 					continue
 				}
@@ -430,14 +448,12 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 	}
 	for first := 0; first < c.Map.Len(); first += pageMapPiece {
 		n := min(pageMapPiece, c.Map.Len()-first)
-		raw := make([]byte, entrySize*n)
-		for i := range n {
-			e := raw[entrySize*i:]
-			putUint64(e, c.Map.Fast[first+i])
-			copy(e[8:entrySize], c.Map.Strong[first+i][:])
-		}
-		d, err := put(ctx, enc, raw, func(data []byte) ocispec.Descriptor { return pageMapDesc(first, n, data) })
+		data, err := encodePageMap(enc, c.Map, first, n)
 		if err != nil {
+			return out, err
+		}
+		d := pageMapDesc(first, n, data)
+		if err := chunk.Put(ctx, sink, d, data, &uploaded); err != nil {
 			return out, err
 		}
 		out.PageMap = append(out.PageMap, d)
@@ -452,6 +468,38 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 	}
 	out.UploadedBytes = uploaded.Load()
 	return out, nil
+}
+
+// encodePageMap compresses the entries of pages first..first+n, 24 bytes
+// each (zeros for a page of zeros), as a stream: what it holds is the
+// compressed piece, about 24 bytes per data page.
+func encodePageMap(enc *zstd.Encoder, m *PageMap, first, n int) ([]byte, error) {
+	var out bytes.Buffer
+	enc.Reset(&out)
+	buf := make([]byte, 0, 64<<10)
+	var e [entrySize]byte
+	for i := first; i < first+n; i++ {
+		clear(e[:])
+		if !m.IsZero(i) {
+			k := m.index(i)
+			putUint64(e[:], m.fast[k])
+			copy(e[8:], m.strong[k][:])
+		}
+		buf = append(buf, e[:]...)
+		if len(buf) == cap(buf) {
+			if _, err := enc.Write(buf); err != nil {
+				return nil, errcode.Wrap(errcode.Internal, err, "compressing the page map")
+			}
+			buf = buf[:0]
+		}
+	}
+	if _, err := enc.Write(buf); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "compressing the page map")
+	}
+	if err := enc.Close(); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "compressing the page map")
+	}
+	return out.Bytes(), nil
 }
 
 func putUint64(b []byte, v uint64) {

@@ -1,13 +1,17 @@
 package ramfile
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"encoding/binary"
+	"io"
 	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
 
+	"github.com/klauspost/compress/zstd"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sys/unix"
 
@@ -16,16 +20,19 @@ import (
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
-// LoadPageMap fetches and verifies a RAM file's page map.
+// LoadPageMap fetches and verifies a RAM file's page map. Each piece is
+// decompressed as a stream: what is held is the compressed piece and the
+// entries of data pages.
 func LoadPageMap(ctx context.Context, layers Layers, src chunk.BlobSource, size int64) (*PageMap, error) {
-	dec, err := chunk.NewDecoder()
+	pages := Pages(size)
+	m := newPageMap(pages)
+	next := 0
+	dec, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(8<<20), zstd.WithDecoderMaxMemory(64<<20))
 	if err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "zstd decoder")
 	}
 	defer dec.Close()
-	pages := Pages(size)
-	m := newPageMap(pages)
-	next := 0
+	var e [entrySize]byte
 	for _, l := range layers.PageMap {
 		first, count, err := pageMapRange(l)
 		if err != nil {
@@ -34,21 +41,36 @@ func LoadPageMap(ctx context.Context, layers Layers, src chunk.BlobSource, size 
 		if first != next || first+count > pages {
 			return nil, errcode.New(errcode.InvalidInput, "page map layer %s covers pages %d+%d, want the next from page %d of %d", l.Digest, first, count, next, pages)
 		}
-		raw, err := fetch(ctx, src, dec, l, entrySize*count, nil)
+		data, err := src.Blob(ctx, l, l.Size)
 		if err != nil {
 			return nil, err
 		}
-		for i := range count {
-			e := raw[entrySize*i:]
-			m.Fast[first+i] = binary.LittleEndian.Uint64(e)
-			copy(m.Strong[first+i][:], e[8:entrySize])
+		bad := func() error {
+			return errcode.New(errcode.InvalidInput, "page map layer %s does not decompress to its declared %d entries", l.Digest, count)
+		}
+		if err := dec.Reset(bytes.NewReader(data)); err != nil {
+			return nil, bad()
+		}
+		r := bufio.NewReaderSize(dec, 64<<10)
+		for i := first; i < first+count; i++ {
+			if _, err := io.ReadFull(r, e[:]); err != nil {
+				return nil, bad()
+			}
+			if fast := binary.LittleEndian.Uint64(e[:]); fast != 0 {
+				m.add(i, fast)
+				copy(m.strong[len(m.strong)-1][:], e[8:])
+			}
+		}
+		if _, err := r.ReadByte(); err != io.EOF {
+			return nil, bad()
 		}
 		next += count
 	}
 	if next != pages {
 		return nil, errcode.New(errcode.InvalidInput, "the page map covers %d of the RAM file's %d pages", next, pages)
 	}
-	return &m, nil
+	m.finish()
+	return m, nil
 }
 
 // fetch gets a blob from src (which verifies its digest) and decompresses
@@ -281,7 +303,7 @@ func (m *materializer) region(ctx context.Context, l ocispec.Descriptor, dec int
 			switch {
 			case m.opts.Check.IsZero(p) && !zero:
 				return pageMismatch(p, "data where the map has zeros")
-			case !m.opts.Check.IsZero(p) && strongHashOf(page) != m.opts.Check.Strong[p]:
+			case !m.opts.Check.IsZero(p) && strongHashOf(page) != m.opts.Check.Strong(p):
 				return pageMismatch(p, "its hash differs")
 			}
 		}

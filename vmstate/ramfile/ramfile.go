@@ -26,6 +26,7 @@ package ramfile
 import (
 	"crypto/sha256"
 	"encoding/binary"
+	"math/bits"
 	"strconv"
 
 	"github.com/cespare/xxhash/v2"
@@ -117,21 +118,70 @@ func isZero(p []byte) bool {
 	return string(p) == string(zeroPage[:len(p)])
 }
 
-// PageMap holds both hashes of every page of a RAM file.
+// PageMap holds the hashes of a RAM file's data pages: a bit per page says
+// which pages hold data, and their two hashes are kept in page order,
+// found by rank. It takes 24 bytes per data page and a bit per page, so it
+// grows with the guest's data, not its size. Pages are added in order
+// (add), then finish makes it ready for lookups.
 type PageMap struct {
-	Fast   []uint64
-	Strong []strongHash
+	pages  int
+	bits   []uint64 // bit i%64 of word i/64: page i holds data
+	ranks  []uint32 // data pages before each word
+	fast   []uint64
+	strong []strongHash
 }
 
-func newPageMap(pages int) PageMap {
-	return PageMap{Fast: make([]uint64, pages), Strong: make([]strongHash, pages)}
+func newPageMap(pages int) *PageMap {
+	return &PageMap{pages: pages, bits: make([]uint64, (pages+63)/64)}
+}
+
+// add enters data page i (after every page added before it) with its fast
+// hash.
+func (m *PageMap) add(i int, fast uint64) {
+	m.bits[i/64] |= 1 << (i % 64)
+	m.fast = append(m.fast, fast)
+	m.strong = append(m.strong, strongHash{})
+}
+
+// finish computes the ranks; call it once every page is added.
+func (m *PageMap) finish() {
+	m.ranks = make([]uint32, len(m.bits))
+	n := uint32(0)
+	for w, b := range m.bits {
+		m.ranks[w] = n
+		n += uint32(bits.OnesCount64(b))
+	}
 }
 
 // Len is how many pages the map covers.
-func (m PageMap) Len() int { return len(m.Fast) }
+func (m *PageMap) Len() int { return m.pages }
+
+// DataPages is how many pages hold data.
+func (m *PageMap) DataPages() int { return len(m.fast) }
 
 // IsZero says whether page i is a page of zeros.
-func (m PageMap) IsZero(i int) bool { return m.Fast[i] == 0 }
+func (m *PageMap) IsZero(i int) bool { return m.bits[i/64]&(1<<(i%64)) == 0 }
+
+// index is data page i's place among the data pages.
+func (m *PageMap) index(i int) int {
+	return int(m.ranks[i/64]) + bits.OnesCount64(m.bits[i/64]&(1<<(i%64)-1))
+}
+
+// Fast is page i's fast hash, 0 for a page of zeros.
+func (m *PageMap) Fast(i int) uint64 {
+	if m.IsZero(i) {
+		return 0
+	}
+	return m.fast[m.index(i)]
+}
+
+// Strong is page i's strong hash, zeros for a page of zeros.
+func (m *PageMap) Strong(i int) strongHash {
+	if m.IsZero(i) {
+		return strongHash{}
+	}
+	return m.strong[m.index(i)]
+}
 
 // Pages is how many pages a RAM file of size bytes has.
 func Pages(size int64) int { return int((size + PageSize - 1) / PageSize) }

@@ -355,3 +355,35 @@ func TestCacheRefusesUnsafeDirectoriesAbove(t *testing.T) {
 		}
 	}
 }
+
+// The page map keeps data pages only, found by rank: every lookup agrees
+// with a plain per-page reference.
+func TestPageMapRanks(t *testing.T) {
+	rng := rand.New(rand.NewPCG(13, 14))
+	const pages = 5000
+	ref := make([]uint64, pages)
+	m := newPageMap(pages)
+	for i := range pages {
+		if rng.IntN(3) == 0 {
+			ref[i] = rng.Uint64() | 1
+			m.add(i, ref[i])
+			m.strong[len(m.strong)-1][0] = byte(i)
+		}
+	}
+	m.finish()
+	data := 0
+	for i, h := range ref {
+		if m.Fast(i) != h || m.IsZero(i) != (h == 0) {
+			t.Fatalf("page %d: fast %x zero %v, want %x", i, m.Fast(i), m.IsZero(i), h)
+		}
+		if h != 0 {
+			data++
+			if m.Strong(i)[0] != byte(i) {
+				t.Fatalf("page %d: strong hash of another page", i)
+			}
+		}
+	}
+	if m.DataPages() != data || m.Len() != pages {
+		t.Fatalf("%d data pages of %d, want %d of %d", m.DataPages(), m.Len(), data, pages)
+	}
+}
