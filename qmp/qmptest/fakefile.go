@@ -177,7 +177,10 @@ func (f *FakeQEMU) handleFile(cmd Command, files []*os.File) (any, *qmp.Error, b
 		return nil, nil, false
 	case "migrate_cancel":
 		if f.migration == "active" && f.LieGrow {
-			f.migration = "cancelled" // the writer sees it and stops
+			// As QEMU: "cancelling" until the writer has seen it and
+			// stopped, so that no write lands after a canceller has seen
+			// "cancelled" (and freed the file).
+			f.migration = "cancelling"
 			f.status = "paused"
 			return nil, nil, true
 		}
@@ -285,6 +288,9 @@ func (f *FakeQEMU) growWithoutEnd(file *os.File) {
 	for off := int64(0); off < lieGrowLimit; off += int64(len(block)) {
 		f.mu.Lock()
 		cancelled := f.migration != "active"
+		if cancelled {
+			f.migration = "cancelled"
+		}
 		f.mu.Unlock()
 		if cancelled {
 			f.event("cancelled")
