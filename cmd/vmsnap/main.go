@@ -126,6 +126,11 @@ A typical round trip:
   qemu-system-x86_64 ...same options... -incoming defer &
   vmsnap restore --qmp /run/new/qmp.sock --image oci:/snap@sha256:...
 
+A VM whose RAM is a shared file (memory-backend-file,share=on) resumes without
+loading its memory: vmsnap prepare REF@sha256:... prints the QEMU arguments
+that map the snapshot's RAM file; start QEMU with them and -incoming defer,
+then vmsnap restore --qmp as above (see vmsnap prepare --help).
+
 Exit status: 0 on success, otherwise the error code's status (see README).`,
 		SilenceErrors:     true,
 		SilenceUsage:      true,
