@@ -94,7 +94,7 @@ func fetch(ctx context.Context, src chunk.BlobSource, dec interface {
 
 // MaterializeOptions tunes Materialize.
 type MaterializeOptions struct {
-	Workers  int                   // regions fetched and written at once (default 2)
+	Workers  int                   // regions fetched and written at once (default 4: a fetch mostly waits on the store)
 	Progress func(bytesDone int64) // compressed bytes fetched so far
 	// MaxDataBytes, if above 0, is the most the file may allocate (the
 	// image's declared data, with room for rounding): an image whose
@@ -128,7 +128,7 @@ func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os
 		return 0, errcode.Wrap(errcode.Internal, err, "sizing the RAM file")
 	}
 	if opts.Workers <= 0 {
-		opts.Workers = 2
+		opts.Workers = 4
 	}
 	if opts.Check != nil && opts.Check.Len() != Pages(size) {
 		return 0, errcode.New(errcode.InvalidInput, "the page map has %d pages, the RAM file %d", opts.Check.Len(), Pages(size))
