@@ -275,9 +275,15 @@ func TestRegistryE2ECheckpointAfterAChangeUploadsOnlyTheChange(t *testing.T) {
 		t.Fatalf("the stream grew by %d bytes; filling %d zero pages should have added %d", grew, pages, pages*4095)
 	}
 	// 2 MiB of new random data, plus the rest of the chunks they fall in
-	// (the pages a guest process owns are scattered in its RAM).
-	if second.UploadedBytes < 2<<20 || share > 0.15 {
-		t.Fatalf("the second checkpoint uploaded %d bytes, %.1f%% of the first's %d; want the 2 MiB changed and at most 15%%",
+	// (the pages a guest process owns are scattered in its RAM), plus
+	// what the guest's instant of running changed. Content-defined cuts
+	// resynchronize after an insertion within a few chunks, but not always
+	// within one: the chunker's simulation (chunker.go) puts 12% of cases
+	// past 15%, and a CI run saw 31% (12 of 36 chunks). Fixed-size chunks
+	// would send everything after the insertion, about half the stream:
+	// 40% still tells the two apart.
+	if second.UploadedBytes < 2<<20 || share > 0.40 {
+		t.Fatalf("the second checkpoint uploaded %d bytes, %.1f%% of the first's %d; want the 2 MiB changed and at most 40%%",
 			second.UploadedBytes, 100*share, first.StoredBytes)
 	}
 }
