@@ -603,7 +603,7 @@ func ownCopy(memPath string) bool {
 // keepDeviceState copies the image's manifest, config and device state
 // (every layer but the RAM file's: a few hundred KiB) into an OCI layout
 // beside its cache file (ramfile.StatePath), complete or absent, so that a
-// restore on this node reads nothing from the registry (LocalState). An
+// restore on this node reads nothing from the registry (localState). An
 // image whose copy would not keep its digest (a decrypted copy of an
 // encrypted image) is not kept: the restore then reads the registry. It
 // is an optimization: a failure only means that.
@@ -634,22 +634,21 @@ func keepDeviceState(ctx context.Context, repo ociimage.Repository, desc ocispec
 	return nil
 }
 
-// LocalState is where a restore reads a memory-file image from when the
-// waiting QEMU maps a RAM file vmsnap prepared for it on this node: the
-// device state kept beside that file (keepDeviceState), which holds every
-// blob the restore needs, each verified by its digest as it is read. Nil
-// when there is none (the file is a VM's own copy, is not visible from
-// here, or was prepared for another image).
-func LocalState(ctx context.Context, mon Executor, image digest.Digest) ociimage.Repository {
-	b, err := readRAMBackend(ctx, mon)
-	if err != nil || b == nil || b.Type != "memory-backend-file" || ramfile.KeyOf(b.MemPath) != image || !filepath.IsAbs(b.MemPath) {
+// localState is where a restore reads a memory-file image from when the
+// waiting QEMU's RAM backend b maps a RAM file vmsnap prepared for it on
+// this node: the device state kept beside that file (keepDeviceState),
+// which holds every blob the restore needs, each verified by its digest as
+// it is read. Nil when there is none (the file is a VM's own copy, is not
+// visible from here, or was prepared for another image).
+func localState(b *RAMBackend, image digest.Digest) ociimage.Repository {
+	if image == "" || b == nil || b.Type != "memory-backend-file" || ramfile.KeyOf(b.MemPath) != image || !filepath.IsAbs(b.MemPath) {
 		return nil
 	}
 	dir := ramfile.StatePath(b.MemPath)
 	if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
 		return nil
 	}
-	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir, Digest: image})
+	repo, err := ociimage.Open(context.Background(), ociimage.Reference{Layout: dir, Digest: image})
 	if err != nil {
 		return nil
 	}

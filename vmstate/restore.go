@@ -38,6 +38,9 @@ type RestoreResult struct {
 	RawBytes  int64
 	Durations RestoreDurations
 	VMRunning bool
+	// FromNode: the image was read from the device state Prepare kept
+	// beside the RAM file the target maps, not from the store.
+	FromNode bool
 }
 
 // LoadConfig fetches and checks a VM state image's manifest and config
@@ -91,14 +94,20 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 		return nil, errcode.New(errcode.InvalidInput, "QEMU is %s, not waiting for an incoming migration: start it with -incoming defer and the same machine options as the source", st.Status)
 	}
 
+	target, err := ReadRecord(ctx, mon)
+	if err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "reading the waiting QEMU's compatibility record")
+	}
+	// A QEMU mapping the RAM file prepared for this image on this node:
+	// its device state was kept beside it, and nothing comes from the
+	// store.
+	if local := localState(target.RAM, repo.Reference().Digest); local != nil {
+		repo, res.FromNode = local, true
+	}
 	var m ocispec.Manifest
 	res.Manifest, m, res.Config, err = LoadConfig(ctx, repo)
 	if err != nil {
 		return nil, err
-	}
-	target, err := ReadRecord(ctx, mon)
-	if err != nil {
-		return nil, errcode.Ensure(errcode.QMPError, err, "reading the waiting QEMU's compatibility record")
 	}
 	if err := checkRestorable(ctx, mon, res.Config, res.Manifest.Digest, target); err != nil {
 		return nil, err

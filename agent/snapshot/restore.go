@@ -53,22 +53,13 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 		return nil, err
 	}
 	defer mon.Close()
-	// A QEMU mapping the RAM file prepared for this image on this node:
-	// its device state was kept beside it, and nothing comes from the
-	// registry.
-	source := repo
-	if d := repo.Reference().Digest; d != "" {
-		if local := vmstate.LocalState(ctx, mon, d); local != nil {
-			source = local
-		}
-	}
-	res, err := vmstate.Restore(ctx, mon, source, vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream), StagingDir: s.StagingDir})
+	res, err := vmstate.Restore(ctx, mon, repo, vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream), StagingDir: s.StagingDir})
 	if err != nil {
 		return nil, err
 	}
 	return &api.RestoreResult{VMState: &api.RestoredState{
 		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
-		RawBytes: res.RawBytes, VMRunning: res.VMRunning, FromNode: source != repo,
+		RawBytes: res.RawBytes, VMRunning: res.VMRunning, FromNode: res.FromNode,
 		DurationsMs: map[string]float64{"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream), "total": api.Ms(res.Durations.Total)},
 	}}, nil
 }

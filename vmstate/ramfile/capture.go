@@ -275,24 +275,18 @@ const (
 // bytes that may hold data (SEEK_DATA/SEEK_HOLE; a filesystem without them
 // is all data).
 func dataExtents(f *os.File, size int64, fn func(start, end int64) error) error {
-	return dataExtentsIn(f, 0, size, fn)
-}
-
-// dataExtentsIn is dataExtents between the page-aligned offsets from and
-// to.
-func dataExtentsIn(f *os.File, from, to int64, fn func(start, end int64) error) error {
 	fd := int(f.Fd())
-	for off := from; off < to; {
+	for off := int64(0); off < size; {
 		data, err := unix.Seek(fd, off, seekData)
 		switch {
 		case errors.Is(err, syscall.ENXIO):
 			return nil
 		case errors.Is(err, syscall.EINVAL):
-			return fn(off, to)
+			return fn(off, size)
 		case err != nil:
 			return errcode.Wrap(errcode.Internal, err, "reading the RAM file's extents")
 		}
-		if data >= to {
+		if data >= size {
 			return nil
 		}
 		hole, err := unix.Seek(fd, data, seekHole)
@@ -300,7 +294,7 @@ func dataExtentsIn(f *os.File, from, to int64, fn func(start, end int64) error) 
 			return errcode.Wrap(errcode.Internal, err, "reading the RAM file's extents")
 		}
 		start := data &^ (PageSize - 1)
-		end := min((max(hole, data+1)+PageSize-1)&^(PageSize-1), to)
+		end := min((max(hole, data+1)+PageSize-1)&^(PageSize-1), size)
 		if err := fn(max(start, off), end); err != nil {
 			return err
 		}

@@ -161,10 +161,8 @@ func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os
 	inherited := len(regions) - opts.Own
 	for k := len(runs) - 1; k >= 0; k-- {
 		r := runs[k]
+		// (Each region checks the file's allocation once written.)
 		if err := m.run(ctx, regions[r[0]:r[1]], r[0], inherited); err != nil {
-			return m.fetched.Load(), err
-		}
-		if err := checkAllocated(f, opts.MaxDataBytes); err != nil {
 			return m.fetched.Load(), err
 		}
 	}
