@@ -117,6 +117,7 @@ type Durations struct {
 	Push    time.Duration // config and manifest
 	Total   time.Duration
 	Save    time.Duration // mapped-ram: QEMU writing the staging file; memory-file: scanning the RAM file, the VM stopped (part of Stream)
+	Precopy time.Duration // memory-file, snapshot mode: the pre-copy of the RAM file's pages, the VM running until its final pass
 }
 
 // CheckpointResult is what a checkpoint produced.
@@ -133,6 +134,10 @@ type CheckpointResult struct {
 	VMRunning bool // the source's state when Checkpoint returned
 	// RAMParentNote says, for a memory-file base, why it has no parent.
 	RAMParentNote string
+	// RAMCapture is how a memory-file checkpoint read the RAM file:
+	// CapturePrecopy or CaptureScan; RAMCaptureNote why it scanned when a
+	// pre-copy was tried.
+	RAMCapture, RAMCaptureNote string
 }
 
 // cleanupTimeout bounds what we do to put a VM back after a failure, even
@@ -313,8 +318,8 @@ func streamSaver(ctx context.Context, mon Monitor, g *sourceGuard, sub *qmp.Subs
 // and store the state manifest, the checkpoint's commit point.
 func stopAndSave(ctx context.Context, mon Monitor, g *sourceGuard, repo ociimage.Repository, opts CheckpointOptions, res *CheckpointResult, start time.Time, save, store func(context.Context) error) error {
 	res.Durations.Prepare = time.Since(start)
-	var stoppedAt time.Time
-	if opts.Mode != ModeLive && g.wasRunning {
+	stoppedAt := g.stoppedAt
+	if opts.Mode != ModeLive && g.wasRunning && stoppedAt.IsZero() {
 		g.phase = "stopping the VM"
 		if err := mon.Execute(ctx, "stop", nil, nil); err != nil {
 			return errcode.Ensure(errcode.QMPError, err, "stopping the VM")
@@ -377,6 +382,9 @@ type sourceGuard struct {
 	// lost, it may still run), and cleared once it is over.
 	migrating bool
 	phase     string   // what the checkpoint is doing, for an interruption
+	// stoppedAt, if set, is when QEMU itself stopped the VM (a pre-copy's
+	// final pass): stopAndSave does not stop it again.
+	stoppedAt time.Time
 	cleanups  []func() // onFinish
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate/chunk"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
@@ -320,39 +322,101 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	if err != nil {
 		return nil, err
 	}
-	sub := mon.Subscribe()
-	defer sub.Close()
-	saveDevices, closeStream, err := streamSaver(ctx, mon, g, sub, repo, opts, res)
-	defer closeStream()
-	if err != nil {
-		return nil, err
-	}
 	var capture *ramfile.Capture
 	defer func() {
 		if capture != nil {
 			capture.Close()
 		}
 	}()
+	// A running VM in snapshot mode: its pages and device state come from
+	// a pre-copy, and QEMU stops it only for the final pass (precopy.go).
+	// In pause mode the VM stays stopped anyway, and a scan of the file is
+	// the faster way; it is also the way back from a pre-copy that failed
+	// before QEMU stopped the VM.
+	var pre *precopied
+	defer func() {
+		if pre != nil {
+			pre.close()
+		}
+	}()
+	res.RAMCapture = CaptureScan
+	if opts.Mode == ModeSnapshot && st.Running {
+		precopyStart := time.Now()
+		var perr error
+		pre, perr = precopy(ctx, mon, g, be, parentMap, stagingDir(opts.StagingDir))
+		res.Durations.Precopy = time.Since(precopyStart)
+		if perr != nil {
+			if ctx.Err() != nil {
+				return nil, perr
+			}
+			if now, qerr := queryStatus(ctx, mon); qerr != nil || !now.Running {
+				return nil, perr // completed: QEMU migrates it again only once it ran
+			}
+			res.RAMCaptureNote = precopyNote(perr)
+		} else {
+			res.RAMCapture = CapturePrecopy
+			capture, pre.capture = pre.capture, nil
+			g.stoppedAt = pre.stoppedAt
+		}
+	}
+	var saveDevices func(context.Context) error
+	if pre == nil {
+		sub := mon.Subscribe()
+		defer sub.Close()
+		var closeStream func()
+		saveDevices, closeStream, err = streamSaver(ctx, mon, g, sub, repo, opts, res)
+		defer closeStream()
+		if err != nil {
+			return nil, err
+		}
+	}
 	save := func(ctx context.Context) error {
-		if err := saveDevices(ctx); err != nil {
-			return err
+		if saveDevices != nil {
+			if err := saveDevices(ctx); err != nil {
+				return err
+			}
 		}
 		g.phase = "copying the changed RAM pages aside"
 		scanStart := time.Now()
 		var err error
-		capture, err = ramfile.Scan(f, be.Bytes, parentMap, stagingDir(opts.StagingDir))
+		if capture == nil {
+			capture, err = ramfile.Scan(f, be.Bytes, parentMap, stagingDir(opts.StagingDir))
+		}
 		if err == nil && parent != nil && len(parent.ram.Regions)+capture.Regions() > ramfile.MaxRegionLayers {
 			// The delta would list more layers than a manifest holds:
-			// a fresh base instead (rare: a chain of large deltas).
+			// a fresh base instead (rare: a chain of large deltas). The VM
+			// is stopped, so the file is the RAM of this checkpoint.
 			res.RAMParentNote = fmt.Sprintf("the chain would list %d region layers, more than %d: a fresh base", len(parent.ram.Regions)+capture.Regions(), ramfile.MaxRegionLayers)
 			capture.Close()
 			parent = nil
+			res.RAMCapture = CaptureScan // a pre-copy kept only the pages that changed
 			capture, err = ramfile.Scan(f, be.Bytes, nil, stagingDir(opts.StagingDir))
 		}
 		res.Durations.Save = time.Since(scanStart)
 		return err
 	}
+	// storeDevices stores a pre-copy's device state, once the VM runs.
+	storeDevices := func(ctx context.Context) error {
+		if pre == nil {
+			return nil
+		}
+		g.phase = "storing the device state"
+		start := time.Now()
+		stream, err := chunk.EncodeStream(ctx, newBoundedStream(io.LimitReader(pre.devices, pre.deviceLen), res.Config.Record.MemoryBytes), repo, opts.Stream)
+		if err != nil {
+			return err
+		}
+		if stream.RawBytes == 0 {
+			return errcode.New(errcode.QMPError, "QEMU's pre-copy carried no device state")
+		}
+		res.Stream, res.Config.RawBytes = stream, stream.RawBytes
+		res.Durations.Stream = time.Since(start)
+		return nil
+	}
 	store := func(ctx context.Context) error {
+		if err := storeDevices(ctx); err != nil {
+			return err
+		}
 		g.phase = "storing the RAM pages"
 		storeStart := time.Now()
 		devices := res.Stream.RawBytes

@@ -57,6 +57,12 @@ type RAMResult struct {
 	// BaseNote says why a base has no parent (no earlier checkpoint under
 	// the tag, a chain at its bound, ...).
 	BaseNote string `json:"baseNote,omitempty"`
+	// Capture is how the RAM file was read: "precopy" (a live migration
+	// of its pages, QEMU stopping the VM only for the final pass: snapshot
+	// mode) or "scan" (the file read with the VM stopped: pause mode, or
+	// when a pre-copy fails, which CaptureNote then explains).
+	Capture     string `json:"capture"`
+	CaptureNote string `json:"captureNote,omitempty"`
 }
 
 // ChainLink is one checkpoint of a RAM file's chain.

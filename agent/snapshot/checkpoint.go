@@ -270,13 +270,16 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			Machine:       res.Config.Record.Machine,
 			MemoryBytes:   res.Config.Record.MemoryBytes,
 			Format:        formatName(res.Config.Format),
-			RAM:           ramResult(res.Config, res.RAMParentNote),
+			RAM:           ramResult(res),
 			DurationsMs: map[string]float64{
 				"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream),
 				"disk": api.Ms(res.Durations.Stopped), "push": api.Ms(res.Durations.Push), "total": api.Ms(res.Durations.Total),
 				// mapped-ram: QEMU writing its file; memory-file: scanning the
 				// RAM file while the VM is stopped (both part of stream).
 				"save": api.Ms(res.Durations.Save),
+				// memory-file, snapshot mode: the pre-copy, the VM running
+				// until its final pass (precopy is before stream).
+				"precopy": api.Ms(res.Durations.Precopy),
 			},
 		},
 		Mode:       string(s.Mode),
@@ -337,12 +340,13 @@ func formatName(f vmstate.Format) string {
 }
 
 // ramResult describes a memory-file image's RAM file, or nil.
-func ramResult(cfg vmstate.Config, note string) *api.RAMResult {
-	r := cfg.RAM
+func ramResult(res *vmstate.CheckpointResult) *api.RAMResult {
+	r := res.Config.RAM
 	if r == nil {
 		return nil
 	}
-	out := &api.RAMResult{Backend: r.Backend, Bytes: r.Bytes, DataBytes: r.DataBytes, Parent: string(r.Parent()), BaseNote: note}
+	out := &api.RAMResult{Backend: r.Backend, Bytes: r.Bytes, DataBytes: r.DataBytes, Parent: string(r.Parent()), BaseNote: res.RAMParentNote,
+		Capture: res.RAMCapture, CaptureNote: res.RAMCaptureNote}
 	for _, l := range r.Chain {
 		out.Chain = append(out.Chain, api.ChainLink{Manifest: string(l.Manifest), Created: l.Created, Regions: l.Regions, StoredBytes: l.StoredBytes, ChangedPages: l.ChangedPages})
 	}

@@ -73,7 +73,12 @@ func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
 	if !cp1.VMRunning || cp1.DowntimeMs <= 0 || cp1.DowntimeMs >= cp1.TotalMs {
 		t.Fatalf("snapshot mode: running %v, downtime %.0f ms of %.0f ms", cp1.VMRunning, cp1.DowntimeMs, cp1.TotalMs)
 	}
-	t.Logf("base: downtime %.0f ms, total %.0f ms, %d MiB stored, device state %d KiB", cp1.DowntimeMs, cp1.TotalMs, cp1.VMState.StoredBytes>>20, cp1.VMState.RawBytes>>10)
+	// Snapshot mode of a running VM: the pages come from a pre-copy, QEMU
+	// stopping the VM for its final pass only (a scan is the fallback).
+	if ram1.Capture != vmstate.CapturePrecopy {
+		t.Fatalf("a snapshot of a running VM captured its RAM by %q (%s), not by pre-copy", ram1.Capture, ram1.CaptureNote)
+	}
+	t.Logf("base: downtime %.0f ms, total %.0f ms (pre-copy %.0f ms), %d MiB stored, device state %d KiB", cp1.DowntimeMs, cp1.TotalMs, cp1.VMState.DurationsMs["precopy"], cp1.VMState.StoredBytes>>20, cp1.VMState.RawBytes>>10)
 
 	// 2. The guest runs on; the next checkpoint under the tag is a delta
 	// that uploads a small part of the image.
@@ -89,6 +94,9 @@ func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
 	if cp2.VMState.StoredBytes < cp1.VMState.StoredBytes {
 		t.Errorf("a delta's image stores %d bytes, less than its parent's %d: storedBytes must count the parent's layers", cp2.VMState.StoredBytes, cp1.VMState.StoredBytes)
 	}
+	if ram2.Capture != vmstate.CapturePrecopy {
+		t.Fatalf("the delta captured its RAM by %q (%s), not by pre-copy", ram2.Capture, ram2.CaptureNote)
+	}
 	ratio := float64(cp2.VMState.UploadedBytes) / float64(cp2.VMState.StoredBytes)
 	t.Logf("delta: %d changed pages, uploaded %d KiB of %d MiB (%.1f%%)", ram2.Chain[1].ChangedPages, cp2.VMState.UploadedBytes>>10, cp2.VMState.StoredBytes>>20, 100*ratio)
 	if ratio > 0.05 {
@@ -100,6 +108,9 @@ func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
 		"--disk", overlay, "--disk-image", "oci:"+store+":vm-disk")
 	if r := cp3.VMState.RAM; r == nil || len(r.Chain) != 3 || r.Parent != cp2.VMState.Digest || r.Chain[0].Manifest != cp1.VMState.Digest {
 		t.Fatalf("third checkpoint is not base + 2 deltas: %+v", cp3.VMState.RAM)
+	}
+	if c := cp3.VMState.RAM.Capture; c != vmstate.CaptureScan {
+		t.Errorf("pause mode captured the RAM by %q: the VM stays stopped, a scan is the faster way", c)
 	}
 	resume := src.ResumeCounter()
 	src.Kill()

@@ -70,7 +70,7 @@ type FakeBackend struct {
 // "paused" or "inmigrate" for a restore target) whose migrations carry state.
 func NewFakeQEMU(t testing.TB, status string, state []byte) *FakeQEMU {
 	f := &FakeQEMU{status: status, migration: "none", Memory: 256 << 20, State: state, fds: map[string]*os.File{},
-		Caps: map[string]bool{"events": false, "background-snapshot": false}, Bandwidth: 128 << 20, DowntimeLimit: 300,
+		Caps: map[string]bool{"events": false, "background-snapshot": false, "x-ignore-shared": false}, Bandwidth: 128 << 20, DowntimeLimit: 300,
 		FeatureWords: Qemu64FeatureWords(), FilteredFeatures: []FeatureWord{}}
 	f.Srv = NewServer(t, f.handle)
 	// Handlers emit events through srv: the server runs before the

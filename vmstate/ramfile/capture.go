@@ -33,7 +33,8 @@ type Capture struct {
 	Map     *PageMap
 	parent  *PageMap // nil for a base
 	changed []uint32 // pages whose entry differs from the parent's, ascending
-	staging *os.File // the changed non-zero pages, in order
+	staging *os.File // the changed non-zero pages, in order (Scan)
+	shadow  bool     // staging holds page i at i*PageSize instead (Shadow)
 	// StagedBytes is what the staging file holds; ScannedBytes what was
 	// read of the RAM file (its data extents; holes are not read).
 	StagedBytes, ScannedBytes int64
@@ -99,23 +100,27 @@ func Scan(f *os.File, size int64, parent *PageMap, stagingDir string) (c *Captur
 		return nil, stagingErr(stagingDir, err)
 	}
 	c.Map.finish()
-	// The pages to store: a base's data pages, a delta's pages whose fast
-	// hash differs from the parent's (zeroed ones included), walked over
-	// the words where either map has data.
+	c.diff()
+	return c, nil
+}
+
+// diff lists the pages to store: a base's data pages, a delta's pages
+// whose fast hash differs from the parent's (zeroed ones included), walked
+// over the words where either map has data.
+func (c *Capture) diff() {
 	for w := range c.Map.bits {
 		either := c.Map.bits[w]
-		if parent != nil {
-			either |= parent.bits[w]
+		if c.parent != nil {
+			either |= c.parent.bits[w]
 		}
 		for either != 0 {
 			i := w*64 + bits.TrailingZeros64(either)
 			either &= either - 1
-			if parent == nil || parent.Fast(i) != c.Map.Fast(i) {
+			if c.parent == nil || c.parent.Fast(i) != c.Map.Fast(i) {
 				c.changed = append(c.changed, uint32(i))
 			}
 		}
 	}
-	return c, nil
 }
 
 // scanWindow is how much of the RAM file Scan maps (or reads) at a time.
@@ -410,7 +415,11 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 					clear(raw[n:])
 					continue
 				}
-				if _, err := c.staging.ReadAt(raw[n:], staged); err != nil {
+				at := staged
+				if c.shadow {
+					at = int64(c.changed[i]) * PageSize
+				}
+				if _, err := c.staging.ReadAt(raw[n:], at); err != nil {
 					return errcode.Wrap(errcode.Internal, err, "reading the RAM staging file")
 				}
 				staged += PageSize
