@@ -381,7 +381,7 @@ type sourceGuard struct {
 	// migrating is set before a migration is asked for (if the reply is
 	// lost, it may still run), and cleared once it is over.
 	migrating bool
-	phase     string   // what the checkpoint is doing, for an interruption
+	phase     string // what the checkpoint is doing, for an interruption
 	// stoppedAt, if set, is when QEMU itself stopped the VM (a pre-copy's
 	// final pass): stopAndSave does not stop it again.
 	stoppedAt time.Time
