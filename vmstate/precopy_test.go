@@ -1,0 +1,292 @@
+package vmstate
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/binary"
+	"maps"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/vmstate/ramfile"
+)
+
+// qemuStream writes migration streams the way QEMU 7.2 does, in the two
+// forms the pre-copy deals with: a whole-VM pre-copy (x-ignore-shared
+// off) and the device state of an x-ignore-shared migration.
+type qemuStream struct {
+	b            bytes.Buffer
+	ignoreShared bool
+	last         string // the block of the last page record
+}
+
+func (q *qemuStream) u8(v byte)    { q.b.WriteByte(v) }
+func (q *qemuStream) u32(v uint32) { q.b.Write(binary.BigEndian.AppendUint32(nil, v)) }
+func (q *qemuStream) u64(v uint64) { q.b.Write(binary.BigEndian.AppendUint64(nil, v)) }
+func (q *qemuStream) str(s string) { q.u8(byte(len(s))); q.b.WriteString(s) }
+
+func (q *qemuStream) header() {
+	q.u32(qemuVMFileMagic)
+	q.u32(qemuVMFileVersion)
+	q.u8(qemuVMConfiguration)
+	q.u32(uint32(len("pc-i440fx-7.2")))
+	q.b.WriteString("pc-i440fx-7.2")
+	if q.ignoreShared {
+		q.u8(qemuVMSubsection)
+		q.str("configuration/capabilities")
+		q.u32(1)
+		q.u32(1)
+		q.str(capIgnoreShared)
+	}
+}
+
+type testBlock struct {
+	name  string
+	bytes uint64
+	addr  uint64
+}
+
+func (q *qemuStream) start(blocks []testBlock) {
+	q.u8(qemuVMSectionStart)
+	q.u32(2)
+	q.str("ram")
+	q.u32(0)
+	q.u32(4)
+	var total uint64
+	for _, b := range blocks {
+		total += b.bytes
+	}
+	q.u64(total | ramFlagMemSize)
+	for _, b := range blocks {
+		q.str(b.name)
+		q.u64(b.bytes)
+		if q.ignoreShared {
+			q.u64(b.addr)
+		}
+	}
+	q.u64(ramFlagEOS)
+	q.footer(2)
+}
+
+func (q *qemuStream) footer(id uint32) { q.u8(qemuVMSectionFooter); q.u32(id) }
+
+// page writes a page record: data nil for a page of zeros. It names the
+// block unless the last record was of the same block.
+func (q *qemuStream) page(block string, off uint64, data []byte) {
+	q.record(block, off, data, block != q.last)
+}
+
+// record writes a page record, naming the block or not. (The rewrite keeps
+// a record as it came, so its stream names a block wherever the pre-copy
+// did, which a load accepts as it does a continuation.)
+func (q *qemuStream) record(block string, off uint64, data []byte, named bool) {
+	flags := uint64(ramFlagPage)
+	if data == nil {
+		flags = ramFlagZero
+	}
+	if !named {
+		q.u64(off | flags | ramFlagContinue)
+	} else {
+		q.u64(off | flags)
+		q.str(block)
+	}
+	q.last = block
+	if data == nil {
+		q.u8(0)
+	} else {
+		q.b.Write(data)
+	}
+}
+
+func (q *qemuStream) section(t byte) { q.u8(t); q.u32(2) }
+func (q *qemuStream) eos()           { q.u64(ramFlagEOS); q.footer(2) }
+
+// devices writes a device section and the end, as opaque to the parser as
+// QEMU's are.
+func (q *qemuStream) devices() {
+	q.u8(qemuVMSectionFull)
+	q.u32(3)
+	q.str("timer")
+	q.u32(0)
+	q.u32(2)
+	q.b.Write([]byte{1, 2, 3, 4, 5, 6, 7, 8})
+	q.footer(3)
+	q.u8(qemuVMEOF)
+}
+
+// sink records the last copy of each page it is given.
+type sink map[int][]byte
+
+func (s sink) Page(i int, p []byte) error { s[i] = bytes.Clone(p); return nil }
+func (s sink) Zero(i int) error           { s[i] = nil; return nil }
+
+const (
+	testRAMPages  = 64
+	testVRAMPages = 4
+	testRAMAddr   = 0x100000000
+)
+
+var testBlocks = []testBlock{{"ram0", testRAMPages * ramfile.PageSize, testRAMAddr}, {"vga.vram", testVRAMPages * ramfile.PageSize, 0}}
+
+// precopyPair is a pre-copy stream of three passes, the x-ignore-shared
+// stream it must be rewritten into, and the RAM file's final pages.
+func precopyPair(seed uint64) (precopy, want []byte, final sink) {
+	rng := rand.New(rand.NewPCG(seed, seed))
+	pre, ign := &qemuStream{}, &qemuStream{ignoreShared: true}
+	final = sink{}
+	randPage := func() []byte {
+		if rng.IntN(3) == 0 {
+			return nil
+		}
+		p := make([]byte, ramfile.PageSize)
+		for k := range p {
+			p[k] = byte(rng.Uint32())
+		}
+		return p
+	}
+	for _, q := range []*qemuStream{pre, ign} {
+		q.header()
+		q.start(testBlocks)
+	}
+	for pass := range 3 {
+		t := byte(qemuVMSectionPart)
+		if pass == 2 {
+			t = qemuVMSectionEnd
+		}
+		pre.section(t)
+		ign.section(t)
+		for i := range testRAMPages {
+			if pass > 0 && rng.IntN(4) != 0 {
+				continue
+			}
+			p := randPage()
+			pre.page("ram0", uint64(i)*ramfile.PageSize, p)
+			final[i] = p
+			if i%16 == 0 { // another block's page in between
+				v := randPage()
+				named := pre.last != "vga.vram"
+				pre.page("vga.vram", uint64(i/16)*ramfile.PageSize, v)
+				ign.record("vga.vram", uint64(i/16)*ramfile.PageSize, v, named)
+			}
+		}
+		pre.eos()
+		ign.eos()
+	}
+	pre.devices()
+	ign.devices()
+	return pre.b.Bytes(), ign.b.Bytes(), final
+}
+
+func rewrite(stream []byte) ([]byte, sink, error) {
+	var out bytes.Buffer
+	w := bufio.NewWriter(&out)
+	got := sink{}
+	br := bufio.NewReader(bytes.NewReader(stream))
+	err := readPrecopy(br, w, "ram0", testRAMPages*ramfile.PageSize, testRAMAddr, got)
+	if err == nil {
+		_, err = w.ReadFrom(br)
+	}
+	w.Flush()
+	return out.Bytes(), got, err
+}
+
+// TestPrecopyRewritesTheStreamForIgnoreShared: the RAM file's pages go to
+// the sink (the last copy of each), and what is written out is, byte for
+// byte, the stream an x-ignore-shared migration of the same VM carries:
+// the capability listed, each block's address in the setup, the other
+// blocks' pages and the devices as they were.
+func TestPrecopyRewritesTheStreamForIgnoreShared(t *testing.T) {
+	for seed := range uint64(8) {
+		stream, want, final := precopyPair(seed)
+		out, got, err := rewrite(stream)
+		if err != nil {
+			t.Fatalf("seed %d: %v", seed, err)
+		}
+		if !bytes.Equal(out, want) {
+			t.Fatalf("seed %d: the rewritten stream (%d bytes) is not the x-ignore-shared one (%d bytes)", seed, len(out), len(want))
+		}
+		if !maps.EqualFunc(got, final, bytes.Equal) {
+			t.Fatalf("seed %d: the sink holds %d pages, not the last copy of each of the %d sent", seed, len(got), len(final))
+		}
+	}
+}
+
+// TestPrecopyRefusesWhatItDoesNotKnow: a hostile or unexpected stream is
+// refused with QMP_ERROR (the checkpoint then scans the file), never read
+// past its bounds nor taken for pages.
+func TestPrecopyRefusesWhatItDoesNotKnow(t *testing.T) {
+	good, _, _ := precopyPair(1)
+	// Offsets into good: the configuration, the setup, the first record.
+	cfg := 8
+	setup := bytes.Index(good, []byte("\x03ram"))
+	ramSetupEnd := bytes.Index(good[setup:], []byte{0, 0, 0, 0, 0, 0, 0, ramFlagEOS}) + setup
+	firstRecord := ramSetupEnd + 8 + 5 + 5 // the setup's end mark, its footer, the next part's header
+	with := func(at int, b ...byte) []byte {
+		s := bytes.Clone(good)
+		return append(s[:at], append(b, s[at:]...)...)
+	}
+	set := func(at int, b ...byte) []byte {
+		s := bytes.Clone(good)
+		copy(s[at:], b)
+		return s
+	}
+	be64 := func(v uint64) []byte { return binary.BigEndian.AppendUint64(nil, v) }
+	cases := map[string][]byte{
+		"bad magic":                     set(0, 'X'),
+		"version 2":                     set(7, 2),
+		"unknown section type":          set(cfg, 0x42),
+		"a huge machine type name":      set(cfg+1, 0x7f, 0xff, 0xff, 0xff),
+		"unknown configuration part":    with(cfg+1+4+len("pc-i440fx-7.2"), append([]byte{qemuVMSubsection, 3, 'a', 'b', 'c'}, 0, 0, 0, 1)...),
+		"another capability on":         with(cfg+1+4+len("pc-i440fx-7.2"), append(append([]byte{qemuVMSubsection, 26}, "configuration/capabilities"...), 0, 0, 0, 1, 0, 0, 0, 1, 5, 'x', 'b', 'z', 'r', 'l')...),
+		"a section other than RAM":      set(setup+1, 'b', 'm'),
+		"setup flags":                   set(setup+4+8+7, 0x08),
+		"no such block in the setup":    set(setup+4+8+8+1, 'X'),
+		"a block longer than the total": set(setup+4+8+8+1+4, 0xff),
+		"page past its block":           set(firstRecord, be64(uint64(testRAMPages)*ramfile.PageSize|ramFlagPage)...),
+		"page of an unknown block":      set(firstRecord+9, 'X'),
+		"an XBZRLE page":                set(firstRecord+7, 0x40),
+		"a compressed page":             set(firstRecord+6, 0x01),
+		"a continuation with no block":  set(firstRecord+7, ramFlagPage|ramFlagContinue),
+		"a footer naming another":       set(ramSetupEnd+8+4, 9),
+		"devices before RAM's end":      with(ramSetupEnd+8+5, qemuVMSectionFull),
+		"end of file before RAM's end":  with(ramSetupEnd+8+5, qemuVMEOF),
+	}
+	for name, stream := range cases {
+		_, _, err := rewrite(stream)
+		t.Logf("%s: %v", name, err)
+		if errcode.Of(err) != errcode.QMPError {
+			t.Errorf("%s: %v, want QMP_ERROR", name, err)
+		}
+	}
+	// Cut anywhere before RAM's end: refused, never a short capture.
+	end := bytes.LastIndex(good, []byte{qemuVMSectionEnd, 0, 0, 0, 2})
+	for n := 0; n < end+5; n += 1 + n/64 {
+		if _, _, err := rewrite(good[:n]); errcode.Of(err) != errcode.QMPError {
+			t.Fatalf("a stream cut at %d of %d bytes: %v, want QMP_ERROR", n, len(good), err)
+		}
+	}
+}
+
+func FuzzReadPrecopy(f *testing.F) {
+	for seed := range uint64(3) {
+		s, _, _ := precopyPair(seed)
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, stream []byte) {
+		out, got, err := rewrite(stream)
+		if err != nil && errcode.Of(err) != errcode.QMPError {
+			t.Fatalf("an error without QMP_ERROR: %v", err)
+		}
+		for i, p := range got {
+			if i < 0 || i >= testRAMPages || (p != nil && len(p) != ramfile.PageSize) {
+				t.Fatalf("page %d (%d bytes) handed over", i, len(p))
+			}
+		}
+		// What is written out comes from what was read, plus the few bytes
+		// the rewrite adds (the capability, an address per block).
+		if len(out) > len(stream)+64+8*maxRAMBlocks {
+			t.Fatalf("%d bytes written out of %d read", len(out), len(stream))
+		}
+	})
+}
