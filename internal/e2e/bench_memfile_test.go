@@ -220,6 +220,9 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 		if mc.VMState.Format != string(vmstate.FormatMemoryFile) || !mc.VMRunning || mc.VMState.RAM == nil || len(mc.VMState.RAM.Chain) != 1 {
 			b.Fatalf("memory-file checkpoint: format %q, running %v, ram %+v: want a base", mc.VMState.Format, mc.VMRunning, mc.VMState.RAM)
 		}
+		if mc.VMState.RAM.Capture != vmstate.CapturePrecopy {
+			b.Fatalf("memory-file snapshot of a running VM captured its RAM by %q (%s), not by pre-copy", mc.VMState.RAM.Capture, mc.VMState.RAM.CaptureNote)
+		}
 		r.rssCkpt = max(r.rssCkpt, rss)
 		r.mfDown, r.mfTotal = append(r.mfDown, mc.DowntimeMs), append(r.mfTotal, mc.TotalMs)
 		r.mfSave, r.mfAlloc = append(r.mfSave, mc.VMState.DurationsMs["save"]), append(r.mfAlloc, alloc)
