@@ -45,6 +45,7 @@ const (
 	qemuVMSectionFull   = 0x04
 	qemuVMSubsection    = 0x05
 	qemuVMConfiguration = 0x07
+	qemuVMCommand       = 0x08
 	qemuVMSectionFooter = 0x7e
 )
 
@@ -58,6 +59,10 @@ const (
 	ramFlagContinue     = 0x20
 	ramFlagMultifdFlush = 0x200
 	ramFlagMask         = ramfile.PageSize - 1
+
+	// migCmdSwitchoverStart: QEMU 10 tells the target it is about to
+	// complete (no payload), between RAM's last part and its end.
+	migCmdSwitchoverStart = 11
 )
 
 // Bounds on what the stream may declare.
@@ -146,6 +151,17 @@ func readPrecopy(r *bufio.Reader, out *bufio.Writer, block string, size int64, a
 			if t == qemuVMSectionEnd {
 				return nil
 			}
+		case qemuVMCommand:
+			var b [4]byte
+			if _, err := io.ReadFull(s.r, b[:]); err != nil {
+				return s.eof(err)
+			}
+			cmd, n := binary.BigEndian.Uint16(b[:2]), binary.BigEndian.Uint16(b[2:])
+			if cmd != migCmdSwitchoverStart || n != 0 {
+				return streamErr("command %d (%d bytes): only switchover-start is supported", cmd, n)
+			}
+			s.out.WriteByte(t)
+			s.out.Write(b[:])
 		case qemuVMSectionFull:
 			return streamErr("device state before RAM's end (an early-setup device?): not supported")
 		case qemuVMEOF:
@@ -497,7 +513,7 @@ func (p *precopied) close() {
 // the migration's final pass. On an error the migration is over: cancelled
 // with the VM running, or completed with it stopped (QEMU then refuses
 // another migration until it runs again).
-func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, parent *ramfile.PageMap, stagingDir string) (out *precopied, err error) {
+func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, parent *ramfile.PageMap, stagingDir string) (_ *precopied, err error) {
 	addr, err := backendAddr(ctx, mon, be.ID)
 	if err != nil {
 		return nil, err
@@ -529,11 +545,10 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, p
 		return nil, errcode.Ensure(errcode.QMPError, err, "setting the downtime limit")
 	}
 
-	out = &precopied{}
+	p := &precopied{}
 	defer func() {
 		if err != nil {
-			out.close()
-			out = nil
+			p.close()
 		}
 	}()
 	sh, err := ramfile.NewShadow(be.Bytes, parent, stagingDir)
@@ -541,10 +556,10 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, p
 		return nil, err
 	}
 	defer sh.Close()
-	if out.devices, err = os.CreateTemp(stagingDir, ".vmsnap-devices-*.tmp"); err != nil {
+	if p.devices, err = os.CreateTemp(stagingDir, ".vmsnap-devices-*.tmp"); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "creating the device state's staging file in %s (pick another with %s)", stagingDir, errcode.Field("stagingDir"))
 	}
-	os.Remove(out.devices.Name())
+	os.Remove(p.devices.Name())
 	r, w, err := os.Pipe()
 	if err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "creating the migration pipe")
@@ -584,7 +599,7 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, p
 	go func() {
 		defer close(finished)
 		br := bufio.NewReaderSize(r, 1<<20)
-		bw := bufio.NewWriterSize(&limitedWriter{w: out.devices, left: maxPrecopyDevices}, 1<<20)
+		bw := bufio.NewWriterSize(&limitedWriter{w: p.devices, left: maxPrecopyDevices}, 1<<20)
 		parseErr = readPrecopy(br, bw, be.ID, be.Bytes, addr, sh)
 		if parseErr == nil {
 			// The devices, copied as they are, to the end.
@@ -635,19 +650,19 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, p
 	if parseErr != nil {
 		return nil, parseErr
 	}
-	if out.stoppedAt = stoppedSince(2 * time.Second); out.stoppedAt.IsZero() {
+	if p.stoppedAt = stoppedSince(2 * time.Second); p.stoppedAt.IsZero() {
 		return nil, errcode.New(errcode.QMPError, "QEMU completed the pre-copy without a STOP event")
 	}
-	if out.deviceLen, err = out.devices.Seek(0, io.SeekCurrent); err != nil {
+	if p.deviceLen, err = p.devices.Seek(0, io.SeekCurrent); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "reading the device state's staging file")
 	}
-	if _, err := out.devices.Seek(0, io.SeekStart); err != nil {
+	if _, err := p.devices.Seek(0, io.SeekStart); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "reading the device state's staging file")
 	}
-	if out.capture, err = sh.Capture(); err != nil {
+	if p.capture, err = sh.Capture(); err != nil {
 		return nil, err
 	}
-	return out, nil
+	return p, nil
 }
 
 // backendAddr is the guest address of the memory backend's region, which a

@@ -153,6 +153,12 @@ func precopyPair(seed uint64) (precopy, want []byte, final sink) {
 		t := byte(qemuVMSectionPart)
 		if pass == 2 {
 			t = qemuVMSectionEnd
+			if seed%2 == 1 { // QEMU 10 announces the switchover
+				for _, q := range []*qemuStream{pre, ign} {
+					q.u8(qemuVMCommand)
+					q.u32(migCmdSwitchoverStart << 16)
+				}
+			}
 		}
 		pre.section(t)
 		ign.section(t)
@@ -251,6 +257,8 @@ func TestPrecopyRefusesWhatItDoesNotKnow(t *testing.T) {
 		"a footer naming another":       set(ramSetupEnd+8+4, 9),
 		"devices before RAM's end":      with(ramSetupEnd+8+5, qemuVMSectionFull),
 		"end of file before RAM's end":  with(ramSetupEnd+8+5, qemuVMEOF),
+		"a postcopy command":            with(ramSetupEnd+8+5, qemuVMCommand, 0, 3, 0, 0),
+		"switchover with a payload":     with(ramSetupEnd+8+5, qemuVMCommand, 0, migCmdSwitchoverStart, 0, 1, 0),
 	}
 	for name, stream := range cases {
 		_, _, err := rewrite(stream)

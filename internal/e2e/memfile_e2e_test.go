@@ -226,12 +226,24 @@ func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	store := filepath.Join(t.TempDir(), "store")
-	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm", "--mode", "pause",
+	// Snapshot mode: QEMU 10's pre-copy stream, rewritten for
+	// x-ignore-shared, is what the restore below loads into QEMU 10.
+	last, _ := src.LastStatus()
+	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm", "--mode", "snapshot",
 		"--disk", overlay, "--disk-image", "oci:"+store+":vm-disk")
-	if cp.VMState.Format != string(vmstate.FormatMemoryFile) {
+	if cp.VMState.Format != string(vmstate.FormatMemoryFile) || cp.VMState.RAM == nil {
 		t.Fatalf("QEMU 10 with a shared RAM file: format %q", cp.VMState.Format)
 	}
-	resume := src.ResumeCounter()
+	if cp.VMState.RAM.Capture != vmstate.CapturePrecopy {
+		t.Fatalf("QEMU 10: the snapshot captured its RAM by %q (%s), not by pre-copy", cp.VMState.RAM.Capture, cp.VMState.RAM.CaptureNote)
+	}
+	// The first status the source prints once the checkpoint returned
+	// comes after the moment the snapshot caught.
+	printed, _ := src.LastStatus()
+	after, err := src.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter > printed.Counter })
+	if err != nil {
+		t.Fatalf("the source does not run on after its snapshot: %v", err)
+	}
 	src.Kill()
 
 	p := cliJSON[api.PrepareResult](t, "prepare", cp.VMState.Image, "--cache-dir", filepath.Join(shm, "cache"))
@@ -246,7 +258,9 @@ func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
 	if rs.VMState == nil || !rs.VMState.VMRunning {
 		t.Fatalf("restore: %+v", rs)
 	}
-	assertResumed(t, target, before, resume, resume)
+	// The guest goes on from where the snapshot caught it: after the
+	// last status printed before, before the source's later ones.
+	assertResumed(t, target, before, last.Counter+1, after.Counter)
 
 	// QEMU holds the file open read-only.
 	fds, err := filepath.Glob(fmt.Sprintf("/proc/%d/fd/*", target.Process().Pid))
