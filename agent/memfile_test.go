@@ -57,7 +57,7 @@ func newRAMPod(t *testing.T, d *testcontainerd.Daemon, podsDir, namespace string
 	rand.Read(state)
 	p.vm = qmptest.NewFakeQEMU(t, "running", state)
 	p.vm.Memory = memfileTestRAM
-	p.vm.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: "/run/vm/guest.ram", Share: true}
+	p.vm.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: "/run/vm/guest.ram", Share: true, HostPath: filepath.Join(p.vol, "guest.ram")}
 	p.vm.Caps["x-ignore-shared"] = false
 	if err := os.Rename(p.vm.Path(), filepath.Join(p.vol, "qmp.sock")); err != nil {
 		t.Fatal(err)

@@ -65,6 +65,10 @@ type RAMBackend struct {
 	// MemPath is a file backend's mem-path, as QEMU sees it. Not recorded:
 	// it names a file of one node.
 	MemPath string `json:"-"`
+	// OtherShared lists the VM's other shared memory backends (ivshmem, a
+	// DAX window): x-ignore-shared leaves them out of a migration too,
+	// which a pre-copy cannot rewrite its stream to match.
+	OtherShared []string `json:"-"`
 }
 
 // fileShared says whether the backend is a shared file vmsnap can read the
@@ -99,8 +103,11 @@ func readRAMBackend(ctx context.Context, mon Executor) (*RAMBackend, error) {
 	}
 	found := false
 	for _, d := range devs {
-		if d.ID == id {
+		switch {
+		case d.ID == id:
 			b.Bytes, b.Share, found = d.Size, d.Share, true
+		case d.Share:
+			b.OtherShared = append(b.OtherShared, d.ID)
 		}
 	}
 	if !found {
@@ -300,6 +307,11 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		return nil, errcode.Ensure(errcode.InvalidInput, err, "opening the VM's RAM file %s (QEMU's mem-path)", be.MemPath)
 	}
 	defer f.Close()
+	if fi, err := f.Stat(); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "reading the VM's RAM file %s", be.MemPath)
+	} else if fi.Size() < be.Bytes {
+		return nil, errcode.New(errcode.InvalidInput, "the VM's RAM file %s holds %d bytes, less than its memory backend's %d", be.MemPath, fi.Size(), be.Bytes)
+	}
 	parent, why, err := findParent(ctx, repo, opts, be)
 	if err != nil {
 		return nil, err
@@ -343,10 +355,10 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	if opts.Mode == ModeSnapshot && st.Running {
 		precopyStart := time.Now()
 		var perr error
-		pre, perr = precopy(ctx, mon, g, be, parentMap, stagingDir(opts.StagingDir))
+		pre, perr = precopy(ctx, mon, g, be, f, parentMap, stagingDir(opts.StagingDir))
 		res.Durations.Precopy = time.Since(precopyStart)
 		if perr != nil {
-			if ctx.Err() != nil {
+			if ctx.Err() != nil || errors.Is(perr, errNoFallback) {
 				return nil, perr
 			}
 			if now, qerr := queryStatus(ctx, mon); qerr != nil || !now.Running {
@@ -357,6 +369,9 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 			res.RAMCapture = CapturePrecopy
 			capture, pre.capture = pre.capture, nil
 			g.stoppedAt = pre.stoppedAt
+			if pre.unsent > 0 {
+				res.RAMCaptureNote = fmt.Sprintf("%d pages QEMU did not send (free-page hints) were read from the RAM file, the VM stopped", pre.unsent)
+			}
 		}
 	}
 	var saveDevices func(context.Context) error

@@ -72,6 +72,9 @@ func TestMemoryFileCheckpointChainsDeltasUnderItsTag(t *testing.T) {
 	if q.Caps[capIgnoreShared] {
 		t.Fatal("x-ignore-shared was left on")
 	}
+	if base.RAMCapture != CapturePrecopy || base.Downtime <= 0 {
+		t.Fatalf("a snapshot of a running VM: capture %q (%s), downtime %v: want a pre-copy", base.RAMCapture, base.RAMCaptureNote, base.Downtime)
+	}
 
 	// Rewrite 3 scattered pages; the next checkpoint is a delta of those.
 	rng := rand.New(rand.NewPCG(9, 9))
@@ -312,5 +315,86 @@ func TestMemoryFileReadsOnlyTheFileQEMUMaps(t *testing.T) {
 				t.Fatal("the VM was stopped before the RAM file was refused")
 			}
 		})
+	}
+}
+
+// A pre-copy that fails while the VM still runs (QEMU's migration fails)
+// falls back: the checkpoint scans the file with the VM stopped, says why,
+// and puts the settings it changed back.
+func TestMemoryFileSnapshotFallsBackToAScanWhenThePrecopyFails(t *testing.T) {
+	q, _ := fakeFileVM(t)
+	q.FailFirstMigrations = 1
+	limit := q.DowntimeLimit
+	repo := openLayout(t, "oci:"+t.TempDir()+":vm")
+	res, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: ModeSnapshot, StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.RAMCapture != CaptureScan || !strings.Contains(res.RAMCaptureNote, "pre-copy failed") {
+		t.Fatalf("capture %q, note %q: want a scan, saying why", res.RAMCapture, res.RAMCaptureNote)
+	}
+	if i, j := slices.Index(q.Commands(), "migrate"), slices.Index(q.Commands(), "stop"); i < 0 || j < i {
+		t.Fatalf("commands %v: the pre-copy must come first, then the VM stopped for the scan", q.Commands())
+	}
+	if q.Status() != "running" || q.Caps[capIgnoreShared] || q.DowntimeLimit != limit {
+		t.Fatalf("after the fallback: status %s, x-ignore-shared %v, downtime limit %d (was %d)", q.Status(), q.Caps[capIgnoreShared], q.DowntimeLimit, limit)
+	}
+	if res.Downtime <= 0 || res.Config.RAM == nil || res.Config.RAM.DataBytes == 0 {
+		t.Fatalf("the scan's checkpoint: downtime %v, ram %+v", res.Downtime, res.Config.RAM)
+	}
+}
+
+// A pre-copy whose stream vmsnap cannot read but QEMU completes has
+// stopped the VM, and QEMU will not migrate it again until it runs: the
+// checkpoint fails, the VM runs again, nothing is tagged, and the settings
+// are put back.
+func TestMemoryFileSnapshotFailsCleanlyWhenAPrecopyCompletedUnread(t *testing.T) {
+	q, _ := fakeFileVM(t)
+	q.BadRAMStream = true
+	limit := q.DowntimeLimit
+	dir := t.TempDir()
+	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{Mode: ModeSnapshot, StagingDir: t.TempDir()})
+	if errcode.Of(err) != errcode.QMPError || !strings.Contains(err.Error(), "not a migration stream") || !strings.Contains(err.Error(), "the VM was continued") {
+		t.Fatalf("got %v: want QMP_ERROR naming the stream, the VM continued", err)
+	}
+	if q.Status() != "running" || q.Caps[capIgnoreShared] || q.DowntimeLimit != limit {
+		t.Fatalf("after the failure: status %s, x-ignore-shared %v, downtime limit %d (was %d)", q.Status(), q.Caps[capIgnoreShared], q.DowntimeLimit, limit)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "index.json")); strings.Contains(string(b), "ref.name") {
+		t.Fatalf("a failed checkpoint tagged an image: %s", b)
+	}
+}
+
+// A VM with another shared memory backend: x-ignore-shared leaves that one
+// out of a migration too, which a pre-copy's rewritten stream would not
+// match. The checkpoint scans instead, before any migration.
+func TestMemoryFileSnapshotScansAVMWithAnotherSharedBackend(t *testing.T) {
+	q, _ := fakeFileVM(t)
+	q.SharedMemdevs = []string{"ivshmem0"}
+	res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":vm"), CheckpointOptions{Mode: ModeSnapshot, StagingDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.RAMCapture != CaptureScan || !strings.Contains(res.RAMCaptureNote, "ivshmem0") {
+		t.Fatalf("capture %q, note %q: want a scan naming the other backend", res.RAMCapture, res.RAMCaptureNote)
+	}
+	if n := len(slices.DeleteFunc(q.Commands(), func(c string) bool { return c != "migrate" })); n != 1 {
+		t.Fatalf("commands %v: want the device state's migration only", q.Commands())
+	}
+}
+
+// A QEMU that streams without end is cut off at a bound that follows the
+// VM's size, the VM left running, nothing staged left behind.
+func TestMemoryFileSnapshotBoundsAPrecopyWithoutEnd(t *testing.T) {
+	q, _ := fakeFileVM(t)
+	q.LieStream = true
+	staging := t.TempDir()
+	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":vm"), CheckpointOptions{Mode: ModeSnapshot, StagingDir: staging})
+	if errcode.Of(err) != errcode.QMPError || q.Status() != "running" {
+		t.Fatalf("got %v, VM %s: want QMP_ERROR and the VM running", err, q.Status())
+	}
+	t.Log(err)
+	if ents, _ := os.ReadDir(staging); len(ents) != 0 {
+		t.Fatalf("staging files left behind: %v", ents)
 	}
 }

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
+	"sync"
 	"time"
 
 	goqmp "github.com/digitalocean/go-qemu/qmp"
@@ -474,7 +476,7 @@ func (s *precopyStream) footer(id uint32) error {
 	return nil
 }
 
-// Pre-copy pacing.
+// Pre-copy pacing and bounds.
 const (
 	// precopyDowntimeMs is the downtime limit of a pre-copy: QEMU stops
 	// the VM for its final pass once it expects to send what is left in
@@ -483,7 +485,8 @@ const (
 	// precopyForceAfter: a guest that dirties memory faster than QEMU
 	// sends it never gets there. After this long (plus the time to send
 	// the RAM file once at 256 MiB/s), QEMU is told to stop the VM for one
-	// pass of whatever is left, as a scan would.
+	// pass of whatever is left, as a scan would; after twice that, the
+	// pre-copy is given up (cancelled, the VM running) for a scan.
 	precopyForceAfter = 5 * time.Second
 	// maxPrecopyDevices bounds the device state the pre-copy writes out:
 	// the other RAM blocks' pages (video RAM, ROMs: each page possibly
@@ -497,6 +500,7 @@ type precopied struct {
 	devices   *os.File // the device state, for x-ignore-shared (unlinked)
 	deviceLen int64
 	stoppedAt time.Time // when QEMU stopped the VM for the final pass
+	unsent    int       // pages QEMU never sent, read from the file once it stopped the VM
 }
 
 func (p *precopied) close() {
@@ -510,10 +514,15 @@ func (p *precopied) close() {
 
 // precopy takes the RAM file's pages and the device state from a pre-copy
 // migration of the running VM; it returns with the VM stopped by QEMU for
-// the migration's final pass. On an error the migration is over: cancelled
-// with the VM running, or completed with it stopped (QEMU then refuses
-// another migration until it runs again).
-func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, parent *ramfile.PageMap, stagingDir string) (_ *precopied, err error) {
+// the migration's final pass. f is the RAM file: the pages QEMU leaves out
+// (a balloon's free-page hints) are read from it once the VM is stopped.
+// On an error the migration is over: cancelled with the VM running, or
+// completed with it stopped (QEMU then refuses another migration until it
+// runs again).
+func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f *os.File, parent *ramfile.PageMap, stagingDir string) (_ *precopied, err error) {
+	if len(be.OtherShared) > 0 {
+		return nil, errcode.New(errcode.Usage, "the VM has other shared memory backends (%s), which an x-ignore-shared restore leaves out too", strings.Join(be.OtherShared, ", "))
+	}
 	addr, err := backendAddr(ctx, mon, be.ID)
 	if err != nil {
 		return nil, err
@@ -534,14 +543,33 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, p
 	if err := setIgnoreShared(ctx, false); err != nil {
 		return nil, err
 	}
+	// The downtime limit is set here and by the force timer; whichever
+	// comes last, the limit is put back after both.
+	var limitMu sync.Mutex
+	limitDone := false
+	setLimit := func(ctx context.Context, ms int64) error {
+		limitMu.Lock()
+		defer limitMu.Unlock()
+		if limitDone {
+			return nil
+		}
+		return mon.Execute(ctx, "migrate-set-parameters", map[string]any{"downtime-limit": ms}, nil)
+	}
 	defer func() {
-		// Back to the guard's settings, which it puts back in turn.
+		// Back to the guard's settings, which it puts back in turn. A
+		// checkpoint that cannot have x-ignore-shared back must not go on:
+		// its device state would carry the whole RAM.
 		cctx, cancel := g.cleanupCtx(10 * time.Second)
 		defer cancel()
+		limitMu.Lock()
+		limitDone = true
 		_ = mon.Execute(cctx, "migrate-set-parameters", map[string]any{"downtime-limit": *params.DowntimeLimit}, nil)
-		_ = setIgnoreShared(cctx, true)
+		limitMu.Unlock()
+		if serr := setIgnoreShared(cctx, true); serr != nil {
+			err = errors.Join(err, errNoFallback, serr)
+		}
 	}()
-	if err := mon.Execute(ctx, "migrate-set-parameters", map[string]any{"downtime-limit": precopyDowntimeMs}, nil); err != nil {
+	if err := setLimit(ctx, precopyDowntimeMs); err != nil {
 		return nil, errcode.Ensure(errcode.QMPError, err, "setting the downtime limit")
 	}
 
@@ -572,43 +600,31 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, p
 		return nil, err
 	}
 
-	// When QEMU stopped the VM: its STOP event's own timestamp. QEMU sends
-	// it before the migration's completion, so once that is seen it is
-	// already queued.
 	events := mon.Subscribe()
 	defer events.Close()
 	sub := mon.Subscribe()
 	defer sub.Close()
-	stoppedSince := func(wait time.Duration) time.Time {
-		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait)
-		defer cancel()
-		ev, err := events.Wait(wctx, func(ev goqmp.Event) bool { return ev.Event == "STOP" })
-		if err != nil {
-			return time.Time{}
-		}
-		at := time.Unix(ev.Timestamp.Seconds, ev.Timestamp.Microseconds*1000)
-		if now := time.Now(); at.After(now) || now.Sub(at) > time.Minute {
-			at = now // a clock QEMU does not share
-		}
-		return at
-	}
 
 	finished := make(chan struct{})
 	failed := make(chan error, 1)
 	var parseErr error
 	go func() {
 		defer close(finished)
-		br := bufio.NewReaderSize(r, 1<<20)
-		bw := bufio.NewWriterSize(&limitedWriter{w: p.devices, left: maxPrecopyDevices}, 1<<20)
+		// Bounds: the RAM file's pages are rewritten in place, so a QEMU
+		// that sends them again and again is cut off at three times the
+		// file plus the most state a VM of its size may have; the device
+		// state at that most (and 1 GiB).
+		br := bufio.NewReaderSize(&limitedReader{r: r, left: 3*be.Bytes + maxStateBytes(be.Bytes)}, 1<<20)
+		bw := bufio.NewWriterSize(&limitedWriter{w: p.devices, left: min(maxPrecopyDevices, maxStateBytes(be.Bytes))}, 1<<20)
 		parseErr = readPrecopy(br, bw, be.ID, be.Bytes, addr, sh)
 		if parseErr == nil {
 			// The devices, copied as they are, to the end.
 			if _, err := io.Copy(bw, br); err != nil {
-				parseErr = errcode.Wrap(errcode.QMPError, err, "reading QEMU's pre-copy stream")
+				parseErr = errcode.Ensure(errcode.QMPError, err, "reading QEMU's pre-copy stream")
 			}
 		}
 		if err := bw.Flush(); err != nil && parseErr == nil {
-			parseErr = err
+			parseErr = errcode.Ensure(errcode.Internal, err, "writing the device state's staging file")
 		}
 		if parseErr != nil {
 			r.Close() // a QEMU blocked writing into the pipe gets EPIPE
@@ -627,11 +643,12 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, p
 		g.migrating = false
 		return nil, errcode.Ensure(errcode.QMPError, err, "starting the pre-copy")
 	}
-	force := time.AfterFunc(precopyForceAfter+time.Duration(be.Bytes/(256<<20))*time.Second, func() {
-		_ = mon.Execute(ctx, "migrate-set-parameters", map[string]any{"downtime-limit": 2000000}, nil)
-	})
+	forceAfter := precopyForceAfter + time.Duration(be.Bytes/(256<<20))*time.Second
+	force := time.AfterFunc(forceAfter, func() { _ = setLimit(ctx, 2000000) })
 	defer force.Stop()
-	if _, err := waitMigration(ctx, mon, sub, failed); err != nil {
+	wctx, cancelWait := context.WithTimeoutCause(ctx, 2*forceAfter, errcode.New(errcode.QMPError, "QEMU did not complete the pre-copy within %v", 2*forceAfter))
+	defer cancelWait()
+	if _, err := waitMigration(wctx, mon, sub, failed); err != nil {
 		r.Close()
 		<-finished
 		cctx, cancel := g.cleanupCtx(30 * time.Second)
@@ -650,8 +667,34 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, p
 	if parseErr != nil {
 		return nil, parseErr
 	}
-	if p.stoppedAt = stoppedSince(2 * time.Second); p.stoppedAt.IsZero() {
+
+	// QEMU stopped the VM: it must still be stopped (the disk is captured
+	// next, and must match), and it stopped with the last STOP event QEMU
+	// sent (one per stop: an earlier stop someone else made and undid
+	// does not count), already queued once the completion was seen.
+	if st, err := queryStatus(ctx, mon); err != nil {
+		return nil, err
+	} else if st.Running {
+		return nil, errcode.New(errcode.QMPError, "QEMU completed the pre-copy, but the VM is running (status %s): memory and disk would not match", st.Status)
+	}
+	for wait := 2 * time.Second; ; wait = 20 * time.Millisecond {
+		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait)
+		ev, err := events.Wait(wctx, func(ev goqmp.Event) bool { return ev.Event == "STOP" })
+		cancel()
+		if err != nil {
+			break
+		}
+		at := time.Unix(ev.Timestamp.Seconds, ev.Timestamp.Microseconds*1000)
+		if now := time.Now(); at.After(now) || now.Sub(at) > time.Minute {
+			at = now // a clock QEMU does not share
+		}
+		p.stoppedAt = at
+	}
+	if p.stoppedAt.IsZero() {
 		return nil, errcode.New(errcode.QMPError, "QEMU completed the pre-copy without a STOP event")
+	}
+	if p.unsent, err = sh.FillUnsent(f); err != nil {
+		return nil, err
 	}
 	if p.deviceLen, err = p.devices.Seek(0, io.SeekCurrent); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "reading the device state's staging file")
@@ -664,6 +707,9 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, p
 	}
 	return p, nil
 }
+
+// errNoFallback marks a pre-copy failure after which a scan must not run.
+var errNoFallback = errors.New("x-ignore-shared could not be set back")
 
 // backendAddr is the guest address of the memory backend's region, which a
 // target with x-ignore-shared checks (QOM: the backend's memory-region
@@ -679,6 +725,24 @@ func backendAddr(ctx context.Context, mon Executor, id string) (uint64, error) {
 	return 0, errcode.Ensure(errcode.QMPError, err, "reading the address of memory backend %s", id)
 }
 
+// limitedReader fails reads past its bound.
+type limitedReader struct {
+	r    io.Reader
+	left int64
+}
+
+func (l *limitedReader) Read(p []byte) (int, error) {
+	if l.left <= 0 {
+		return 0, streamErr("QEMU sent more than a pre-copy of this VM may take")
+	}
+	if int64(len(p)) > l.left {
+		p = p[:l.left]
+	}
+	n, err := l.r.Read(p)
+	l.left -= int64(n)
+	return n, err
+}
+
 // limitedWriter fails writes past its bound.
 type limitedWriter struct {
 	w    io.Writer
@@ -687,7 +751,7 @@ type limitedWriter struct {
 
 func (l *limitedWriter) Write(p []byte) (int, error) {
 	if int64(len(p)) > l.left {
-		return 0, streamErr("more than %d MiB of device state", maxPrecopyDevices>>20)
+		return 0, streamErr("more device state than a VM of this size may have")
 	}
 	l.left -= int64(len(p))
 	return l.w.Write(p)

@@ -96,10 +96,14 @@ State formats (--format):
   memory-file  for a VM started with
                  -object memory-backend-file,id=ram0,mem-path=FILE,share=on,size=SIZE
                  -machine memory-backend=ram0
-               QEMU sends only the device state (x-ignore-shared); vmsnap reads
-               the guest's RAM from FILE while the VM is stopped, copies the
-               pages that changed since the parent checkpoint aside, and the VM
-               runs again before they are compressed and stored. The image
+               In snapshot mode the VM keeps running while QEMU pre-copies
+               its RAM into vmsnap, which keeps the pages that changed since
+               the parent checkpoint; QEMU stops the VM only for a final pass
+               (milliseconds), and it runs again before anything is
+               compressed or stored. In pause mode (or when a pre-copy fails
+               before QEMU stopped the VM) QEMU sends only the device state
+               (x-ignore-shared) and vmsnap reads FILE with the VM stopped.
+               The result's ram.capture says which ("precopy", "scan"). The image
                holds the RAM page by page: a delta on its parent's layers (the
                checkpoint the tag names, or --parent), a fresh base past
                --max-chain deltas. Restore it with vmsnap prepare (see its
@@ -238,8 +242,11 @@ func printCheckpoint(w io.Writer, r *api.CheckpointResult) {
 				kind += " (" + ram.BaseNote + ")"
 			}
 		}
-		fmt.Fprintf(w, "  memory-file: %s of RAM, %s of data; this checkpoint stored %d changed pages in %d regions, %s\n",
-			humanBytes(ram.Bytes), humanBytes(ram.DataBytes), last.ChangedPages, last.Regions, kind)
+		fmt.Fprintf(w, "  memory-file: %s of RAM, %s of data; this checkpoint stored %d changed pages in %d regions, %s; RAM read by %s\n",
+			humanBytes(ram.Bytes), humanBytes(ram.DataBytes), last.ChangedPages, last.Regions, kind, ram.Capture)
+		if ram.CaptureNote != "" {
+			fmt.Fprintf(w, "  %s\n", ram.CaptureNote)
+		}
 	}
 	if d := r.Disk; d != nil {
 		if d.Image != "" {

@@ -42,6 +42,17 @@ type FakeQEMU struct {
 	LieStream bool
 	// RefuseMigrate makes the migrate command itself fail.
 	RefuseMigrate bool
+	// FailFirstMigrations makes the next outgoing migrations into a
+	// descriptor, this many, write a few bytes and fail, the VM left in
+	// the state it was in (a running one runs on, as with QEMU).
+	FailFirstMigrations int
+	// BadRAMStream makes a VM with a RAMBackend migrate State as it is,
+	// not framed as QEMU frames a migration (RAMStream): a stream the
+	// pre-copy cannot read.
+	BadRAMStream bool
+	// SharedMemdevs are more shared memory backends query-memdev lists
+	// (ivshmem's, say), of 1 MiB each.
+	SharedMemdevs []string
 	done          sync.WaitGroup
 	srv           atomic.Pointer[Server] // Srv, for the handlers
 	fileMigration                        // add-fd and file: URIs, QEMU 9's mapped-ram (fakefile.go)
@@ -64,6 +75,10 @@ type FakeBackend struct {
 	ID, Type, MemPath string
 	Share             bool
 	Size              int64 // 0: the guest's Memory
+	// HostPath, if set, is the file the fake's RAM is (what its
+	// migrations read) where MemPath names it in another mount namespace:
+	// a QEMU in a container.
+	HostPath string
 }
 
 // NewFakeQEMU starts a fake QEMU in the given run state ("running",
@@ -171,6 +186,9 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 			}
 			return nil, gerr("Property '" + a.Property + "' not found")
 		}
+		if b := f.RAMBackend; b != nil && a.Path == "/objects/"+b.ID+"/"+b.ID+"[0]" && a.Property == "addr" {
+			return 0, nil // the backend's memory region, mapped through aliases on a pc
+		}
 		if a.Path == "/machine" && a.Property == "memory-backend" {
 			if f.RAMBackend == nil {
 				return "", nil
@@ -202,6 +220,9 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 				size = f.Memory
 			}
 			out = append(out, map[string]any{"id": b.ID, "size": size, "share": b.Share, "merge": true, "dump": true, "prealloc": false, "policy": "default", "host-nodes": []int{}})
+		}
+		for _, id := range f.SharedMemdevs {
+			out = append(out, map[string]any{"id": id, "size": 1 << 20, "share": true, "merge": true, "dump": true, "prealloc": false, "policy": "default", "host-nodes": []int{}})
 		}
 		return out, nil
 	case "query-memory-size-summary":
@@ -288,10 +309,17 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 		if fd == nil {
 			return nil, gerr("unknown fd")
 		}
+		if f.status == "postmigrate" {
+			return nil, gerr("Can't migrate the vm that was paused due to previous migration")
+		}
 		delete(f.fds, a.URI[len("fd:"):])
 		f.migration = "active"
 		f.done.Add(1)
-		go f.migrateOut(fd)
+		fail := f.FailFirstMigrations > 0
+		if fail {
+			f.FailFirstMigrations--
+		}
+		go f.migrateOut(fd, f.outgoing(), f.status, fail)
 		return nil, nil
 	case "migrate-incoming":
 		var a struct{ URI string }
@@ -312,14 +340,37 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 	return nil, &qmp.Error{Class: "CommandNotFound", Desc: "The command " + cmd.Execute + " has not been found"}
 }
 
-func (f *FakeQEMU) migrateOut(fd *os.File) {
+// outgoing is what a migration writes: State, framed as QEMU frames a
+// migration if the VM's RAM is a memory backend.
+func (f *FakeQEMU) outgoing() []byte {
+	b := f.RAMBackend
+	if b == nil || f.BadRAMStream {
+		return f.State
+	}
+	size := b.Size
+	if size == 0 {
+		size = f.Memory
+	}
+	return RAMStream(b, size, f.Caps["x-ignore-shared"], f.State)
+}
+
+func (f *FakeQEMU) migrateOut(fd *os.File, state []byte, was string, fail bool) {
 	defer f.done.Done()
 	defer fd.Close()
-	n := len(f.State)
+	if fail {
+		_, _ = fd.Write(state[:min(16, len(state))])
+		fd.Close()
+		f.mu.Lock()
+		f.status, f.migration = was, "failed"
+		f.mu.Unlock()
+		f.event("failed")
+		return
+	}
+	n := len(state)
 	if f.FailMigrate > 0 {
 		n = f.FailMigrate
 	}
-	_, err := fd.Write(f.State[:n])
+	_, err := fd.Write(state[:n])
 	if err == nil && f.LieStream {
 		zeros := make([]byte, 1<<20)
 		for err == nil {
@@ -329,7 +380,7 @@ func (f *FakeQEMU) migrateOut(fd *os.File) {
 	fd.Close()
 	f.mu.Lock()
 	if err != nil || f.FailMigrate > 0 {
-		f.status = "paused"
+		f.status = was // a failed migration leaves the VM as it was, as QEMU's does
 		f.migration = "failed"
 		f.mu.Unlock()
 		f.event("failed")
@@ -338,6 +389,9 @@ func (f *FakeQEMU) migrateOut(fd *os.File) {
 	f.status = "postmigrate"
 	f.migration = "completed"
 	f.mu.Unlock()
+	if was == "running" { // QEMU stops the VM for the final pass
+		f.srv.Load().Emit(goqmp.Event{Event: "STOP"})
+	}
 	f.event("completed")
 }
 
@@ -353,7 +407,7 @@ func (f *FakeQEMU) migrateIn(fd *os.File) {
 func (f *FakeQEMU) load(got []byte) {
 	f.mu.Lock()
 	f.Received = got
-	ok := bytes.Equal(got, f.State)
+	ok := bytes.Equal(got, f.outgoing())
 	f.migration = "failed"
 	if ok {
 		f.status = "paused"

@@ -13,8 +13,9 @@ import (
 // wrote meanwhile again later, the last copy counting. It keeps, in an
 // unlinked staging file at each page's own offset, only the pages whose
 // latest copy differs from the parent's (every data page, for a base): an
-// idle VM's pre-copy writes next to nothing. Memory is a few bits per page
-// and a hash per data page.
+// idle VM's pre-copy writes next to nothing. Memory is three bits per page
+// and a hash per data page in a map (about 36 bytes each: it follows the
+// guest's data, as the page map does, not its size).
 //
 // Page and Zero are called from one goroutine, in stream order; Capture
 // once the migration has completed.
@@ -137,9 +138,36 @@ func (s *Shadow) flush() error {
 	return nil
 }
 
+// FillUnsent reads the pages QEMU never sent from f, the RAM file, which
+// must not change meanwhile (the VM is stopped): a balloon's free-page
+// hints make QEMU skip pages the guest said it does not use, which hold
+// whatever they hold all the same. It returns how many it read.
+func (s *Shadow) FillUnsent(f *os.File) (int, error) {
+	n := 0
+	page := make([]byte, PageSize)
+	for w, b := range s.seen {
+		want := ^uint64(0)
+		if rest := s.pages - w*64; rest < 64 {
+			want = 1<<rest - 1
+		}
+		for missing := ^b & want; missing != 0; missing &= missing - 1 {
+			i := w*64 + bits.TrailingZeros64(missing)
+			if _, err := f.ReadAt(page, int64(i)*PageSize); err != nil {
+				return n, errcode.Wrap(errcode.Internal, err, "reading page %d of the RAM file, which QEMU did not send", i)
+			}
+			if err := s.Page(i, page); err != nil {
+				return n, err
+			}
+			s.received -= PageSize // read, not received
+			n++
+		}
+	}
+	return n, nil
+}
+
 // Capture is the RAM file as the last copy of each page gives it. QEMU
-// must have sent every page: one it never sent would hold whatever the
-// file held, which no pre-copy saw.
+// must have sent every page (or FillUnsent read it): one it never sent
+// would hold whatever the file held, which no pre-copy saw.
 func (s *Shadow) Capture() (*Capture, error) {
 	if err := s.flush(); err != nil {
 		return nil, err

@@ -140,3 +140,40 @@ func TestShadowRefusesPagesOutsideTheFileAndUnsentPages(t *testing.T) {
 		t.Fatalf("a capture with page 9 unsent: %v, want QMP_ERROR", err)
 	}
 }
+
+// Pages QEMU never sent (a balloon's free-page hints) are read from the
+// file once the VM is stopped: the capture is then the file's.
+func TestShadowReadsUnsentPagesFromTheFile(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 7))
+	f := ramFile(t, rng)
+	content := readAll(t, f)
+	scanned, err := Scan(f, testSize, nil, t.TempDir())
+	must(t, err)
+	defer scanned.Close()
+	s, err := NewShadow(testSize, nil, t.TempDir())
+	must(t, err)
+	defer s.Close()
+	skipped := 0
+	for i := range testSize / PageSize {
+		p := content[i*PageSize : (i+1)*PageSize]
+		switch {
+		case i%5 == 0: // a hinted page: never sent
+			skipped++
+		case isZero(p):
+			must(t, s.Zero(i))
+		default:
+			must(t, s.Page(i, p))
+		}
+	}
+	n, err := s.FillUnsent(f)
+	must(t, err)
+	if n != skipped {
+		t.Fatalf("read %d unsent pages, %d were", n, skipped)
+	}
+	c, err := s.Capture()
+	must(t, err)
+	defer c.Close()
+	if !slices.Equal(c.Map.fast, scanned.Map.fast) || !slices.Equal(c.changed, scanned.changed) {
+		t.Fatal("a capture with unsent pages read from the file differs from the file's scan")
+	}
+}
