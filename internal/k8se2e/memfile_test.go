@@ -68,7 +68,7 @@ func (s *scenario) memoryFile(t *testing.T) {
 
 	job := manifests.CheckpointJob(s.opts, manifests.Checkpoint{
 		Name: "checkpoint-memfile", Node: src.Spec.NodeName, PodUID: string(src.UID),
-		Container: "qemu", QMP: qmpSocket, Disk: diskPath,
+		Container: "qemu", QMP: qmpSocket, Disk: diskPath, Mode: "snapshot",
 		Image: s.reg.Host + "/vms/memstate:1", DiskImage: s.reg.Host + "/vms/memdisk:1",
 	})
 	if _, err := c.Client.BatchV1().Jobs(job.Namespace).Create(ctx, job, metav1.CreateOptions{}); err != nil {
@@ -76,14 +76,22 @@ func (s *scenario) memoryFile(t *testing.T) {
 	}
 	msg := c.JobTerminationMessage(t, ctx, job.Namespace, job.Name)
 	var out struct {
-		VMState struct{ Image, Digest, Format string } `json:"vmstate"`
-		Disk    *struct{ Digest string }               `json:"disk"`
+		VMState struct {
+			Image, Digest, Format string
+			RAM                   *struct{ Capture, CaptureNote string }
+		} `json:"vmstate"`
+		Disk *struct{ Digest string } `json:"disk"`
 	}
 	if err := json.Unmarshal([]byte(msg), &out); err != nil || out.Disk == nil || !isDigest(out.VMState.Digest) {
 		t.Fatalf("termination message %q: %v", msg, err)
 	}
 	if out.VMState.Format != "memory-file" {
 		t.Fatalf("the agent checkpointed format %q, want memory-file (the RAM file on the pod's Memory emptyDir)", out.VMState.Format)
+	}
+	// Snapshot mode: the agent pre-copies the RAM through the pod's QMP
+	// socket, QEMU stopping the VM for the final pass only.
+	if r := out.VMState.RAM; r == nil || r.Capture != "precopy" {
+		t.Fatalf("the agent's snapshot captured the RAM by %+v, want a pre-copy", r)
 	}
 	sts, err := s.statuses(ctx, src, false)
 	if err != nil || len(sts) == 0 {
