@@ -3,7 +3,6 @@ package ociimage
 import (
 	"context"
 	"crypto/sha256"
-	"hash"
 	"io"
 	"maps"
 	"sync"
@@ -12,6 +11,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/sha256pair"
 )
 
 // EncryptOptions says how Encrypt encrypts layers.
@@ -42,12 +42,13 @@ func Encrypt(repo Repository, o EncryptOptions) (Repository, error) {
 	if len(o.Recipients) == 0 {
 		return nil, errcode.New(errcode.Usage, "encryption needs at least one recipient (%s)", errcode.Field("encryptRecipient"))
 	}
-	return &encrypting{Repository: repo, o: o, layers: map[digest.Digest]*encLayer{}}, nil
+	return &encrypting{Repository: repo, o: o, seal: newSealer(o.Recipients), layers: map[digest.Digest]*encLayer{}}, nil
 }
 
 type encrypting struct {
 	Repository
 	o      EncryptOptions
+	seal   *sealer // wraps every layer key of this repository (jwe.go)
 	mu     sync.Mutex
 	layers map[digest.Digest]*encLayer // by plaintext digest
 }
@@ -113,17 +114,16 @@ func (e *encrypting) AddBlob(ctx context.Context, desc ocispec.Descriptor, data 
 		}
 		ct := getBuffer(len(data))
 		defer putBuffer(ct)
-		h, m := sha256.New(), k.mac()
-		s := k.stream()
-		// Block by block, so that each block is hashed twice while it is
-		// still in the cache.
+		// The ciphertext's digest and HMAC in one pass (sha256pair),
+		// block by block, so that each block is hashed while it is still
+		// in the cache.
+		h, s := sha256pair.New(k.key), k.stream()
 		for off := 0; off < len(data); off += cryptBlock {
 			b := ct[off:min(off+cryptBlock, len(data))]
 			s.XORKeyStream(b, data[off:off+len(b)])
 			h.Write(b)
-			m.Write(b)
 		}
-		enc, err := e.describe(k, desc, h, m.Sum(nil))
+		enc, err := e.describe(k, desc, h)
 		if err != nil {
 			return enc, false, err
 		}
@@ -147,7 +147,7 @@ func (e *encrypting) PutBlobStream(ctx context.Context, desc ocispec.Descriptor,
 			return ocispec.Descriptor{}, false, err
 		}
 		ct := &ctrReaderAt{src: src, k: k}
-		h, m, plain := sha256.New(), k.mac(), sha256.New()
+		h, plain := sha256pair.New(k.key), sha256.New()
 		buf := make([]byte, 1<<20)
 		for off := int64(0); off < desc.Size; {
 			n := int(min(int64(len(buf)), desc.Size-off))
@@ -161,13 +161,12 @@ func (e *encrypting) PutBlobStream(ctx context.Context, desc ocispec.Descriptor,
 			plain.Write(buf[:n])
 			k.xorAt(buf[:n], buf[:n], off)
 			h.Write(buf[:n])
-			m.Write(buf[:n])
 			off += int64(n)
 		}
 		if digest.NewDigest(digest.SHA256, plain) != desc.Digest {
 			return ocispec.Descriptor{}, false, errcode.New(errcode.DigestMismatch, "data for blob %s does not match its descriptor", desc.Digest)
 		}
-		enc, err := e.describe(k, desc, h, m.Sum(nil))
+		enc, err := e.describe(k, desc, h)
 		if err != nil {
 			return enc, false, err
 		}
@@ -203,16 +202,17 @@ func (e *encrypting) once(ctx context.Context, d digest.Digest, put func() (ocis
 	return sent, l.err
 }
 
-// describe returns the encrypted blob's descriptor, from the hash of its
-// ciphertext and its MAC.
-func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, ctHash hash.Hash, mac []byte) (ocispec.Descriptor, error) {
-	ann, err := k.annotations(plain.Digest, mac, e.o.Recipients)
+// describe returns the encrypted blob's descriptor, from the hashes of its
+// ciphertext: its SHA-256 and its HMAC.
+func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, ct *sha256pair.Pair) (ocispec.Descriptor, error) {
+	sum, mac := ct.Sums()
+	ann, err := k.annotations(plain.Digest, mac, e.seal)
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
 	return ocispec.Descriptor{
 		MediaType:   plain.MediaType + MediaTypeEncryptedSuffix,
-		Digest:      digest.NewDigest(digest.SHA256, ctHash),
+		Digest:      digest.NewDigestFromBytes(digest.SHA256, sum),
 		Size:        plain.Size,
 		Annotations: ann,
 	}, nil

@@ -3,14 +3,12 @@ package ociimage
 import (
 	"crypto/aes"
 	"crypto/cipher"
-	"crypto/ecdsa"
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
-	"hash"
 	"slices"
 	"strings"
 
@@ -110,31 +108,30 @@ func (k layerKey) xorAt(dst, src []byte, off int64) {
 // stream is the key stream from offset 0.
 func (k layerKey) stream() cipher.Stream { return cipher.NewCTR(k.block, k.nonce) }
 
-func (k layerKey) mac() hash.Hash { return hmac.New(sha256.New, k.key) }
+// decryptTo decrypts a whole layer in place and reports whether the
+// plaintext's digest is want: block by block, each hashed while it is
+// still in the cache.
+func (k layerKey) decryptTo(ct []byte, want digest.Digest) bool {
+	h, s := sha256.New(), k.stream()
+	for off := 0; off < len(ct); off += cryptBlock {
+		b := ct[off:min(off+cryptBlock, len(ct))]
+		s.XORKeyStream(b, b)
+		h.Write(b)
+	}
+	return digest.NewDigest(digest.SHA256, h) == want
+}
 
-// annotations wraps the layer's key for every recipient and returns the
-// annotations of the encrypted layer.
-func (k layerKey) annotations(plain digest.Digest, mac []byte, recipients []Recipient) (map[string]string, error) {
+// annotations wraps the layer's key for the sealer's recipients and
+// returns the annotations of the encrypted layer.
+func (k layerKey) annotations(plain digest.Digest, mac []byte, s *sealer) (map[string]string, error) {
 	priv, err := json.Marshal(privateOpts{SymmetricKey: k.key, Digest: plain, CipherOptions: map[string][]byte{"nonce": k.nonce}})
 	if err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "encoding a layer's private options")
 	}
 	defer clear(priv)
-	var rs []jose.Recipient
-	for _, r := range recipients {
-		alg := jose.RSA_OAEP
-		if _, ok := r.Key.(*ecdsa.PublicKey); ok {
-			alg = jose.ECDH_ES_A256KW
-		}
-		rs = append(rs, jose.Recipient{Algorithm: alg, Key: r.Key, KeyID: r.ID})
-	}
-	enc, err := jose.NewMultiEncrypter(jose.A256GCM, rs, nil)
+	jwe, err := s.seal(priv)
 	if err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "preparing the layer key's wrapping")
-	}
-	obj, err := enc.Encrypt(priv)
-	if err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "wrapping a layer key")
+		return nil, err
 	}
 	// The HMAC goes in both places ocicrypt's versions have read it from.
 	pub, err := json.Marshal(publicOpts{CipherType: cipherAES256CTR, Hmac: mac, CipherOptions: map[string][]byte{"hmac": mac}})
@@ -142,7 +139,7 @@ func (k layerKey) annotations(plain digest.Digest, mac []byte, recipients []Reci
 		return nil, errcode.Wrap(errcode.Internal, err, "encoding a layer's public options")
 	}
 	return map[string]string{
-		AnnotationEncKeysJWE: base64.StdEncoding.EncodeToString([]byte(obj.FullSerialize())),
+		AnnotationEncKeysJWE: base64.StdEncoding.EncodeToString([]byte(jwe)),
 		AnnotationEncPubOpts: base64.StdEncoding.EncodeToString(pub),
 	}, nil
 }
@@ -233,13 +230,17 @@ func (w wrappedKey) recipients() []string {
 	return ids
 }
 
+// The JWE algorithms vmsnap reads (and unwrapCEK implements).
+var (
+	unwrapAlgorithms  = []jose.KeyAlgorithm{jose.RSA_OAEP, jose.RSA_OAEP_256, jose.ECDH_ES_A128KW, jose.ECDH_ES_A192KW, jose.ECDH_ES_A256KW}
+	contentAlgorithms = []jose.ContentEncryption{jose.A128GCM, jose.A192GCM, jose.A256GCM, jose.A128CBC_HS256, jose.A192CBC_HS384, jose.A256CBC_HS512}
+)
+
 // unwrap returns the layer's private options with the first of keys that
-// opens it. Keys whose ID the JWE names are tried; a JWE that names none
-// has every key tried.
-func (w wrappedKey) unwrap(keys []DecryptionKey) (privateOpts, bool) {
-	obj, err := jose.ParseEncrypted(string(w),
-		[]jose.KeyAlgorithm{jose.RSA_OAEP, jose.RSA_OAEP_256, jose.ECDH_ES_A128KW, jose.ECDH_ES_A192KW, jose.ECDH_ES_A256KW},
-		[]jose.ContentEncryption{jose.A128GCM, jose.A192GCM, jose.A256GCM, jose.A128CBC_HS256, jose.A192CBC_HS384, jose.A256CBC_HS512})
+// opens it, unwrapping CEKs through cache. Keys whose ID the JWE names are
+// tried; a JWE that names none has every key tried.
+func (w wrappedKey) unwrap(keys []DecryptionKey, cache *unwrapCache) (privateOpts, bool) {
+	obj, err := jose.ParseEncrypted(string(w), unwrapAlgorithms, contentAlgorithms)
 	if err != nil {
 		return privateOpts{}, false
 	}
@@ -248,7 +249,7 @@ func (w wrappedKey) unwrap(keys []DecryptionKey) (privateOpts, bool) {
 		if !slices.Contains(named, k.ID) && slices.ContainsFunc(named, func(s string) bool { return strings.HasPrefix(s, "sha256:") }) {
 			continue
 		}
-		_, _, plain, err := obj.DecryptMulti(k.Key)
+		_, _, plain, err := obj.DecryptMulti(cachedKey{key: k, cache: cache})
 		if err != nil {
 			continue
 		}
@@ -265,7 +266,7 @@ func (w wrappedKey) unwrap(keys []DecryptionKey) (privateOpts, bool) {
 // decryptLayer unwraps an encrypted layer's key with keys and returns it
 // with the layer's plaintext descriptor. A layer no key
 // opens is AUTH_FAILED, naming the keys it is encrypted for and those given.
-func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey) (ocispec.Descriptor, layerKey, error) {
+func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey, cache *unwrapCache) (ocispec.Descriptor, layerKey, error) {
 	pubData, err := base64.StdEncoding.DecodeString(l.Annotations[AnnotationEncPubOpts])
 	var pub publicOpts
 	if err == nil {
@@ -276,7 +277,7 @@ func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey) (ocispec.Descripto
 			"encrypted layer %s: its cipher (%s) is not %s, the one vmsnap reads", l.Digest, AnnotationEncPubOpts, cipherAES256CTR)
 	}
 	for _, w := range wrappedKeys(l) {
-		p, ok := w.unwrap(keys)
+		p, ok := w.unwrap(keys, cache)
 		if !ok {
 			continue
 		}

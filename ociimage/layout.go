@@ -363,7 +363,17 @@ func (l *Layout) Blob(ctx context.Context, desc ocispec.Descriptor, limit int64)
 	return l.readBlob(ctx, "blob", desc, limit)
 }
 
+// blobUnhashed is Blob checking the size alone, for a reader that
+// verifies the bytes itself (Decrypt's, see decrypting.Blob).
+func (l *Layout) blobUnhashed(ctx context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error) {
+	return l.readChecked(ctx, "blob", desc, limit, false)
+}
+
 func (l *Layout) readBlob(ctx context.Context, what string, desc ocispec.Descriptor, limit int64) ([]byte, error) {
+	return l.readChecked(ctx, what, desc, limit, true)
+}
+
+func (l *Layout) readChecked(ctx context.Context, what string, desc ocispec.Descriptor, limit int64, hashed bool) ([]byte, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -390,7 +400,7 @@ func (l *Layout) readBlob(ctx context.Context, what string, desc ocispec.Descrip
 	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
 		return nil, errcode.Wrap(errcode.RegistryError, err, "cannot read %s %s in %s", what, desc.Digest, l.dir)
 	}
-	if int64(n) != desc.Size || digest.FromBytes(buf[:n]) != desc.Digest {
+	if int64(n) != desc.Size || hashed && digest.FromBytes(buf[:n]) != desc.Digest {
 		return nil, errcode.New(errcode.DigestMismatch,
 			"%s %s in %s is corrupt: its content does not match its digest (file %s); push the image again", what, desc.Digest, l.dir, path)
 	}
