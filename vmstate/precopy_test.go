@@ -9,110 +9,27 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
-// qemuStream writes migration streams the way QEMU 7.2 does, in the two
-// forms the pre-copy deals with: a whole-VM pre-copy (x-ignore-shared
-// off) and the device state of an x-ignore-shared migration.
-type qemuStream struct {
-	b            bytes.Buffer
-	ignoreShared bool
-	last         string // the block of the last page record
-}
-
-func (q *qemuStream) u8(v byte)    { q.b.WriteByte(v) }
-func (q *qemuStream) u32(v uint32) { q.b.Write(binary.BigEndian.AppendUint32(nil, v)) }
-func (q *qemuStream) u64(v uint64) { q.b.Write(binary.BigEndian.AppendUint64(nil, v)) }
-func (q *qemuStream) str(s string) { q.u8(byte(len(s))); q.b.WriteString(s) }
-
-func (q *qemuStream) header() {
-	q.u32(qemuVMFileMagic)
-	q.u32(qemuVMFileVersion)
-	q.u8(qemuVMConfiguration)
-	q.u32(uint32(len("pc-i440fx-7.2")))
-	q.b.WriteString("pc-i440fx-7.2")
-	if q.ignoreShared {
-		q.u8(qemuVMSubsection)
-		q.str("configuration/capabilities")
-		q.u32(1)
-		q.u32(1)
-		q.str(capIgnoreShared)
-	}
-}
-
-type testBlock struct {
-	name  string
-	bytes uint64
-	addr  uint64
-}
-
-func (q *qemuStream) start(blocks []testBlock) {
-	q.u8(qemuVMSectionStart)
-	q.u32(2)
-	q.str("ram")
-	q.u32(0)
-	q.u32(4)
-	var total uint64
-	for _, b := range blocks {
-		total += b.bytes
-	}
-	q.u64(total | ramFlagMemSize)
-	for _, b := range blocks {
-		q.str(b.name)
-		q.u64(b.bytes)
-		if q.ignoreShared {
-			q.u64(b.addr)
-		}
-	}
-	q.u64(ramFlagEOS)
-	q.footer(2)
-}
-
-func (q *qemuStream) footer(id uint32) { q.u8(qemuVMSectionFooter); q.u32(id) }
-
-// page writes a page record: data nil for a page of zeros. It names the
-// block unless the last record was of the same block.
-func (q *qemuStream) page(block string, off uint64, data []byte) {
-	q.record(block, off, data, block != q.last)
-}
-
-// record writes a page record, naming the block or not. (The rewrite keeps
-// a record as it came, so its stream names a block wherever the pre-copy
-// did, which a load accepts as it does a continuation.)
-func (q *qemuStream) record(block string, off uint64, data []byte, named bool) {
-	flags := uint64(ramFlagPage)
-	if data == nil {
-		flags = ramFlagZero
-	}
-	if !named {
-		q.u64(off | flags | ramFlagContinue)
-	} else {
-		q.u64(off | flags)
-		q.str(block)
-	}
-	q.last = block
-	if data == nil {
-		q.u8(0)
-	} else {
-		q.b.Write(data)
-	}
-}
-
-func (q *qemuStream) section(t byte) { q.u8(t); q.u32(2) }
-func (q *qemuStream) eos()           { q.u64(ramFlagEOS); q.footer(2) }
+// Streams are built with qmptest.Stream, framed as QEMU 7.2 frames them:
+// a whole-VM pre-copy (x-ignore-shared off) and the device state of an
+// x-ignore-shared migration.
+type qemuStream = qmptest.Stream
 
 // devices writes a device section and the end, as opaque to the parser as
 // QEMU's are.
-func (q *qemuStream) devices() {
-	q.u8(qemuVMSectionFull)
-	q.u32(3)
-	q.str("timer")
-	q.u32(0)
-	q.u32(2)
-	q.b.Write([]byte{1, 2, 3, 4, 5, 6, 7, 8})
-	q.footer(3)
-	q.u8(qemuVMEOF)
+func devices(q *qemuStream) {
+	q.U8(qemuVMSectionFull)
+	q.U32(3)
+	q.Str("timer")
+	q.U32(0)
+	q.U32(2)
+	q.B.Write([]byte{1, 2, 3, 4, 5, 6, 7, 8})
+	q.U8(qemuVMSectionFooter)
+	q.U32(3)
+	q.U8(qemuVMEOF)
 }
 
 // sink records the last copy of each page it is given.
@@ -127,13 +44,13 @@ const (
 	testRAMAddr   = 0x100000000
 )
 
-var testBlocks = []testBlock{{"ram0", testRAMPages * ramfile.PageSize, testRAMAddr}, {"vga.vram", testVRAMPages * ramfile.PageSize, 0}}
+var testBlocks = []qmptest.StreamBlock{{Name: "ram0", Bytes: testRAMPages * ramfile.PageSize, Addr: testRAMAddr}, {Name: "vga.vram", Bytes: testVRAMPages * ramfile.PageSize}}
 
 // precopyPair is a pre-copy stream of three passes, the x-ignore-shared
 // stream it must be rewritten into, and the RAM file's final pages.
 func precopyPair(seed uint64) (precopy, want []byte, final sink) {
 	rng := rand.New(rand.NewPCG(seed, seed))
-	pre, ign := &qemuStream{}, &qemuStream{ignoreShared: true}
+	pre, ign := &qemuStream{}, &qemuStream{IgnoreShared: true}
 	final = sink{}
 	randPage := func() []byte {
 		if rng.IntN(3) == 0 {
@@ -146,8 +63,8 @@ func precopyPair(seed uint64) (precopy, want []byte, final sink) {
 		return p
 	}
 	for _, q := range []*qemuStream{pre, ign} {
-		q.header()
-		q.start(testBlocks)
+		q.Header("pc-i440fx-7.2")
+		q.Start(testBlocks)
 	}
 	for pass := range 3 {
 		t := byte(qemuVMSectionPart)
@@ -155,33 +72,33 @@ func precopyPair(seed uint64) (precopy, want []byte, final sink) {
 			t = qemuVMSectionEnd
 			if seed%2 == 1 { // QEMU 10 announces the switchover
 				for _, q := range []*qemuStream{pre, ign} {
-					q.u8(qemuVMCommand)
-					q.u32(migCmdSwitchoverStart << 16)
+					q.U8(qemuVMCommand)
+					q.U32(migCmdSwitchoverStart << 16)
 				}
 			}
 		}
-		pre.section(t)
-		ign.section(t)
+		pre.Section(t)
+		ign.Section(t)
 		for i := range testRAMPages {
 			if pass > 0 && rng.IntN(4) != 0 {
 				continue
 			}
 			p := randPage()
-			pre.page("ram0", uint64(i)*ramfile.PageSize, p)
+			pre.Page("ram0", uint64(i)*ramfile.PageSize, p)
 			final[i] = p
 			if i%16 == 0 { // another block's page in between
 				v := randPage()
-				named := pre.last != "vga.vram"
-				pre.page("vga.vram", uint64(i/16)*ramfile.PageSize, v)
-				ign.record("vga.vram", uint64(i/16)*ramfile.PageSize, v, named)
+				named := pre.Last != "vga.vram"
+				pre.Page("vga.vram", uint64(i/16)*ramfile.PageSize, v)
+				ign.Record("vga.vram", uint64(i/16)*ramfile.PageSize, v, named)
 			}
 		}
-		pre.eos()
-		ign.eos()
+		pre.EndMark()
+		ign.EndMark()
 	}
-	pre.devices()
-	ign.devices()
-	return pre.b.Bytes(), ign.b.Bytes(), final
+	devices(pre)
+	devices(ign)
+	return pre.B.Bytes(), ign.B.Bytes(), final
 }
 
 func rewrite(stream []byte) ([]byte, sink, error) { return rewritePages(stream, testRAMPages) }
@@ -287,23 +204,23 @@ func FuzzReadPrecopy(f *testing.F) {
 	// the parser takes.
 	for _, cmd := range []bool{false, true} {
 		q := &qemuStream{}
-		q.header()
-		q.start([]testBlock{{"ram0", fuzzPages * ramfile.PageSize, 0}, {"rom", ramfile.PageSize, 0}})
-		q.section(qemuVMSectionPart)
+		q.Header("pc-i440fx-7.2")
+		q.Start([]qmptest.StreamBlock{{Name: "ram0", Bytes: fuzzPages * ramfile.PageSize}, {Name: "rom", Bytes: ramfile.PageSize}})
+		q.Section(qemuVMSectionPart)
 		for i := range fuzzPages {
-			q.page("ram0", uint64(i)*ramfile.PageSize, nil)
+			q.Page("ram0", uint64(i)*ramfile.PageSize, nil)
 		}
-		q.page("rom", 0, nil)
-		q.eos()
+		q.Page("rom", 0, nil)
+		q.EndMark()
 		if cmd {
-			q.u8(qemuVMCommand)
-			q.u32(migCmdSwitchoverStart << 16)
+			q.U8(qemuVMCommand)
+			q.U32(migCmdSwitchoverStart << 16)
 		}
-		q.section(qemuVMSectionEnd)
-		q.page("ram0", 0, bytes.Repeat([]byte{7}, ramfile.PageSize))
-		q.eos()
-		q.devices()
-		f.Add(q.b.Bytes())
+		q.Section(qemuVMSectionEnd)
+		q.Page("ram0", 0, bytes.Repeat([]byte{7}, ramfile.PageSize))
+		q.EndMark()
+		devices(q)
+		f.Add(q.B.Bytes())
 	}
 	f.Fuzz(func(t *testing.T, stream []byte) {
 		out, got, err := rewritePages(stream, fuzzPages)
