@@ -344,7 +344,10 @@ func TestEncryptE2ERepeatCheckpoint(t *testing.T) {
 		ok    func(second, first int64) bool
 	}{
 		{"random keys", nil, func(s, f int64) bool { return s*10 >= f*9 }},
-		{"dedup key", []string{"--encrypt-dedup-key", dedup}, func(s, f int64) bool { return s*10 < f }},
+		// The VM runs a moment between the two (contStop), so a chunk or
+		// two of its ten differ: a quarter at most, where random keys
+		// re-upload nine tenths or more.
+		{"dedup key", []string{"--encrypt-dedup-key", dedup}, func(s, f int64) bool { return s*4 < f }},
 	} {
 		repo := strings.ReplaceAll(tc.name, " ", "-")
 		a := checkpoint(repo+":first", tc.extra...).VMState
