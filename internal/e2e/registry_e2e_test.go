@@ -169,11 +169,16 @@ func TestRegistryE2ERepeatCheckpointUploadsAlmostNothing(t *testing.T) {
 	t.Logf("second checkpoint: %d of %d chunks were in the registry already", reused, len(layers))
 
 	// vmstate sends a stopped VM's memory in one final pass, so the stream
-	// of an unchanged VM lays out the same and only its device-state tail
-	// differs.
-	if b.UploadedBytes*10 >= b.StoredBytes {
-		t.Fatalf("the second checkpoint of an unchanged VM uploaded %.1f%% of its stored bytes, want < 10%%",
-			100*float64(b.UploadedBytes)/float64(b.StoredBytes))
+	// of an unchanged VM lays out the same and only the chunks around what
+	// changed differ: its device state, and the pages the guest's kernel
+	// wrote in the moment contStop let it run (timers, per-CPU data,
+	// scattered over the stream). Quiet, that is one chunk or two (1-8%);
+	// under a loaded CI the guest runs longer between the two commands and
+	// a third of the chunks was seen to change. Without content-defined
+	// chunks at stable boundaries every chunk would go up again.
+	if b.UploadedBytes*2 >= b.StoredBytes || reused*2 < len(layers) {
+		t.Fatalf("the second checkpoint of an unchanged VM uploaded %.1f%% of its stored bytes (%d of %d chunks reused), want under half",
+			100*float64(b.UploadedBytes)/float64(b.StoredBytes), reused, len(layers))
 	}
 }
 
