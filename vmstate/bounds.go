@@ -37,16 +37,19 @@ func stateTooLarge(did string, memory int64) error {
 			"so the checkpoint was aborted", did, memory>>20, maxStateBytes(memory)>>20)
 }
 
-// boundedStream reads a migration stream and fails once it passes
-// maxStateBytes: a QEMU that keeps writing must not fill a registry.
+// boundedStream reads a migration stream and fails once it passes its
+// bound (maxStateBytes, from newBoundedStream): a QEMU that keeps writing
+// must not fill a registry, nor a staging file.
 type boundedStream struct {
-	r      io.Reader
-	memory int64
-	left   int64
+	r       io.Reader
+	left    int64
+	tooMuch func() error // the error past the bound
 }
 
 func newBoundedStream(r io.Reader, memory int64) *boundedStream {
-	return &boundedStream{r: r, memory: memory, left: maxStateBytes(memory)}
+	return &boundedStream{r: r, left: maxStateBytes(memory), tooMuch: func() error {
+		return stateTooLarge(fmt.Sprintf("sent over %d MiB", maxStateBytes(memory)>>20), memory)
+	}}
 }
 
 func (b *boundedStream) Read(p []byte) (int, error) {
@@ -56,7 +59,7 @@ func (b *boundedStream) Read(p []byte) (int, error) {
 		if n, err := b.r.Read(one[:]); n == 0 {
 			return 0, err
 		}
-		return 0, stateTooLarge(fmt.Sprintf("sent over %d MiB", maxStateBytes(b.memory)>>20), b.memory)
+		return 0, b.tooMuch()
 	}
 	if int64(len(p)) > b.left {
 		p = p[:b.left]

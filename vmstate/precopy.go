@@ -614,7 +614,9 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f
 		// that sends them again and again is cut off at three times the
 		// file plus the most state a VM of its size may have; the device
 		// state at that most (and 1 GiB).
-		br := bufio.NewReaderSize(&limitedReader{r: r, left: 3*be.Bytes + maxStateBytes(be.Bytes)}, 1<<20)
+		br := bufio.NewReaderSize(&boundedStream{r: r, left: 3*be.Bytes + maxStateBytes(be.Bytes), tooMuch: func() error {
+			return streamErr("QEMU sent more than a pre-copy of this VM may take")
+		}}, 1<<20)
 		bw := bufio.NewWriterSize(&limitedWriter{w: p.devices, left: min(maxPrecopyDevices, maxStateBytes(be.Bytes))}, 1<<20)
 		parseErr = readPrecopy(br, bw, be.ID, be.Bytes, addr, sh)
 		if parseErr == nil {
@@ -723,24 +725,6 @@ func backendAddr(ctx context.Context, mon Executor, id string) (uint64, error) {
 		}
 	}
 	return 0, errcode.Ensure(errcode.QMPError, err, "reading the address of memory backend %s", id)
-}
-
-// limitedReader fails reads past its bound.
-type limitedReader struct {
-	r    io.Reader
-	left int64
-}
-
-func (l *limitedReader) Read(p []byte) (int, error) {
-	if l.left <= 0 {
-		return 0, streamErr("QEMU sent more than a pre-copy of this VM may take")
-	}
-	if int64(len(p)) > l.left {
-		p = p[:l.left]
-	}
-	n, err := l.r.Read(p)
-	l.left -= int64(n)
-	return n, err
 }
 
 // limitedWriter fails writes past its bound.

@@ -143,26 +143,34 @@ func (s *Shadow) flush() error {
 // hints make QEMU skip pages the guest said it does not use, which hold
 // whatever they hold all the same. It returns how many it read.
 func (s *Shadow) FillUnsent(f *os.File) (int, error) {
-	n := 0
+	unsent := s.unsent(-1)
 	page := make([]byte, PageSize)
+	for _, i := range unsent {
+		if _, err := f.ReadAt(page, int64(i)*PageSize); err != nil {
+			return 0, errcode.Wrap(errcode.Internal, err, "reading page %d of the RAM file, which QEMU did not send", i)
+		}
+		if err := s.Page(i, page); err != nil {
+			return 0, err
+		}
+		s.received -= PageSize // read, not received
+	}
+	return len(unsent), nil
+}
+
+// unsent lists the pages QEMU has not sent, ascending: at most max of
+// them (all with max < 0).
+func (s *Shadow) unsent(max int) []int {
+	var out []int
 	for w, b := range s.seen {
 		want := ^uint64(0)
 		if rest := s.pages - w*64; rest < 64 {
 			want = 1<<rest - 1
 		}
-		for missing := ^b & want; missing != 0; missing &= missing - 1 {
-			i := w*64 + bits.TrailingZeros64(missing)
-			if _, err := f.ReadAt(page, int64(i)*PageSize); err != nil {
-				return n, errcode.Wrap(errcode.Internal, err, "reading page %d of the RAM file, which QEMU did not send", i)
-			}
-			if err := s.Page(i, page); err != nil {
-				return n, err
-			}
-			s.received -= PageSize // read, not received
-			n++
+		for missing := ^b & want; missing != 0 && len(out) != max; missing &= missing - 1 {
+			out = append(out, w*64+bits.TrailingZeros64(missing))
 		}
 	}
-	return n, nil
+	return out
 }
 
 // Capture is the RAM file as the last copy of each page gives it. QEMU
@@ -172,14 +180,8 @@ func (s *Shadow) Capture() (*Capture, error) {
 	if err := s.flush(); err != nil {
 		return nil, err
 	}
-	for w, b := range s.seen {
-		want := ^uint64(0)
-		if rest := s.pages - w*64; rest < 64 {
-			want = 1<<rest - 1
-		}
-		if b != want {
-			return nil, errcode.New(errcode.QMPError, "QEMU's migration left page %d of the RAM file unsent", w*64+bits.TrailingZeros64(^b&want))
-		}
+	if unsent := s.unsent(1); len(unsent) > 0 {
+		return nil, errcode.New(errcode.QMPError, "QEMU's migration left page %d of the RAM file unsent", unsent[0])
 	}
 	c := &Capture{Size: s.size, Map: newPageMap(s.pages), parent: s.parent, staging: s.file, shadow: true, StagedBytes: s.written, ScannedBytes: s.received}
 	keys := make([]uint32, 0, len(s.hash))
