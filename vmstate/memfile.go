@@ -344,7 +344,8 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	// a pre-copy, and QEMU stops it only for the final pass (precopy.go).
 	// In pause mode the VM stays stopped anyway, and a scan of the file is
 	// the faster way; it is also the way back from a pre-copy that failed
-	// before QEMU stopped the VM.
+	// before QEMU stopped the VM, and the only way where QEMU's dirty log
+	// misses the guest's writes (precopyUntrusted).
 	var pre *precopied
 	defer func() {
 		if pre != nil {
@@ -353,6 +354,9 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	}()
 	res.RAMCapture = CaptureScan
 	if opts.Mode == ModeSnapshot && st.Running {
+		res.RAMCaptureNote = precopyUntrusted(ctx, mon, res.Config.Record.QEMUVersion)
+	}
+	if opts.Mode == ModeSnapshot && st.Running && res.RAMCaptureNote == "" {
 		precopyStart := time.Now()
 		var perr error
 		pre, perr = precopy(ctx, mon, g, be, f, parentMap, stagingDir(opts.StagingDir))

@@ -118,11 +118,12 @@ func TestMemoryFileCheckpointChainsDeltasUnderItsTag(t *testing.T) {
 }
 
 // fakeFileVMAt is a running fake QEMU on an existing RAM file, which it
-// maps, as QEMU does (the fake runs in this process).
+// maps, as QEMU does (the fake runs in this process). It runs under KVM,
+// whose dirty log a pre-copy may trust.
 func fakeFileVMAt(t *testing.T, path string) (*qmptest.FakeQEMU, string) {
 	qmptest.MapFile(t, path)
 	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 64<<10))
-	q.Memory = fakeRAM
+	q.Memory, q.KVM = fakeRAM, true
 	q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: path, Share: true}
 	return q, path
 }
@@ -313,6 +314,51 @@ func TestMemoryFileReadsOnlyTheFileQEMUMaps(t *testing.T) {
 			}
 			if slices.Contains(q.Commands(), "stop") {
 				t.Fatal("the VM was stopped before the RAM file was refused")
+			}
+		})
+	}
+}
+
+// A snapshot pre-copies only where QEMU's dirty log holds every write the
+// guest made: under KVM, or TCG from QEMU 9.0 on. QEMU 7.2 under TCG loses
+// writes from it, and its VM is scanned, stopped, from the start: no
+// migration while it runs, and the result says why.
+func TestMemoryFileSnapshotPrecopiesOnlyWhereTheDirtyLogHoldsEveryWrite(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		version [3]int
+		kvm     bool
+		precopy bool
+	}{
+		{"QEMU 7.2 under TCG", [3]int{7, 2, 22}, false, false},
+		{"QEMU 8.2 under TCG", [3]int{8, 2, 2}, false, false},
+		{"QEMU 9.0 under TCG", [3]int{9, 0, 0}, false, true},
+		{"QEMU 10.0 under TCG", [3]int{10, 0, 2}, false, true},
+		{"QEMU 7.2 under KVM", [3]int{7, 2, 22}, true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			q, _ := fakeFileVM(t)
+			q.Version, q.KVM = tc.version, tc.kvm
+			res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":vm"), CheckpointOptions{Mode: ModeSnapshot, StagingDir: t.TempDir()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cmds := q.Commands()
+			stop, migrate := slices.Index(cmds, "stop"), slices.Index(cmds, "migrate")
+			if tc.precopy {
+				if res.RAMCapture != CapturePrecopy || stop >= 0 {
+					t.Fatalf("capture %q (%s), commands %v: want a pre-copy, QEMU stopping the VM itself", res.RAMCapture, res.RAMCaptureNote, cmds)
+				}
+				return
+			}
+			if res.RAMCapture != CaptureScan || !strings.Contains(res.RAMCaptureNote, "TCG") || !strings.Contains(res.RAMCaptureNote, "9.0") {
+				t.Fatalf("capture %q, note %q: want a scan, saying TCG's dirty log before QEMU 9.0 is why", res.RAMCapture, res.RAMCaptureNote)
+			}
+			if stop < 0 || migrate < stop {
+				t.Fatalf("commands %v: want the VM stopped before any migration (no pre-copy)", cmds)
+			}
+			if q.Status() != "running" {
+				t.Fatalf("the VM is %s after the checkpoint", q.Status())
 			}
 		})
 	}

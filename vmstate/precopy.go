@@ -710,6 +710,28 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f
 	return p, nil
 }
 
+// precopyUntrusted says why QEMU's dirty log cannot be trusted with a
+// pre-copy of this VM ("" when it can). Under TCG, QEMU before 9.0 clears
+// the migration dirty bitmap a 64-page word at a time without bringing
+// the vCPUs' TLBs up to date: a vCPU whose TLB entry already marked a page
+// dirty keeps writing it through that entry, unseen, until the entry is
+// flushed, and the final pass leaves those writes out (QEMU 9.0's
+// "physmem: Fix migration dirty bitmap coherency with TCG memory access").
+// A restored guest then runs on memory that is not what it left: here, a
+// kernel that panicked in its per-CPU timer data, about once in twenty
+// restores. KVM's dirty log comes from the kernel's write protection and
+// is exact with any QEMU. A scan of the stopped VM's file needs no log.
+func precopyUntrusted(ctx context.Context, mon Executor, qemuVersion string) string {
+	var kvm struct{ Enabled bool }
+	if err := mon.Execute(ctx, "query-kvm", nil, &kvm); err == nil && kvm.Enabled {
+		return ""
+	}
+	if cmpVersion(majorMinor(qemuVersion), "9.0") >= 0 {
+		return ""
+	}
+	return fmt.Sprintf("QEMU %s under TCG loses guest writes from a pre-copy's dirty log (fixed in QEMU 9.0; KVM is not affected): scanned the RAM file with the VM stopped", qemuVersion)
+}
+
 // errNoFallback marks a pre-copy failure after which a scan must not run.
 var errNoFallback = errors.New("x-ignore-shared could not be set back")
 

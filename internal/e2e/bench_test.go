@@ -108,6 +108,9 @@ type bench struct {
 	encPriv string        // the recipient's private key, for the encrypted runs
 	encPub  string
 	rep     benchReport
+	// mfQEMU is the QEMU of the memory-file section: the root of an
+	// unpacked tree, "" for the system's (mfQEMUName names it).
+	mfQEMU, mfQEMUName string
 }
 
 // cpuTimes are CPU seconds spent by the processes involved in one operation.

@@ -64,6 +64,12 @@ type FakeQEMU struct {
 	FeatureWords     []FeatureWord
 	FilteredFeatures []FeatureWord
 
+	// Version is the QEMU version query-version reports (7.2.22 by
+	// default); KVM whether query-kvm reports KVM enabled (TCG by
+	// default, as the tests' guests run).
+	Version [3]int
+	KVM     bool
+
 	// RAMBackend, if set, is the machine's memory backend (-machine
 	// memory-backend=ID): its QOM type, mem-path and share, and size
 	// Memory. Nil: a plain -m, no backend named.
@@ -86,7 +92,7 @@ type FakeBackend struct {
 func NewFakeQEMU(t testing.TB, status string, state []byte) *FakeQEMU {
 	f := &FakeQEMU{status: status, migration: "none", Memory: 256 << 20, State: state, fds: map[string]*os.File{},
 		Caps: map[string]bool{"events": false, "background-snapshot": false, "x-ignore-shared": false}, Bandwidth: 128 << 20, DowntimeLimit: 300,
-		FeatureWords: Qemu64FeatureWords(), FilteredFeatures: []FeatureWord{}}
+		FeatureWords: Qemu64FeatureWords(), FilteredFeatures: []FeatureWord{}, Version: [3]int{7, 2, 22}}
 	f.Srv = NewServer(t, f.handle)
 	// Handlers emit events through srv: the server runs before the
 	// assignment above, and its clients may be other processes, which the
@@ -169,7 +175,9 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 	case "query-status":
 		return map[string]any{"status": f.status, "running": f.status == "running"}, nil
 	case "query-version":
-		return map[string]any{"qemu": map[string]int{"major": 7, "minor": 2, "micro": 22}, "package": "fake"}, nil
+		return map[string]any{"qemu": map[string]int{"major": f.Version[0], "minor": f.Version[1], "micro": f.Version[2]}, "package": "fake"}, nil
+	case "query-kvm":
+		return map[string]bool{"enabled": f.KVM, "present": f.KVM}, nil
 	case "query-target":
 		return map[string]string{"arch": "x86_64"}, nil
 	case "qom-get":
