@@ -2,8 +2,8 @@ package vmstate
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"io"
 	"os"
 	"syscall"
 	"time"
@@ -224,82 +224,26 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 // res.Stream (the whole state for the stream format, the device state for
 // the memory-file format). Defer closeStream, even with an error.
 func streamSaver(ctx context.Context, mon Monitor, g *sourceGuard, sub *qmp.Subscription, repo ociimage.Repository, opts CheckpointOptions, res *CheckpointResult) (save func(context.Context) error, closeStream func(), err error) {
-	r, w, err := os.Pipe()
+	pipe, err := openOutgoingPipe(ctx, mon)
 	if err != nil {
-		return nil, func() {}, errcode.Wrap(errcode.Internal, err, "creating the migration pipe")
-	}
-	growPipe(r)
-	fdName, err := passFile(ctx, mon, w)
-	w.Close() // QEMU holds its own copy now
-	fdTaken := false
-	closeStream = func() {
-		r.Close()
-		if err == nil && !fdTaken { // migrate never took it: QEMU would keep it open forever
-			cctx, cancel := g.cleanupCtx(5 * time.Second)
-			_ = mon.Execute(cctx, "closefd", map[string]string{"fdname": fdName}, nil)
-			cancel()
-		}
-	}
-	if err != nil {
-		return nil, closeStream, err
+		return nil, func() {}, err
 	}
 	record := res.Config.Record
 	save = func(ctx context.Context) error {
 		streamStart := time.Now()
-		streamCtx, stopStream := context.WithCancel(ctx)
-		defer stopStream()
-		finished := make(chan struct{})
-		failed := make(chan error, 1)
-		var (
-			stream    chunk.StreamResult
-			streamErr error
-		)
-		go func() {
-			defer close(finished)
-			stream, streamErr = chunk.EncodeStream(streamCtx, newBoundedStream(r, record.MemoryBytes), repo, opts.Stream)
-			if streamErr != nil {
-				// QEMU may be blocked writing into the full pipe while it holds
-				// its big lock (the final pass of a migration does), and then
-				// its monitor answers nothing: a broken pipe frees it.
-				r.Close()
-				failed <- streamErr
-			}
-		}()
+		var stream chunk.StreamResult
 		g.phase = "streaming the VM state"
-		// Set before asking: if the reply is lost, the migration may still run.
-		g.migrating = true
-		var err error
-		if err = mon.Execute(ctx, "migrate", map[string]any{"uri": "fd:" + fdName}, nil); err != nil {
-			err = errcode.Ensure(errcode.QMPError, err, "starting the migration")
-		} else {
-			fdTaken = true
-			var info migrationInfo
-			info, err = waitMigration(ctx, mon, sub, failed)
-			if err == nil && opts.Mode == ModeLive && info.Downtime != nil {
-				res.Downtime = time.Duration(*info.Downtime) * time.Millisecond
-			}
-		}
+		info, err := pipe.migrate(ctx, mon, g, sub, func(ctx context.Context, r io.Reader) (err error) {
+			stream, err = chunk.EncodeStream(ctx, newBoundedStream(r, record.MemoryBytes), repo, opts.Stream)
+			return err
+		})
 		if err != nil {
-			stopStream()
-			r.Close() // unblocks a read waiting on QEMU
-			<-finished
-			// When our side failed first (the store), QEMU's failure is only
-			// the broken pipe that followed: report the cause.
-			if streamErr != nil && !errors.Is(streamErr, context.Canceled) {
-				err = streamErr
-			}
 			return err
 		}
-		// QEMU closes its end once done; if it hangs instead, the caller's
-		// deadline still ends the read.
-		unblock := context.AfterFunc(ctx, func() { r.Close() })
-		<-finished
-		unblock()
-		if streamErr != nil {
-			return streamErr
+		if opts.Mode == ModeLive && info.Downtime != nil {
+			res.Downtime = time.Duration(*info.Downtime) * time.Millisecond
 		}
 		res.Stream = stream
-		g.migrating = false
 		res.Durations.Stream = time.Since(streamStart)
 		if res.Stream.RawBytes == 0 {
 			return errcode.New(errcode.QMPError, "QEMU reported the migration complete but wrote no state")
@@ -307,7 +251,7 @@ func streamSaver(ctx context.Context, mon Monitor, g *sourceGuard, sub *qmp.Subs
 		res.Config.RawBytes = res.Stream.RawBytes
 		return nil
 	}
-	return save, closeStream, nil
+	return save, func() { pipe.close(mon, g) }, nil
 }
 
 // stopAndSave is a checkpoint's one sequence, for both formats, once the

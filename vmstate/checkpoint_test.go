@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -113,6 +115,32 @@ func TestCheckpointStoreFailureContinuesVM(t *testing.T) {
 	}
 	if q.Status() != "running" {
 		t.Fatalf("VM is %s after a failed pause-mode checkpoint, want running", q.Status())
+	}
+}
+
+// refusingRepo fails every blob it is given.
+type refusingRepo struct{ ociimage.Repository }
+
+func (refusingRepo) PutBlob(context.Context, ocispec.Descriptor, []byte) error {
+	return errcode.New(errcode.RegistryError, "the store refused the blob")
+}
+
+// When the store fails mid-stream, QEMU's migration fails next on the
+// broken pipe: the checkpoint reports the cause, the store's error, not
+// QEMU's, and the VM runs.
+func TestCheckpointReportsTheStoresFailureNotTheBrokenPipe(t *testing.T) {
+	for _, mode := range []Mode{ModePause, ModeSnapshot} {
+		t.Run(string(mode), func(t *testing.T) {
+			q := qmptest.NewFakeQEMU(t, "running", testStream(t, 8<<20))
+			repo := refusingRepo{openLayout(t, "oci:"+t.TempDir()+":vm")}
+			_, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: mode, Stream: chunk.StreamOptions{ChunkSize: 1 << 20}})
+			if errcode.Of(err) != errcode.RegistryError || !strings.Contains(err.Error(), "refused the blob") {
+				t.Fatalf("err = %v, want the store's REGISTRY_ERROR", err)
+			}
+			if q.Status() != "running" {
+				t.Fatalf("VM is %s after a failed checkpoint, want running", q.Status())
+			}
+		})
 	}
 }
 

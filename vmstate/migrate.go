@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"time"
 
@@ -45,6 +46,90 @@ func passFile(ctx context.Context, mon Monitor, f *os.File) (string, error) {
 		return "", errcode.Ensure(errcode.QMPError, err, "passing the migration pipe to QEMU")
 	}
 	return name, nil
+}
+
+// outgoingPipe is a pipe a source QEMU migrates into: its write end
+// passed to QEMU (getfd) ahead of the migration, so that passing it costs
+// no downtime, vmsnap reading the other.
+type outgoingPipe struct {
+	r      *os.File
+	fdName string
+	taken  bool // a migrate command took QEMU's descriptor
+}
+
+func openOutgoingPipe(ctx context.Context, mon Monitor) (*outgoingPipe, error) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "creating the migration pipe")
+	}
+	growPipe(r)
+	name, err := passFile(ctx, mon, w)
+	w.Close() // QEMU holds its own copy now
+	if err != nil {
+		r.Close()
+		return nil, err
+	}
+	return &outgoingPipe{r: r, fdName: name}, nil
+}
+
+// close closes vmsnap's end, and QEMU's descriptor if no migration took
+// it (QEMU would hold it open forever).
+func (p *outgoingPipe) close(mon Monitor, g *sourceGuard) {
+	p.r.Close()
+	if !p.taken {
+		cctx, cancel := g.cleanupCtx(5 * time.Second)
+		_ = mon.Execute(cctx, "closefd", map[string]string{"fdname": p.fdName}, nil)
+		cancel()
+	}
+}
+
+// migrate runs QEMU's migration into the pipe, consume reading all of it
+// on its own goroutine. A consume error breaks the pipe at once: QEMU may
+// be blocked writing into the full pipe while it holds its big lock (the
+// final pass of a migration does), and then its monitor answers nothing.
+// It returns once QEMU completed and consume has read to the end, with the
+// final query-migrate. On an error it returns the cause (consume's, when
+// our side failed first and QEMU's failure is only the broken pipe that
+// followed), the migration possibly still on: g.migrating says so.
+func (p *outgoingPipe) migrate(ctx context.Context, mon Monitor, g *sourceGuard, sub *qmp.Subscription, consume func(context.Context, io.Reader) error) (migrationInfo, error) {
+	cctx, stopConsume := context.WithCancel(ctx)
+	defer stopConsume()
+	finished := make(chan struct{})
+	failed := make(chan error, 1)
+	var consumeErr error
+	go func() {
+		defer close(finished)
+		if consumeErr = consume(cctx, p.r); consumeErr != nil {
+			p.r.Close()
+			failed <- consumeErr
+		}
+	}()
+	fail := func(err error) (migrationInfo, error) {
+		stopConsume()
+		p.r.Close() // unblocks a read waiting on QEMU
+		<-finished
+		if consumeErr != nil && !errors.Is(consumeErr, context.Canceled) {
+			err = consumeErr
+		}
+		return migrationInfo{}, err
+	}
+	// Set before asking: if the reply is lost, the migration may still run.
+	g.migrating = true
+	if err := mon.Execute(ctx, "migrate", map[string]any{"uri": "fd:" + p.fdName}, nil); err != nil {
+		return fail(errcode.Ensure(errcode.QMPError, err, "starting the migration"))
+	}
+	p.taken = true
+	info, err := waitMigration(ctx, mon, sub, failed)
+	if err != nil {
+		return fail(err)
+	}
+	// QEMU closes its end once done; if it hangs instead, the caller's
+	// deadline still ends the read.
+	unblock := context.AfterFunc(ctx, func() { p.r.Close() })
+	<-finished
+	unblock()
+	g.migrating = false // QEMU completed it
+	return info, consumeErr
 }
 
 // waitMigration waits until the migration on this monitor ends, from its

@@ -588,86 +588,54 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f
 		return nil, errcode.Wrap(errcode.Internal, err, "creating the device state's staging file in %s (pick another with %s)", stagingDir, errcode.Field("stagingDir"))
 	}
 	os.Remove(p.devices.Name())
-	r, w, err := os.Pipe()
-	if err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "creating the migration pipe")
-	}
-	defer r.Close()
-	growPipe(r)
-	fdName, err := passFile(ctx, mon, w)
-	w.Close()
+	pipe, err := openOutgoingPipe(ctx, mon)
 	if err != nil {
 		return nil, err
 	}
+	defer pipe.close(mon, g)
 
 	events := mon.Subscribe()
 	defer events.Close()
 	sub := mon.Subscribe()
 	defer sub.Close()
 
-	finished := make(chan struct{})
-	failed := make(chan error, 1)
-	var parseErr error
-	go func() {
-		defer close(finished)
-		// Bounds: the RAM file's pages are rewritten in place, so a QEMU
-		// that sends them again and again is cut off at three times the
-		// file plus the most state a VM of its size may have; the device
-		// state at that most (and 1 GiB).
+	// Bounds: the RAM file's pages are rewritten in place, so a QEMU that
+	// sends them again and again is cut off at three times the file plus
+	// the most state a VM of its size may have; the device state at that
+	// most (and 1 GiB).
+	parse := func(_ context.Context, r io.Reader) error {
 		br := bufio.NewReaderSize(&boundedStream{r: r, left: 3*be.Bytes + maxStateBytes(be.Bytes), tooMuch: func() error {
 			return streamErr("QEMU sent more than a pre-copy of this VM may take")
 		}}, 1<<20)
 		bw := bufio.NewWriterSize(&limitedWriter{w: p.devices, left: min(maxPrecopyDevices, maxStateBytes(be.Bytes))}, 1<<20)
-		parseErr = readPrecopy(br, bw, be.ID, be.Bytes, addr, sh)
-		if parseErr == nil {
+		err := readPrecopy(br, bw, be.ID, be.Bytes, addr, sh)
+		if err == nil {
 			// The devices, copied as they are, to the end.
-			if _, err := io.Copy(bw, br); err != nil {
-				parseErr = errcode.Ensure(errcode.QMPError, err, "reading QEMU's pre-copy stream")
+			if _, cerr := io.Copy(bw, br); cerr != nil {
+				err = errcode.Ensure(errcode.QMPError, cerr, "reading QEMU's pre-copy stream")
 			}
 		}
-		if err := bw.Flush(); err != nil && parseErr == nil {
-			parseErr = errcode.Ensure(errcode.Internal, err, "writing the device state's staging file")
+		if ferr := bw.Flush(); ferr != nil && err == nil {
+			err = errcode.Ensure(errcode.Internal, ferr, "writing the device state's staging file")
 		}
-		if parseErr != nil {
-			r.Close() // a QEMU blocked writing into the pipe gets EPIPE
-			failed <- parseErr
-		}
-	}()
+		return err
+	}
 
 	g.phase = "pre-copying the RAM file's pages"
-	g.migrating = true
-	if err := mon.Execute(ctx, "migrate", map[string]any{"uri": "fd:" + fdName}, nil); err != nil {
-		cctx, cancel := g.cleanupCtx(5 * time.Second)
-		_ = mon.Execute(cctx, "closefd", map[string]string{"fdname": fdName}, nil)
-		cancel()
-		r.Close()
-		<-finished
-		g.migrating = false
-		return nil, errcode.Ensure(errcode.QMPError, err, "starting the pre-copy")
-	}
 	forceAfter := precopyForceAfter + time.Duration(be.Bytes/(256<<20))*time.Second
 	force := time.AfterFunc(forceAfter, func() { _ = setLimit(ctx, 2000000) })
 	defer force.Stop()
 	wctx, cancelWait := context.WithTimeoutCause(ctx, 2*forceAfter, errcode.New(errcode.QMPError, "QEMU did not complete the pre-copy within %v", 2*forceAfter))
 	defer cancelWait()
-	if _, err := waitMigration(wctx, mon, sub, failed); err != nil {
-		r.Close()
-		<-finished
-		cctx, cancel := g.cleanupCtx(30 * time.Second)
-		cancelMigration(cctx, mon)
-		cancel()
-		g.migrating = false
-		if parseErr != nil && !errors.Is(parseErr, context.Canceled) {
-			err = parseErr
+	if _, err := pipe.migrate(wctx, mon, g, sub, parse); err != nil {
+		if g.migrating {
+			// Not completed: cancelled, so that a scan may follow.
+			cctx, cancel := g.cleanupCtx(30 * time.Second)
+			cancelMigration(cctx, mon)
+			cancel()
+			g.migrating = false
 		}
 		return nil, err
-	}
-	unblock := context.AfterFunc(ctx, func() { r.Close() })
-	<-finished
-	unblock()
-	g.migrating = false
-	if parseErr != nil {
-		return nil, parseErr
 	}
 
 	// QEMU stopped the VM: it must still be stopped (the disk is captured
