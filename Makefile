@@ -64,7 +64,9 @@ test-unit:
 # TLS + auth registry, plus peak RSS, live downtime and incremental uploads
 # (BenchmarkE2E/stream); it also writes a CPU profile of one checkpoint to
 # bin/bench-cpu.pprof. BenchmarkE2E/memfile sets the memory-file format
-# against the stream path on 1 and 4 GiB guests (bench_memfile_test.go).
+# against the stream path on 1 and 4 GiB guests (bench_memfile_test.go),
+# both paths on QEMU 10 (under TCG a snapshot pre-copies only from QEMU 9.0
+# on); VMSNAP_BENCH_MF_QEMU=system runs them on the system's QEMU.
 # One section alone: make bench BENCH=E2E/memfile
 BENCH ?= .
 bench: deps build guest
