@@ -2,9 +2,7 @@ package ociimage
 
 import (
 	"context"
-	"crypto/hmac"
 	"crypto/sha256"
-	"hash"
 	"io"
 	"maps"
 	"sync"
@@ -13,6 +11,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/sha256pair"
 )
 
 // EncryptOptions says how Encrypt encrypts layers.
@@ -116,8 +115,9 @@ func (e *encrypting) AddBlob(ctx context.Context, desc ocispec.Descriptor, data 
 		ct := getBuffer(len(data))
 		defer putBuffer(ct)
 		// The ciphertext's digest and HMAC block by block, so that each
-		// block is hashed while it is still in the cache.
-		h, s := newCTHashes(k), k.stream()
+		// block is hashed while it is still in the cache, in one pass
+		// (sha256pair).
+		h, s := sha256pair.New(k.key), k.stream()
 		for off := 0; off < len(data); off += cryptBlock {
 			b := ct[off:min(off+cryptBlock, len(data))]
 			s.XORKeyStream(b, data[off:off+len(b)])
@@ -147,7 +147,7 @@ func (e *encrypting) PutBlobStream(ctx context.Context, desc ocispec.Descriptor,
 			return ocispec.Descriptor{}, false, err
 		}
 		ct := &ctrReaderAt{src: src, k: k}
-		h, plain := newCTHashes(k), sha256.New()
+		h, plain := sha256pair.New(k.key), sha256.New()
 		buf := make([]byte, 1<<20)
 		for off := int64(0); off < desc.Size; {
 			n := int(min(int64(len(buf)), desc.Size-off))
@@ -204,15 +204,15 @@ func (e *encrypting) once(ctx context.Context, d digest.Digest, put func() (ocis
 
 // describe returns the encrypted blob's descriptor, from the hashes of its
 // ciphertext: its SHA-256 and its HMAC.
-func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, ct *ctHashes) (ocispec.Descriptor, error) {
-	sum, mac := ct.sha.Sum(nil), ct.mac.Sum(nil)
-	ann, err := k.annotations(plain.Digest, mac, e.seal)
+func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, ct *sha256pair.DigestMAC) (ocispec.Descriptor, error) {
+	sum, mac := ct.Sums()
+	ann, err := k.annotations(plain.Digest, mac[:], e.seal)
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
 	return ocispec.Descriptor{
 		MediaType:   plain.MediaType + MediaTypeEncryptedSuffix,
-		Digest:      digest.NewDigestFromBytes(digest.SHA256, sum),
+		Digest:      digest.NewDigestFromBytes(digest.SHA256, sum[:]),
 		Size:        plain.Size,
 		Annotations: ann,
 	}, nil
@@ -317,17 +317,4 @@ func (c *ctrReaderAt) ReadAt(p []byte, off int64) (int, error) {
 	n, err := c.src.ReadAt(p, off)
 	c.k.xorAt(p[:n], p[:n], off)
 	return n, err
-}
-
-// ctHashes are the two hashes an encrypted layer needs of its ciphertext:
-// its blob digest (SHA-256) and the convention's HMAC-SHA256.
-type ctHashes struct{ sha, mac hash.Hash }
-
-func newCTHashes(k layerKey) *ctHashes {
-	return &ctHashes{sha: sha256.New(), mac: hmac.New(sha256.New, k.key)}
-}
-
-func (h *ctHashes) Write(b []byte) (int, error) {
-	h.sha.Write(b)
-	return h.mac.Write(b)
 }
