@@ -43,7 +43,7 @@ type DigestMAC struct {
 // New returns a DigestMAC whose MAC is keyed with key.
 func New(key []byte) *DigestMAC {
 	if blockPair == nil {
-		return &DigestMAC{sha: sha256.New(), mac: hmac.New(sha256.New, key)}
+		return &DigestMAC{sha: sha256.New(), mac: hmacSHA256(key)}
 	}
 	d := &DigestMAC{fast: true, dig: iv, inner: iv}
 	// HMAC (RFC 2104): a key longer than a block is hashed first; the inner
@@ -145,3 +145,5 @@ var iv = [8]uint32{
 	0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
 	0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
 }
+
+func hmacSHA256(key []byte) hash.Hash { return hmac.New(sha256.New, key) }

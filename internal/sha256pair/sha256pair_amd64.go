@@ -6,6 +6,10 @@ package sha256pair
 // of blocks); nil where there is no fast path.
 var blockPair func(a, b *[8]uint32, p []byte)
 
+// blockTriple runs p over the blocks of pt, and d and h over those of ct
+// (as long as pt); nil where there is no fast path.
+var blockTriple func(p, d, h *[8]uint32, pt, ct []byte)
+
 func init() {
 	// The SHA extensions, and PSHUFB (SSSE3) and PBLENDW (SSE4.1) to move
 	// words between their layout and the state's.
@@ -19,6 +23,7 @@ func init() {
 	sha, ssse3, sse41 := ebx7&(1<<29) != 0, ecx1&(1<<9) != 0, ecx1&(1<<19) != 0
 	if sha && ssse3 && sse41 {
 		blockPair = func(a, b *[8]uint32, p []byte) { blocks(a, b, p, &consts) }
+		blockTriple = func(p, d, h *[8]uint32, pt, ct []byte) { blocks3(p, d, h, pt, ct, &consts) }
 	}
 }
 
@@ -29,6 +34,11 @@ func cpuid(leaf, sub uint32) (eax, ebx, ecx, edx uint32)
 //
 //go:noescape
 func blocks(a, b *[8]uint32, p []byte, c *constants)
+
+// blocks3 is blockTriple in assembly.
+//
+//go:noescape
+func blocks3(p, d, h *[8]uint32, pt, ct []byte, c *constants)
 
 type constants struct {
 	k    [64]uint32 // the round constants

@@ -41,30 +41,32 @@
 // oldest): W[t] = s1(W[t-2]) + W[t-7] + s0(W[t-15]) + W[t-16].
 // SHA256MSG1 adds the s0 terms, the PALIGNR gives W[t-7..t-4], SHA256MSG2
 // adds the s1 terms (of the words it has just made, for the upper two).
-#define SCHEDULE(M0, M1, M2, M3) \
+#define SCHEDULE(M0, M1, M2, M3) SCHEDULE_T(M0, M1, M2, M3, X9)
+
+#define SCHEDULE_T(M0, M1, M2, M3, tmp) \
 	SHA256MSG1 M1, M0; \
-	MOVO M3, X9; \
-	PALIGNR $4, M2, X9; \
-	PADDD X9, M0; \
+	MOVO M3, tmp; \
+	PALIGNR $4, M2, tmp; \
+	PADDD tmp, M0; \
 	SHA256MSG2 M3, M0
 
 // (a,b,c,d) in lo and (e,f,g,h) in hi, as the state is in memory, to
 // (A,B,E,F) in lo and (C,D,G,H) in hi, highest word first.
-#define TO_ROUNDS(lo, hi) \
+#define TO_ROUNDS(lo, hi, tmp) \
 	PSHUFD $0xb1, lo, lo; \
 	PSHUFD $0x1b, hi, hi; \
-	MOVO lo, X9; \
+	MOVO lo, tmp; \
 	PALIGNR $8, hi, lo; \
-	PBLENDW $0xf0, X9, hi
+	PBLENDW $0xf0, tmp, hi
 
 // The reverse of TO_ROUNDS.
-#define FROM_ROUNDS(lo, hi) \
+#define FROM_ROUNDS(lo, hi, tmp) \
 	PSHUFD $0x1b, lo, lo; \
 	PSHUFD $0xb1, hi, hi; \
-	MOVO lo, X9; \
-	PBLENDW $0xf0, hi, X9; \
+	MOVO lo, tmp; \
+	PBLENDW $0xf0, hi, tmp; \
 	PALIGNR $8, lo, hi; \
-	MOVO X9, lo
+	MOVO tmp, lo
 
 TEXT ·blocks(SB), NOSPLIT, $0-48
 	MOVQ a+0(FP), DI
@@ -78,10 +80,10 @@ TEXT ·blocks(SB), NOSPLIT, $0-48
 	MOVOU 256(CX), X10
 	MOVOU 0(DI), X1
 	MOVOU 16(DI), X2
-	TO_ROUNDS(X1, X2)
+	TO_ROUNDS(X1, X2, X9)
 	MOVOU 0(R8), X3
 	MOVOU 16(R8), X4
-	TO_ROUNDS(X3, X4)
+	TO_ROUNDS(X3, X4, X9)
 
 loop:
 	MOVO X1, X11
@@ -134,14 +136,157 @@ loop:
 	DECQ DX
 	JNZ  loop
 
-	FROM_ROUNDS(X1, X2)
+	FROM_ROUNDS(X1, X2, X9)
 	MOVOU X1, 0(DI)
 	MOVOU X2, 16(DI)
-	FROM_ROUNDS(X3, X4)
+	FROM_ROUNDS(X3, X4, X9)
 	MOVOU X3, 0(R8)
 	MOVOU X4, 16(R8)
 
 done:
+	RET
+
+// func blocks3(p, d, h *[8]uint32, pt, ct []byte, c *constants)
+//
+// blocks with a third state, p, over a second message of the same length:
+// p over pt, d and h over ct (a plaintext's digest, and its ciphertext's
+// digest and HMAC). Two schedules, three chains.
+//
+// Registers:
+//	X1, X2 / X3, X4 / X5, X6   states p, d, h as SHA256RNDS2 takes them
+//	X7-X10    pt's schedule; X11-X14 ct's
+//	X0        W+K (or the byte-swap mask while the block loads)
+//	X15       scratch
+//	0-95(SP)  the states at the start of the block
+//	DI, R8, R9  p, d, h; SI pt; R10 ct; DX blocks left; CX the constants
+
+// Four rounds of p with pt's words MP, of d and h with ct's words MC.
+#define ROUNDS4x3(koff, MP, MC) \
+	MOVOU koff(CX), X0; \
+	PADDD MP, X0; \
+	SHA256RNDS2 X0, X1, X2; \
+	PSHUFD $0x0e, X0, X0; \
+	SHA256RNDS2 X0, X2, X1; \
+	MOVOU koff(CX), X0; \
+	PADDD MC, X0; \
+	SHA256RNDS2 X0, X3, X4; \
+	SHA256RNDS2 X0, X5, X6; \
+	PSHUFD $0x0e, X0, X0; \
+	SHA256RNDS2 X0, X4, X3; \
+	SHA256RNDS2 X0, X6, X5
+
+#define SCHEDULE2(P0, P1, P2, P3, C0, C1, C2, C3) \
+	SCHEDULE_T(P0, P1, P2, P3, X15); \
+	SCHEDULE_T(C0, C1, C2, C3, X15)
+
+TEXT ·blocks3(SB), NOSPLIT, $96-80
+	MOVQ p+0(FP), DI
+	MOVQ d+8(FP), R8
+	MOVQ h+16(FP), R9
+	MOVQ pt_base+24(FP), SI
+	MOVQ ct_base+48(FP), R10
+	MOVQ ct_len+56(FP), DX
+	MOVQ c+72(FP), CX
+	SHRQ $6, DX
+	JZ   done3
+
+	MOVOU 0(DI), X1
+	MOVOU 16(DI), X2
+	TO_ROUNDS(X1, X2, X15)
+	MOVOU 0(R8), X3
+	MOVOU 16(R8), X4
+	TO_ROUNDS(X3, X4, X15)
+	MOVOU 0(R9), X5
+	MOVOU 16(R9), X6
+	TO_ROUNDS(X5, X6, X15)
+
+loop3:
+	MOVOU X1, 0(SP)
+	MOVOU X2, 16(SP)
+	MOVOU X3, 32(SP)
+	MOVOU X4, 48(SP)
+	MOVOU X5, 64(SP)
+	MOVOU X6, 80(SP)
+
+	MOVOU 256(CX), X0
+	MOVOU 0(SI), X7
+	PSHUFB X0, X7
+	MOVOU 16(SI), X8
+	PSHUFB X0, X8
+	MOVOU 32(SI), X9
+	PSHUFB X0, X9
+	MOVOU 48(SI), X10
+	PSHUFB X0, X10
+	MOVOU 0(R10), X11
+	PSHUFB X0, X11
+	MOVOU 16(R10), X12
+	PSHUFB X0, X12
+	MOVOU 32(R10), X13
+	PSHUFB X0, X13
+	MOVOU 48(R10), X14
+	PSHUFB X0, X14
+
+	ROUNDS4x3(0, X7, X11)
+	ROUNDS4x3(16, X8, X12)
+	ROUNDS4x3(32, X9, X13)
+	ROUNDS4x3(48, X10, X14)
+
+	SCHEDULE2(X7, X8, X9, X10, X11, X12, X13, X14)
+	ROUNDS4x3(64, X7, X11)
+	SCHEDULE2(X8, X9, X10, X7, X12, X13, X14, X11)
+	ROUNDS4x3(80, X8, X12)
+	SCHEDULE2(X9, X10, X7, X8, X13, X14, X11, X12)
+	ROUNDS4x3(96, X9, X13)
+	SCHEDULE2(X10, X7, X8, X9, X14, X11, X12, X13)
+	ROUNDS4x3(112, X10, X14)
+
+	SCHEDULE2(X7, X8, X9, X10, X11, X12, X13, X14)
+	ROUNDS4x3(128, X7, X11)
+	SCHEDULE2(X8, X9, X10, X7, X12, X13, X14, X11)
+	ROUNDS4x3(144, X8, X12)
+	SCHEDULE2(X9, X10, X7, X8, X13, X14, X11, X12)
+	ROUNDS4x3(160, X9, X13)
+	SCHEDULE2(X10, X7, X8, X9, X14, X11, X12, X13)
+	ROUNDS4x3(176, X10, X14)
+
+	SCHEDULE2(X7, X8, X9, X10, X11, X12, X13, X14)
+	ROUNDS4x3(192, X7, X11)
+	SCHEDULE2(X8, X9, X10, X7, X12, X13, X14, X11)
+	ROUNDS4x3(208, X8, X12)
+	SCHEDULE2(X9, X10, X7, X8, X13, X14, X11, X12)
+	ROUNDS4x3(224, X9, X13)
+	SCHEDULE2(X10, X7, X8, X9, X14, X11, X12, X13)
+	ROUNDS4x3(240, X10, X14)
+
+	MOVOU 0(SP), X0
+	PADDD X0, X1
+	MOVOU 16(SP), X0
+	PADDD X0, X2
+	MOVOU 32(SP), X0
+	PADDD X0, X3
+	MOVOU 48(SP), X0
+	PADDD X0, X4
+	MOVOU 64(SP), X0
+	PADDD X0, X5
+	MOVOU 80(SP), X0
+	PADDD X0, X6
+
+	ADDQ $64, SI
+	ADDQ $64, R10
+	DECQ DX
+	JNZ  loop3
+
+	FROM_ROUNDS(X1, X2, X15)
+	MOVOU X1, 0(DI)
+	MOVOU X2, 16(DI)
+	FROM_ROUNDS(X3, X4, X15)
+	MOVOU X3, 0(R8)
+	MOVOU X4, 16(R8)
+	FROM_ROUNDS(X5, X6, X15)
+	MOVOU X5, 0(R9)
+	MOVOU X6, 16(R9)
+
+done3:
 	RET
 
 // func cpuid(leaf, sub uint32) (eax, ebx, ecx, edx uint32)

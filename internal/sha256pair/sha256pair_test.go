@@ -117,3 +117,74 @@ func BenchmarkTwoHashes(b *testing.B) {
 		m.Sum(nil)
 	}
 }
+
+// WithPlain's three sums are the standard library's, for every length
+// around the padding's edges and for random pieces, the plaintext and the
+// ciphertext being different messages.
+func TestWithPlainMatchesTheStandardLibrary(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	key := []byte("another layer key, 32 bytes long")
+	for n := 0; n <= 300; n++ {
+		pt, ct := make([]byte, n), make([]byte, n)
+		for i := range pt {
+			pt[i], ct[i] = byte(r.Uint32()), byte(r.Uint32())
+		}
+		w := NewWithPlain(key)
+		for off := 0; off < n; {
+			k := min(r.IntN(150), n-off)
+			w.Write2(pt[off:off+k], ct[off:off+k])
+			off += k
+		}
+		psum, sum, mac := w.Sums()
+		if psum != sha256.Sum256(pt) {
+			t.Fatalf("%d bytes: plaintext digest %x, want %x", n, psum, sha256.Sum256(pt))
+		}
+		wsum, wmac := want(key, ct)
+		if sum != wsum || mac != wmac {
+			t.Fatalf("%d bytes: ciphertext %x / %x, want %x / %x", n, sum, mac, wsum, wmac)
+		}
+	}
+	big := make([]byte, 2<<20+100)
+	for i := range big {
+		big[i] = byte(i * 13)
+	}
+	w := NewWithPlain(key)
+	w.Write2(big[:1<<20], big[len(big)-1<<20:])
+	psum, sum, mac := w.Sums()
+	wsum, wmac := want(key, big[len(big)-1<<20:])
+	if psum != sha256.Sum256(big[:1<<20]) || sum != wsum || mac != wmac {
+		t.Fatal("1 MiB: the sums differ from the standard library's")
+	}
+}
+
+func TestWithPlainFastPathWhereAvailable(t *testing.T) {
+	if blockTriple == nil {
+		t.Skip("no SHA extensions here: the fallback was tested")
+	}
+	if !NewWithPlain(nil).fast {
+		t.Fatal("the CPU has the SHA extensions, but NewWithPlain took the fallback")
+	}
+}
+
+// BenchmarkWithPlain against BenchmarkPair plus crypto/sha256's own rate:
+// what hashing the plaintext in the same pass costs.
+func BenchmarkWithPlain(b *testing.B) {
+	buf := make([]byte, 8<<20)
+	b.SetBytes(int64(len(buf)))
+	for b.Loop() {
+		w := NewWithPlain(buf[:32])
+		w.Write2(buf, buf)
+		w.Sums()
+	}
+}
+
+func BenchmarkPairThenPlain(b *testing.B) {
+	buf := make([]byte, 8<<20)
+	b.SetBytes(int64(len(buf)))
+	for b.Loop() {
+		sha256.Sum256(buf)
+		d := New(buf[:32])
+		d.Write(buf)
+		d.Sums()
+	}
+}
