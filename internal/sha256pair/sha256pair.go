@@ -1,13 +1,15 @@
 // Package sha256pair computes the two hashes an encrypted layer needs of its
 // ciphertext in one pass: its SHA-256 (the blob digest) and its
-// HMAC-SHA256 (the OCI image encryption convention's integrity tag).
+// HMAC-SHA256 (the OCI image encryption convention's integrity tag); and,
+// with WithPlain, its plaintext's SHA-256 in the same pass.
 //
 // Both are SHA-256 over the same message from different starting states
 // (the HMAC's inner hash starts after its key block), so each message block
 // is loaded and scheduled once and fed to two round chains. On amd64 with
 // the SHA extensions the two chains run interleaved (sha256pair_amd64.s),
 // which costs about what one hash does: a single chain is bound by the
-// latency of the round instruction, not by its throughput. Elsewhere it
+// latency of the round instruction, not by its throughput (a third chain,
+// over the plaintext's own schedule, fits in the same way). Elsewhere it
 // falls back to crypto/sha256 and crypto/hmac.
 //
 // It is not a general hash package: the only caller is ociimage's
