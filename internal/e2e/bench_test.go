@@ -933,7 +933,7 @@ func (bb *bench) profileCheckpoint(vm *testguest.VM, encrypted bool) {
 	}
 	if encrypted {
 		cats = append(cats, []struct{ name, focus string }{
-			{"layer encryption (all of it)", `ociimage\.\(\*encrypting\)\.(AddBlob|PutBlobStream)`},
+			{"layer encryption (all of it)", `ociimage\.\(\*encrypting\)\.(AddBlob|AddUndigested|PutBlobStream)`},
 			{"  AES-CTR", `aes\.\(\*CTR\)`},
 			{"  ciphertext digest + HMAC", `sha256pair|crypto/hmac`},
 			{"  key wrapping (JWE)", `ociimage\.\(\*sealer\)`},
