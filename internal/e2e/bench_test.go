@@ -317,11 +317,13 @@ func (bb *bench) restorePair(image, enc string, src testguest.Status, encFirst, 
 }
 
 // restorePairs is how many plain and encrypted restores into preallocated
-// targets are timed, in pairs: VMSNAP_BENCH_RESTORE_PAIRS, by default
-// twice the runs (each stored image restored twice, once going first and
-// once second).
+// targets are timed, in pairs: VMSNAP_BENCH_RESTORE_PAIRS, by default four
+// times the runs (each stored image restored four times, twice going
+// first). With ten pairs, the median of their ratios still moved by 0.1
+// from run to run: one restore's wall time varies by more than a tenth
+// even into a preallocated target.
 func (bb *bench) restorePairs() int {
-	n := 2 * bb.runs
+	n := 4 * bb.runs
 	if s := os.Getenv("VMSNAP_BENCH_RESTORE_PAIRS"); s != "" {
 		v, err := strconv.Atoi(s)
 		if err != nil || v < 1 {
