@@ -2,9 +2,6 @@ package ociimage
 
 import (
 	"context"
-	"crypto/hmac"
-	"crypto/sha256"
-	"hash"
 	"io"
 	"maps"
 	"sync"
@@ -13,6 +10,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/sha256pair"
 )
 
 // EncryptOptions says how Encrypt encrypts layers.
@@ -115,23 +113,53 @@ func (e *encrypting) AddBlob(ctx context.Context, desc ocispec.Descriptor, data 
 		}
 		ct := getBuffer(len(data))
 		defer putBuffer(ct)
-		// The ciphertext's digest and HMAC block by block, so that each
-		// block is hashed while it is still in the cache.
-		h, s := newCTHashes(k), k.stream()
-		for off := 0; off < len(data); off += cryptBlock {
-			b := ct[off:min(off+cryptBlock, len(data))]
-			s.XORKeyStream(b, data[off:off+len(b)])
-			h.Write(b)
-		}
-		enc, err := e.describe(k, desc, h)
-		if err != nil {
-			return enc, false, err
-		}
-		// The store does not keep ct once the put returns (the
-		// Repository contract), so its buffer is reused.
-		sent, err := addBlob(ctx, e.Repository, enc, ct)
-		return enc, sent, err
+		h := sha256pair.New(k.key)
+		k.encrypt(ct, data, func(_, c []byte) { h.Write(c) })
+		sum, mac := h.Sums()
+		return e.store(ctx, k, desc, sum, mac, ct)
 	})
+}
+
+// AddUndigested is AddBlob for a layer whose digest is not known yet (the
+// chunk pipeline's, vmstate/chunk): it hashes the plaintext in the same
+// pass that encrypts it and hashes the ciphertext (sha256pair.WithPlain),
+// and returns desc with its digest and size. With a DedupSecret the key
+// derives from the digest, so the plaintext is digested first.
+func (e *encrypting) AddUndigested(ctx context.Context, desc ocispec.Descriptor, data []byte) (ocispec.Descriptor, bool, error) {
+	desc.Size = int64(len(data))
+	if isConfig(desc.MediaType) || e.o.DedupSecret != nil {
+		desc.Digest = digest.FromBytes(data)
+		sent, err := e.AddBlob(ctx, desc, data)
+		return desc, sent, err
+	}
+	k, err := newLayerKey("", nil)
+	if err != nil {
+		return ocispec.Descriptor{}, false, err
+	}
+	ct := getBuffer(len(data))
+	defer putBuffer(ct)
+	h := sha256pair.NewWithPlain(k.key)
+	k.encrypt(ct, data, h.Write2)
+	plain, sum, mac := h.Sums()
+	desc.Digest = digest.NewDigestFromBytes(digest.SHA256, plain[:])
+	// A layer with this digest already put (a chunk repeated in the
+	// stream) is not put again: this encryption of it is dropped.
+	sent, err := e.once(ctx, desc.Digest, func() (ocispec.Descriptor, bool, error) {
+		return e.store(ctx, k, desc, sum, mac, ct)
+	})
+	return desc, sent, err
+}
+
+// store puts a layer's ciphertext, described from its sums, into the
+// repository underneath. The store does not keep ct once the put returns
+// (the Repository contract), so its buffer is reused.
+func (e *encrypting) store(ctx context.Context, k layerKey, plain ocispec.Descriptor, sum, mac [sha256pair.Size]byte, ct []byte) (ocispec.Descriptor, bool, error) {
+	enc, err := e.describe(k, plain, sum, mac)
+	if err != nil {
+		return enc, false, err
+	}
+	sent, err := addBlob(ctx, e.Repository, enc, ct)
+	return enc, sent, err
 }
 
 // PutBlobStream encrypts a layer of any size as it streams (CTR can start
@@ -147,8 +175,8 @@ func (e *encrypting) PutBlobStream(ctx context.Context, desc ocispec.Descriptor,
 			return ocispec.Descriptor{}, false, err
 		}
 		ct := &ctrReaderAt{src: src, k: k}
-		h, plain := newCTHashes(k), sha256.New()
-		buf := make([]byte, 1<<20)
+		h := sha256pair.NewWithPlain(k.key)
+		buf, cbuf := make([]byte, 1<<20), make([]byte, 1<<20)
 		for off := int64(0); off < desc.Size; {
 			n := int(min(int64(len(buf)), desc.Size-off))
 			got, err := src.ReadAt(buf[:n], off)
@@ -158,15 +186,15 @@ func (e *encrypting) PutBlobStream(ctx context.Context, desc ocispec.Descriptor,
 				}
 				return ocispec.Descriptor{}, false, errcode.Ensure(errcode.Internal, err, "reading layer %s to encrypt it", desc.Digest)
 			}
-			plain.Write(buf[:n])
-			k.xorAt(buf[:n], buf[:n], off)
-			h.Write(buf[:n])
+			k.xorAt(cbuf[:n], buf[:n], off)
+			h.Write2(buf[:n], cbuf[:n])
 			off += int64(n)
 		}
-		if digest.NewDigest(digest.SHA256, plain) != desc.Digest {
+		plain, sum, mac := h.Sums()
+		if digest.NewDigestFromBytes(digest.SHA256, plain[:]) != desc.Digest {
 			return ocispec.Descriptor{}, false, errcode.New(errcode.DigestMismatch, "data for blob %s does not match its descriptor", desc.Digest)
 		}
-		enc, err := e.describe(k, desc, h)
+		enc, err := e.describe(k, desc, sum, mac)
 		if err != nil {
 			return enc, false, err
 		}
@@ -204,15 +232,14 @@ func (e *encrypting) once(ctx context.Context, d digest.Digest, put func() (ocis
 
 // describe returns the encrypted blob's descriptor, from the hashes of its
 // ciphertext: its SHA-256 and its HMAC.
-func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, ct *ctHashes) (ocispec.Descriptor, error) {
-	sum, mac := ct.sha.Sum(nil), ct.mac.Sum(nil)
-	ann, err := k.annotations(plain.Digest, mac, e.seal)
+func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, sum, mac [sha256pair.Size]byte) (ocispec.Descriptor, error) {
+	ann, err := k.annotations(plain.Digest, mac[:], e.seal)
 	if err != nil {
 		return ocispec.Descriptor{}, err
 	}
 	return ocispec.Descriptor{
 		MediaType:   plain.MediaType + MediaTypeEncryptedSuffix,
-		Digest:      digest.NewDigestFromBytes(digest.SHA256, sum),
+		Digest:      digest.NewDigestFromBytes(digest.SHA256, sum[:]),
 		Size:        plain.Size,
 		Annotations: ann,
 	}, nil
@@ -317,17 +344,4 @@ func (c *ctrReaderAt) ReadAt(p []byte, off int64) (int, error) {
 	n, err := c.src.ReadAt(p, off)
 	c.k.xorAt(p[:n], p[:n], off)
 	return n, err
-}
-
-// ctHashes are the two hashes an encrypted layer needs of its ciphertext:
-// its blob digest (SHA-256) and the convention's HMAC-SHA256.
-type ctHashes struct{ sha, mac hash.Hash }
-
-func newCTHashes(k layerKey) *ctHashes {
-	return &ctHashes{sha: sha256.New(), mac: hmac.New(sha256.New, k.key)}
-}
-
-func (h *ctHashes) Write(b []byte) (int, error) {
-	h.sha.Write(b)
-	return h.mac.Write(b)
 }

@@ -105,6 +105,18 @@ func (k layerKey) xorAt(dst, src []byte, off int64) {
 	s.XORKeyStream(dst, src)
 }
 
+// encrypt encrypts a whole layer, plain, into ct (as long), a block at a
+// time, and gives each block's plaintext and ciphertext to hash while
+// both are still in the cache.
+func (k layerKey) encrypt(ct, plain []byte, hash func(plain, ct []byte)) {
+	s := k.stream()
+	for off := 0; off < len(plain); off += cryptBlock {
+		end := min(off+cryptBlock, len(plain))
+		s.XORKeyStream(ct[off:end], plain[off:end])
+		hash(plain[off:end], ct[off:end])
+	}
+}
+
 // stream is the key stream from offset 0.
 func (k layerKey) stream() cipher.Stream { return cipher.NewCTR(k.block, k.nonce) }
 

@@ -126,31 +126,31 @@ type timed struct {
 }
 
 type benchReport struct {
-	machine, qemu           string
-	boot1, boot2            time.Duration
-	raw                     int64 // the 1 GiB guest's stream
-	limit, limitFinal       []timed
-	baseCkpt, baseRestore   []timed
-	baseMigrate, basePush   []time.Duration
-	baseHash                []time.Duration
-	baseSize                int64
-	ckpt, restore, layout   []timed
-	encCkpt, encRestore     []timed // encrypted for an RSA-2048 recipient (README "Encryption")
-	load0, load1            string
-	ckptStored              int64
-	ckptDur                 map[string]float64
-	profiled                time.Duration
-	profileTop, profileCats string
-	rss1, rss2              int64 // KiB
-	sub1, sub2              time.Duration
-	raw2                    int64
-	limit2                  time.Duration
-	live                    []float64 // ms
-	liveTotal               []float64
-	incr                    []incrRow
-	rewritePages            int   // pages of the contiguous rewrite
-	rewriteSpan             int64 // data bytes from its first page to its last
-	total                   time.Duration
+	machine, qemu             string
+	boot1, boot2              time.Duration
+	raw                       int64 // the 1 GiB guest's stream
+	limit, limitFinal         []timed
+	baseCkpt, baseRestore     []timed
+	baseMigrate, basePush     []time.Duration
+	baseHash                  []time.Duration
+	baseSize                  int64
+	ckpt, restore, layout     []timed
+	encCkpt, encRestore       []timed // encrypted for an RSA-2048 recipient (README "Encryption")
+	restorePre, encRestorePre []timed // restore pairs into targets with preallocated RAM
+	load0, load1              string
+	ckptStored                int64
+	ckptDur                   map[string]float64
+	prof, encProf             profileSummary // of a plain and an encrypted checkpoint
+	rss1, rss2                int64          // KiB
+	sub1, sub2                time.Duration
+	raw2                      int64
+	limit2                    time.Duration
+	live                      []float64 // ms
+	liveTotal                 []float64
+	incr                      []incrRow
+	rewritePages              int   // pages of the contiguous rewrite
+	rewriteSpan               int64 // data bytes from its first page to its last
+	total                     time.Duration
 }
 
 type incrRow struct {
@@ -241,15 +241,26 @@ func (bb *bench) run() {
 			bb.rep.limitFinal = append(bb.rep.limitFinal, bb.limit(src, true))
 		}
 		base := bb.baselineCheckpoint(src)
-		cp, t := bb.checkpoint(src)
+		// The plain and the encrypted checkpoint run back to back, taking
+		// turns going first: a pair, whose ratio is one sample of the
+		// encryption's overhead.
+		var cp, ecp api.CheckpointResult
+		var t, et timed
+		if i%2 == 0 {
+			cp, t = bb.checkpoint(src)
+			ecp, et = bb.encryptedCheckpoint(src)
+		} else {
+			ecp, et = bb.encryptedCheckpoint(src)
+			cp, t = bb.checkpoint(src)
+		}
 		bb.rep.ckpt = append(bb.rep.ckpt, t)
-		ecp, et := bb.encryptedCheckpoint(src)
 		bb.rep.encCkpt = append(bb.rep.encCkpt, et)
 		bb.rep.layout = append(bb.rep.layout, bb.layoutCheckpoint(src))
 		bb.rep.raw, bb.rep.ckptStored, bb.rep.ckptDur = cp.VMState.RawBytes, cp.VMState.StoredBytes, cp.VMState.DurationsMs
 		images = append(images, stored{base, cp.VMState.Image, ecp.VMState.Image})
 	}
-	bb.profileCheckpoint(src)
+	bb.profileCheckpoint(src, false)
+	bb.profileCheckpoint(src, true)
 	bb.rep.rss1, bb.rep.sub1, _ = bb.subprocessCheckpoint(src)
 	for range min(bb.runs, 3) {
 		bb.rep.live = append(bb.rep.live, 0)
@@ -258,25 +269,25 @@ func (bb *bench) run() {
 		bb.rep.liveTotal = append(bb.rep.liveTotal, cp.TotalMs)
 	}
 	src.Kill()
+	// One plain and one encrypted restore of each image, back to back,
+	// taking turns going first, into a target QEMU as the baseline's: the
+	// restore figures of issue 6's table.
 	for i, im := range images {
 		bb.rep.baseRestore = append(bb.rep.baseRestore, bb.baselineRestore(im.base, boot))
-		// The plain and the encrypted restore take turns going first. A
-		// target QEMU's kernel time faulting in the guest's RAM swings by
-		// 0.3-1 s with its place in the sequence of QEMUs started and
-		// killed, whatever it restores (these machines are VMs whose
-		// balloon reports freed pages to their host); in a fixed order
-		// it fell on the encrypted restore in most runs.
-		plain := func() { bb.rep.restore = append(bb.rep.restore, bb.restoreState(im.image, boot)) }
-		enc := func() {
-			bb.rep.encRestore = append(bb.rep.encRestore, bb.restoreState(im.enc, boot, "--decryption-key", bb.encPriv))
-		}
-		if i%2 == 0 {
-			plain()
-			enc()
-		} else {
-			enc()
-			plain()
-		}
+		p, e := bb.restorePair(im.image, im.enc, boot, i%2 == 1, false)
+		bb.rep.restore, bb.rep.encRestore = append(bb.rep.restore, p), append(bb.rep.encRestore, e)
+	}
+	// The encryption's restore verdict: more pairs, into targets whose RAM
+	// is preallocated (-mem-prealloc, before the clock starts). A target
+	// QEMU's kernel time faulting in the guest's RAM swings by 0.3-1 s
+	// from one QEMU to the next, whatever it restores (these machines are
+	// VMs whose balloon reports freed pages to their host): more than the
+	// encryption costs, and no part of it. Preallocated, the pairs time
+	// what differs, vmsnap's fetch, decryption and feed, and QEMU's load.
+	for k := range bb.restorePairs() {
+		im := images[k%len(images)]
+		p, e := bb.restorePair(im.image, im.enc, boot, k%2 == 1, true)
+		bb.rep.restorePre, bb.rep.encRestorePre = append(bb.rep.restorePre, p), append(bb.rep.encRestorePre, e)
 	}
 
 	// Incremental checkpoints, on a guest whose RAM is a shared file so
@@ -293,6 +304,37 @@ func (bb *bench) run() {
 	big.Kill()
 	bb.rep.total = time.Since(start)
 	bb.rep.load1 = loadAvg()
+}
+
+// restorePair restores image and its encrypted twin enc back to back,
+// the encrypted one first if encFirst, into fresh targets.
+func (bb *bench) restorePair(image, enc string, src testguest.Status, encFirst, prealloc bool) (plain, encrypted timed) {
+	if encFirst {
+		encrypted = bb.restoreState(enc, src, prealloc, "--decryption-key", bb.encPriv)
+		plain = bb.restoreState(image, src, prealloc)
+	} else {
+		plain = bb.restoreState(image, src, prealloc)
+		encrypted = bb.restoreState(enc, src, prealloc, "--decryption-key", bb.encPriv)
+	}
+	return plain, encrypted
+}
+
+// restorePairs is how many plain and encrypted restores into preallocated
+// targets are timed, in pairs: VMSNAP_BENCH_RESTORE_PAIRS, by default four
+// times the runs (each stored image restored four times, twice going
+// first). With ten pairs, the median of their ratios still moved by 0.1
+// from run to run: one restore's wall time varies by more than a tenth
+// even into a preallocated target.
+func (bb *bench) restorePairs() int {
+	n := 4 * bb.runs
+	if s := os.Getenv("VMSNAP_BENCH_RESTORE_PAIRS"); s != "" {
+		v, err := strconv.Atoi(s)
+		if err != nil || v < 1 {
+			bb.b.Fatalf("VMSNAP_BENCH_RESTORE_PAIRS=%q: want a number of pairs, at least 1", s)
+		}
+		n = v
+	}
+	return n
 }
 
 // loadAvg is /proc/loadavg's first three fields.
@@ -836,8 +878,13 @@ func (bb *bench) layoutCheckpoint(vm *testguest.VM) timed {
 	return t
 }
 
-func (bb *bench) restoreState(image string, src testguest.Status, extra ...string) timed {
-	target := bb.target()
+func (bb *bench) restoreState(image string, src testguest.Status, prealloc bool, extra ...string) timed {
+	o := bb.guestOptions(benchMemMB, benchDataMB, nil, testguest.FreeShortDir(bb.b))
+	o.Incoming = true
+	if prealloc {
+		o.ExtraArgs = append(o.ExtraArgs, "-mem-prealloc")
+	}
+	target := testguest.Start(bb.b, o)
 	defer target.Kill()
 	var res api.RestoreResult
 	t := bb.runCLI(target, &res, append([]string{"restore", "--qmp", target.QMPPath(), "--image", image}, extra...)...)
@@ -845,7 +892,7 @@ func (bb *bench) restoreState(image string, src testguest.Status, extra ...strin
 		bb.b.Fatalf("restore result: %+v", res)
 	}
 	bb.resumed(target, src)
-	bb.b.Logf("bench: vmsnap restore %s%v (phases %v); cpu %s", strings.Join(extra, " "), t.d.Round(time.Millisecond), res.VMState.DurationsMs, t.cpu)
+	bb.b.Logf("bench: vmsnap restore %s%v (preallocated target %v; phases %v); cpu %s", strings.Join(extra, " "), t.d.Round(time.Millisecond), prealloc, res.VMState.DurationsMs, t.cpu)
 	return t
 }
 
@@ -853,26 +900,39 @@ func (bb *bench) restoreState(image string, src testguest.Status, extra ...strin
 // with go tool pprof. The checkpoint runs in cmd/vmsnap's test binary, which
 // runs as the CLI under a CPU profile when cliProfileEnv is set (see
 // cmd/vmsnap/main_test.go): the vmsnap binary has no profiling switch.
-func (bb *bench) profileCheckpoint(vm *testguest.VM) {
+//
+// encrypted profiles an encrypted checkpoint instead, into the profile's
+// path with "-enc" before its extension (bench-cpu-enc.pprof), and adds the
+// encryption's own share to the summary.
+func (bb *bench) profileCheckpoint(vm *testguest.VM, encrypted bool) {
 	b := bb.b
 	bin := filepath.Join(b.TempDir(), "vmsnap.test")
 	if out, err := exec.Command("go", "test", "-c", "-o", bin, vmsnapPkg).CombinedOutput(); err != nil {
 		b.Fatalf("building cmd/vmsnap's test binary: %v\n%s", err, out)
 	}
-	saved := bb.bin
-	bb.bin, bb.env = bin, []string{cliProfileEnv + "=" + bb.profile}
-	_, t := bb.checkpoint(vm)
-	bb.bin, bb.env = saved, nil
-	if fi, err := os.Stat(bb.profile); err != nil || fi.Size() == 0 {
-		b.Fatalf("the profiled checkpoint wrote no profile to %s: %v", bb.profile, err)
+	profile := bb.profile
+	if encrypted {
+		ext := filepath.Ext(profile)
+		profile = strings.TrimSuffix(profile, ext) + "-enc" + ext
 	}
-	bb.rep.profiled = t.d
+	saved := bb.bin
+	bb.bin, bb.env = bin, []string{cliProfileEnv + "=" + profile}
+	var t timed
+	if encrypted {
+		_, t = bb.encryptedCheckpoint(vm)
+	} else {
+		_, t = bb.checkpoint(vm)
+	}
+	bb.bin, bb.env = saved, nil
+	if fi, err := os.Stat(profile); err != nil || fi.Size() == 0 {
+		b.Fatalf("the profiled checkpoint wrote no profile to %s: %v", profile, err)
+	}
 	goTool, err := exec.LookPath("go")
 	if err != nil {
 		goTool = filepath.Join(runtime.GOROOT(), "bin", "go")
 	}
 	pp := func(args ...string) string {
-		out, err := exec.Command(goTool, append(append([]string{"tool", "pprof"}, args...), bb.profile)...).CombinedOutput()
+		out, err := exec.Command(goTool, append(append([]string{"tool", "pprof"}, args...), profile)...).CombinedOutput()
 		if err != nil {
 			return fmt.Sprintf("(go tool pprof: %v: %s)", err, out)
 		}
@@ -882,7 +942,6 @@ func (bb *bench) profileCheckpoint(vm *testguest.VM) {
 	if i := strings.Index(top, "      flat"); i >= 0 {
 		top = top[i:]
 	}
-	bb.rep.profileTop = top
 	// Where the samples go, by kind of work (a sample may count twice when
 	// categories nest, e.g. TLS encrypting inside a registry PUT).
 	cats := []struct{ name, focus string }{
@@ -892,6 +951,14 @@ func (bb *bench) profileCheckpoint(vm *testguest.VM) {
 		{"pipe reads (readChunks)", `vmstate.readChunks`},
 		{"syscalls (read/write)", `syscall\.`},
 		{"GC + allocation", `runtime\.(gcBgMarkWorker|mallocgc|memclrNoHeapPointers)`},
+	}
+	if encrypted {
+		cats = append(cats, []struct{ name, focus string }{
+			{"layer encryption (all of it)", `ociimage\.\(\*encrypting\)\.(AddBlob|AddUndigested|PutBlobStream)`},
+			{"  AES-CTR", `aes\.\(\*CTR\)`},
+			{"  ciphertext digest + HMAC", `sha256pair|crypto/hmac`},
+			{"  key wrapping (JWE)", `ociimage\.\(\*sealer\)`},
+		}...)
 	}
 	var sb strings.Builder
 	total := ""
@@ -914,7 +981,20 @@ func (bb *bench) profileCheckpoint(vm *testguest.VM) {
 		}
 		fmt.Fprintf(&sb, "  %-32s %6s%% of samples\n", c.name, share)
 	}
-	bb.rep.profileCats = total + "\n" + sb.String()
+	sum := profileSummary{path: profile, d: t.d, top: top, cats: total + "\n" + sb.String()}
+	if encrypted {
+		bb.rep.encProf = sum
+	} else {
+		bb.rep.prof = sum
+	}
+}
+
+// profileSummary is a profiled checkpoint: where its profile is, how long
+// it took, and pprof's summaries.
+type profileSummary struct {
+	path      string
+	d         time.Duration
+	top, cats string
 }
 
 // vmsnapBinary is the built vmsnap (make build), or one built now.
@@ -1205,12 +1285,49 @@ func (r *benchReport) ratios() (ckptVsBase, ckptVsLimit, restoreVsBase, size, in
 // encryptionCPU is encrypted over plain in CPU seconds of every process.
 func (r *benchReport) encryptionCPU() (ckpt, restore float64) {
 	sum := func(c cpuTimes) float64 { return c.qemu + c.registry + c.client }
-	return sum(medianCPU(r.encCkpt)) / sum(medianCPU(r.ckpt)), sum(medianCPU(r.encRestore)) / sum(medianCPU(r.restore))
+	return sum(medianCPU(r.encCkpt)) / sum(medianCPU(r.ckpt)), sum(medianCPU(r.encRestorePre)) / sum(medianCPU(r.restorePre))
 }
 
-// encryptionOverhead is encrypted over plain, checkpoint and restore.
+// encryptionOverhead is encrypted over plain, checkpoint and restore: the
+// median of the pairs' ratios of wall time (each pair ran back to back).
 func (r *benchReport) encryptionOverhead() (ckpt, restore float64) {
-	return median(r.encCkpt).Seconds() / median(r.ckpt).Seconds(), median(r.encRestore).Seconds() / median(r.restore).Seconds()
+	return medianF(pairRatios(r.ckpt, r.encCkpt)), medianF(pairRatios(r.restorePre, r.encRestorePre))
+}
+
+// pairRatios is enc[i]/plain[i] in wall time, pair by pair.
+func pairRatios(plain, enc []timed) []float64 {
+	var v []float64
+	for i := range min(len(plain), len(enc)) {
+		v = append(v, enc[i].d.Seconds()/plain[i].d.Seconds())
+	}
+	return v
+}
+
+// printEncryption is the encryption overhead's table: wall times, the
+// ratios both ways, and where the CPU went (vmsnap's own beside QEMU's).
+func (r *benchReport) printEncryption(w io.Writer) {
+	fmt.Fprintf(w, "\nencryption overhead (issue 16): plain and encrypted (jwe RSA-2048, random layer keys) in pairs, back to back, taking turns going first\n")
+	tw := tabwriter.NewWriter(w, 2, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "\tpairs\tplain s\tencrypted s\tmedian of pair ratios\tratio of medians\tvmsnap CPU s: plain / encrypted (diff)\tQEMU CPU s: plain / encrypted\tpair ratios\t")
+	row := func(name string, plain, enc []timed) {
+		rs := pairRatios(plain, enc)
+		var list []string
+		for _, x := range rs {
+			list = append(list, fmt.Sprintf("%.2f", x))
+		}
+		cp, ce := medianCPU(plain), medianCPU(enc)
+		fmt.Fprintf(tw, "  %s\t%d\t%.2f\t%.2f\t%.3fx\t%.3fx\t%.2f / %.2f (%+.2f)\t%.2f / %.2f\t%s\t\n", name, len(rs),
+			median(plain).Seconds(), median(enc).Seconds(), medianF(rs), median(enc).Seconds()/median(plain).Seconds(),
+			cp.client, ce.client, ce.client-cp.client, cp.qemu, ce.qemu, strings.Join(list, " "))
+	}
+	row("checkpoint (command to digest)", r.ckpt, r.encCkpt)
+	row("restore (command to running)", r.restore, r.encRestore)
+	row("restore, target's RAM preallocated", r.restorePre, r.encRestorePre)
+	tw.Flush()
+	fmt.Fprintf(w, "The verdicts take the median of the pairs' ratios: the checkpoints', and the restores' into targets whose RAM was\n"+
+		"preallocated before the clock started (-mem-prealloc; VMSNAP_BENCH_RESTORE_PAIRS pairs). A fresh QEMU's kernel time\n"+
+		"faulting in the guest's RAM moves by 0.3-1 s from one QEMU to the next, whatever it restores: the row above it shows\n"+
+		"restores with it, as issue 6's table times them, its QEMU CPU beside vmsnap's.\n")
 }
 
 func (r *benchReport) print(w io.Writer, bb *bench) {
@@ -1266,16 +1383,17 @@ func (r *benchReport) print(w io.Writer, bb *bench) {
 	live := slices.Max(append([]float64{0}, r.live...))
 	fmt.Fprintf(tw, "  live mode downtime (QEMU's; worst of %d; checkpoint %.2fs)\t%.0f ms\t< %d ms\t%s\n", len(r.live), medianF(r.liveTotal)/1000, live, targetDowntimeMs, verdict(live < targetDowntimeMs && len(r.live) > 0))
 	ec, er := r.encryptionOverhead()
-	fmt.Fprintf(tw, "  encrypted checkpoint / plain (same run, medians)\t%.3fx\t<= %.2fx\t%s\n", ec, targetEncryptionRatio, verdict(ec <= targetEncryptionRatio))
-	fmt.Fprintf(tw, "  encrypted restore / plain (same run, medians)\t%.3fx\t<= %.2fx\t%s\n", er, targetEncryptionRatio, verdict(er <= targetEncryptionRatio))
+	fmt.Fprintf(tw, "  encrypted checkpoint / plain (median of %d pairs' ratios)\t%.3fx\t<= %.2fx\t%s\n", len(pairRatios(r.ckpt, r.encCkpt)), ec, targetEncryptionRatio, verdict(ec <= targetEncryptionRatio))
+	fmt.Fprintf(tw, "  encrypted restore / plain (median of %d pairs' ratios, RAM preallocated)\t%.3fx\t<= %.2fx\t%s\n", len(pairRatios(r.restorePre, r.encRestorePre)), er, targetEncryptionRatio, verdict(er <= targetEncryptionRatio))
 	// CPU seconds move less with the machine's load than wall times do.
 	cc, cr := r.encryptionCPU()
-	fmt.Fprintf(tw, "    CPU of every process, encrypted / plain: checkpoint %.3fx (client %+.2fs), restore %.3fx (client %+.2fs)\t\t\t\n",
-		cc, medianCPU(r.encCkpt).client-medianCPU(r.ckpt).client, cr, medianCPU(r.encRestore).client-medianCPU(r.restore).client)
+	fmt.Fprintf(tw, "    CPU of every process, encrypted / plain: checkpoint %.3fx (client %+.2fs), restore (RAM preallocated) %.3fx (client %+.2fs)\t\t\t\n",
+		cc, medianCPU(r.encCkpt).client-medianCPU(r.ckpt).client, cr, medianCPU(r.encRestorePre).client-medianCPU(r.restorePre).client)
 	if inc >= 0 {
 		fmt.Fprintf(tw, "  incremental: uploaded after a %d%% change / first\t%.1f%%\t<= %.0f%%\t%s\n", benchRewritePct, 100*inc, 100*targetIncremental, verdict(inc <= targetIncremental))
 	}
 	tw.Flush()
+	r.printEncryption(w)
 
 	if len(r.incr) > 0 {
 		fmt.Fprintf(w, "\nincremental checkpoints into one repository:\n")
@@ -1289,8 +1407,9 @@ func (r *benchReport) print(w io.Writer, bb *bench) {
 		fmt.Fprintf(w, "The contiguous rewrite's %d pages lie among %s of data pages (the stream's bytes from its first page\nto its last, which varies with where the guest put its data): that row uploads at least the chunks over them.\n",
 			r.rewritePages, humanBytes(r.rewriteSpan))
 	}
-	fmt.Fprintf(w, "\nCPU profile of one checkpoint (%.2fs): %s\n%s", r.profiled.Seconds(), bb.profile, r.profileCats)
-	fmt.Fprintf(w, "top entries (go tool pprof -top):\n%s\n", indent(r.profileTop))
+	fmt.Fprintf(w, "\nCPU profile of one checkpoint (%.2fs): %s\n%s", r.prof.d.Seconds(), r.prof.path, r.prof.cats)
+	fmt.Fprintf(w, "top entries (go tool pprof -top):\n%s\n", indent(r.prof.top))
+	fmt.Fprintf(w, "\nCPU profile of one encrypted checkpoint (%.2fs): %s\n%s", r.encProf.d.Seconds(), r.encProf.path, r.encProf.cats)
 	fmt.Fprintf(w, "benchmark wall time: %v\n\n", r.total.Round(time.Second))
 }
 

@@ -184,6 +184,11 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 	// it says what we were waiting for, with its code; the context's cause
 	// is only a bare deadline then.
 	var storeErr atomic.Pointer[error]
+	// A sink that digests what it stores in its own pass over the bytes
+	// (ociimage's encrypting store) gets the chunks undigested: the
+	// compressors leave the digest to it, and a chunk is recorded once
+	// stored.
+	digesting, _ := sink.(undigestedAdder)
 	var upWG sync.WaitGroup
 	for range opts.Uploads {
 		upWG.Add(1)
@@ -191,7 +196,17 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 			defer upWG.Done()
 			for job := range uploads {
 				if ctx.Err() == nil {
-					if err := Put(ctx, sink, job.desc, job.data, &uploaded); err != nil {
+					var err error
+					if digesting != nil {
+						var desc ocispec.Descriptor
+						desc, err = putUndigested(ctx, digesting, job.desc, job.data, &uploaded)
+						if err == nil {
+							record(job.index, desc)
+						}
+					} else {
+						err = Put(ctx, sink, job.desc, job.data, &uploaded)
+					}
+					if err != nil {
 						storeErr.CompareAndSwap(nil, &err)
 						cancel(err)
 					}
@@ -221,7 +236,6 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 				out = enc.EncodeAll(job.raw, out[:0])
 				desc := ocispec.Descriptor{
 					MediaType: ociimage.MediaTypeChunk,
-					Digest:    digest.NewDigestFromBytes(digest.SHA256, sha256Sum(out)),
 					Size:      int64(len(out)),
 					Annotations: map[string]string{
 						ociimage.AnnotationRawSize:   strconv.Itoa(len(job.raw)),
@@ -235,9 +249,12 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 					continue
 				}
 				stored.Add(desc.Size)
-				if !record(job.index, desc) {
-					compBufs.put(out) // a repeat of a chunk already on its way
-					continue
+				if digesting == nil {
+					desc.Digest = digest.NewDigestFromBytes(digest.SHA256, sha256Sum(out))
+					if !record(job.index, desc) {
+						compBufs.put(out) // a repeat of a chunk already on its way
+						continue
+					}
 				}
 				select {
 				case uploads <- uploadJob{index: job.index, desc: desc, data: out}:
@@ -362,6 +379,27 @@ func maxEncodedSize(n int) int { return n + n>>10 + 4096 }
 // one it lacks, where HasBlob and PutBlob would take one and three).
 type blobAdder interface {
 	AddBlob(ctx context.Context, desc ocispec.Descriptor, data []byte) (sent bool, err error)
+}
+
+// undigestedAdder is a sink that digests a blob as it stores it, in the
+// same pass as its own work on the bytes (ociimage's encrypting store
+// hashes the plaintext beside the ciphertext it makes), and returns desc
+// with the digest. A blob it has already is not stored again (sent is
+// false).
+type undigestedAdder interface {
+	AddUndigested(ctx context.Context, desc ocispec.Descriptor, data []byte) (stored ocispec.Descriptor, sent bool, err error)
+}
+
+// putUndigested is Put for an undigestedAdder.
+func putUndigested(ctx context.Context, sink undigestedAdder, desc ocispec.Descriptor, data []byte, uploaded *atomic.Int64) (ocispec.Descriptor, error) {
+	desc, sent, err := sink.AddUndigested(ctx, desc, data)
+	if err != nil {
+		return desc, errcode.Ensure(errcode.RegistryError, err, "storing chunk of %d bytes", len(data))
+	}
+	if sent {
+		uploaded.Add(desc.Size)
+	}
+	return desc, nil
 }
 
 // Put stores a compressed blob in sink unless sink has it already, adding
