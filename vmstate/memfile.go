@@ -353,10 +353,13 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		}
 	}()
 	res.RAMCapture = CaptureScan
-	if opts.Mode == ModeSnapshot && st.Running {
-		res.RAMCaptureNote = precopyUntrusted(ctx, mon, res.Config.Record.QEMUVersion)
+	tryPrecopy := opts.Mode == ModeSnapshot && st.Running
+	if tryPrecopy {
+		if why := precopyUntrusted(ctx, mon, res.Config.Record.QEMUVersion); why != "" {
+			res.RAMCaptureNote, tryPrecopy = why, false
+		}
 	}
-	if opts.Mode == ModeSnapshot && st.Running && res.RAMCaptureNote == "" {
+	if tryPrecopy {
 		precopyStart := time.Now()
 		var perr error
 		pre, perr = precopy(ctx, mon, g, be, f, parentMap, stagingDir(opts.StagingDir))

@@ -685,9 +685,10 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f
 // dirty keeps writing it through that entry, unseen, until the entry is
 // flushed, and the final pass leaves those writes out (QEMU 9.0's
 // "physmem: Fix migration dirty bitmap coherency with TCG memory access").
-// A restored guest then runs on memory that is not what it left: here, a
-// kernel that panicked in its per-CPU timer data, about once in twenty
-// restores. KVM's dirty log comes from the kernel's write protection and
+// A restored guest then runs on memory that is not what it left: seen
+// here, rarely, as a kernel that panicked in its per-CPU timer data or
+// went silent (the likely cause; no lost write was caught in the act).
+// KVM's dirty log comes from the kernel's write protection and
 // is exact with any QEMU. A scan of the stopped VM's file needs no log.
 func precopyUntrusted(ctx context.Context, mon Executor, qemuVersion string) string {
 	var kvm struct{ Enabled bool }
