@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"syscall"
 	"time"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -566,15 +565,4 @@ func ensureRunning(ctx context.Context, mon Monitor) error {
 		}
 	}
 	return errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "cont", nil, nil), "cont")
-}
-
-// growPipe asks for a larger pipe buffer so QEMU and the reader wake each
-// other less often. Failing is harmless.
-func growPipe(f *os.File) {
-	const fSetPipeSz = 1031 // F_SETPIPE_SZ
-	if rc, err := f.SyscallConn(); err == nil {
-		_ = rc.Control(func(fd uintptr) {
-			_, _, _ = syscall.Syscall(syscall.SYS_FCNTL, fd, fSetPipeSz, 1<<20)
-		})
-	}
 }

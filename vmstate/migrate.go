@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"syscall"
 	"time"
 
 	goqmp "github.com/digitalocean/go-qemu/qmp"
@@ -46,6 +47,17 @@ func passFile(ctx context.Context, mon Monitor, f *os.File) (string, error) {
 		return "", errcode.Ensure(errcode.QMPError, err, "passing the migration pipe to QEMU")
 	}
 	return name, nil
+}
+
+// growPipe asks for a larger pipe buffer so QEMU and the reader wake each
+// other less often. Failing is harmless.
+func growPipe(f *os.File) {
+	const fSetPipeSz = 1031 // F_SETPIPE_SZ
+	if rc, err := f.SyscallConn(); err == nil {
+		_ = rc.Control(func(fd uintptr) {
+			_, _, _ = syscall.Syscall(syscall.SYS_FCNTL, fd, fSetPipeSz, 1<<20)
+		})
+	}
 }
 
 // outgoingPipe is a pipe a source QEMU migrates into: its write end
