@@ -1,10 +1,8 @@
 package ociimage
 
 import (
-	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"testing"
 	"time"
 
@@ -13,6 +11,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/beneath"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testguard"
 )
 
 // layoutWithImage is a layout in a fresh directory holding one tagged
@@ -33,17 +32,13 @@ func layoutWithImage(t *testing.T) (string, ocispec.Descriptor, ocispec.Manifest
 }
 
 // readImage resolves the layout's image and reads its manifest and
-// layers, failing the test if that has not ended within a minute (an open
-// of a FIFO blocks for good), and ending the test binary if the heap grows
-// past 1 GiB meanwhile (a read of /dev/zero has no end, and would take the
-// machine down first).
+// layers, failing the test if that blocks and ending it if it reads without
+// bound (testguard).
 func readImage(t *testing.T, repo Repository, desc ocispec.Descriptor) error {
 	t.Helper()
-	done := make(chan error, 1)
-	go func() {
+	return testguard.Within(t, time.Minute, 1<<30, "reading the layout", func() error {
 		if _, err := repo.Resolve(t.Context()); err != nil {
-			done <- err
-			return
+			return err
 		}
 		m, err := repo.Manifest(t.Context(), desc)
 		for _, l := range m.Layers {
@@ -51,25 +46,8 @@ func readImage(t *testing.T, repo Repository, desc ocispec.Descriptor) error {
 				_, err = repo.Blob(t.Context(), l, 1<<20)
 			}
 		}
-		done <- err
-	}()
-	deadline := time.After(time.Minute)
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		select {
-		case err := <-done:
-			return err
-		case <-deadline:
-			t.Fatal("reading the layout blocked")
-		case <-tick.C:
-			var ms runtime.MemStats
-			runtime.ReadMemStats(&ms)
-			if ms.HeapAlloc > 1<<30 {
-				panic(fmt.Sprintf("reading the layout took %d MiB: an unbounded read", ms.HeapAlloc>>20))
-			}
-		}
-	}
+		return err
+	})
 }
 
 // Whoever may write a layout's directory can put in place of its files a

@@ -3,10 +3,8 @@ package vmstate
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -15,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testguard"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
@@ -61,38 +60,20 @@ func waitingTarget(t *testing.T, state []byte, memPath string) *qmptest.FakeQEMU
 	return q
 }
 
-// restoreWithin runs a restore and fails the test if it has not returned
-// within a minute (it may be blocked for good: the goroutine is left), or
-// if the heap grows past 1 GiB meanwhile: that ends the test binary
-// before an unbounded read takes the machine down.
+// restoreWithin runs a restore, failing the test if it blocks and ending
+// it if it reads without bound (testguard).
 func restoreWithin(t *testing.T, q *qmptest.FakeQEMU, ref string, opts RestoreOptions) (*RestoreResult, error) {
 	t.Helper()
 	type result struct {
 		res *RestoreResult
 		err error
 	}
-	done := make(chan result, 1)
-	go func() {
-		res, err := Restore(context.Background(), q.Dial(t), openLayout(t, ref), opts)
-		done <- result{res, err}
-	}()
-	deadline := time.After(time.Minute)
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		select {
-		case r := <-done:
-			return r.res, r.err
-		case <-deadline:
-			t.Fatal("the restore is blocked: it opened something that does not answer")
-		case <-tick.C:
-			var ms runtime.MemStats
-			runtime.ReadMemStats(&ms)
-			if ms.HeapAlloc > 1<<30 {
-				panic(fmt.Sprintf("the restore read %d MiB into memory: an unbounded read", ms.HeapAlloc>>20))
-			}
-		}
-	}
+	mon, repo := q.Dial(t), openLayout(t, ref)
+	r := testguard.Within(t, time.Minute, 1<<30, "the restore", func() result {
+		res, err := Restore(context.Background(), mon, repo, opts)
+		return result{res, err}
+	})
+	return r.res, r.err
 }
 
 // Tenant A names an image under its own repository with tenant B's digest,
