@@ -309,6 +309,13 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	} else if fi.Size() < be.Bytes {
 		return nil, errcode.New(errcode.InvalidInput, "the VM's RAM file %s holds %d bytes, less than its memory backend's %d", be.MemPath, fi.Size(), be.Bytes)
 	}
+	// What it stages (pages, device state) is bounded by the VM's memory:
+	// that room is reserved until the staging files are gone.
+	release, err := reserveStaging(stagingDir(opts.StagingDir), maxStateBytes(res.Config.Record.MemoryBytes), false)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	parent, why, err := findParent(ctx, repo, opts, be)
 	if err != nil {
 		return nil, err

@@ -52,8 +52,8 @@ func TestHeldFindsStateByDigestBeneathTheCache(t *testing.T) {
 	if err := c.KeepState(ctx, src, desc); err != nil {
 		t.Fatal(err)
 	}
-	elsewhere := layout(t)
-	if _, err := ociimage.Copy(ctx, src, elsewhere, 0, 1); err != nil {
+	other := layout(t)
+	if _, err := ociimage.Copy(ctx, src, other, 0, 1); err != nil {
 		t.Fatal(err)
 	}
 	h, err := c.Hold()
@@ -68,13 +68,13 @@ func TestHeldFindsStateByDigestBeneathTheCache(t *testing.T) {
 	if m, err := local.Manifest(ctx, desc); err != nil || len(m.Layers) != 1 {
 		t.Fatalf("the kept manifest: %v", err)
 	}
-	if h.State(desc.Digest, elsewhere.Reference()) != nil {
+	if h.State(desc.Digest, other.Reference()) != nil {
 		t.Fatal("the state kept from src serves another repository")
 	}
-	if err := c.KeepState(ctx, ociimage.Pinned(elsewhere, desc), desc); err != nil {
+	if err := c.KeepState(ctx, ociimage.Pinned(other, desc), desc); err != nil {
 		t.Fatal(err)
 	}
-	if h.State(desc.Digest, elsewhere.Reference()) == nil || h.State(desc.Digest, src.Reference()) == nil {
+	if h.State(desc.Digest, other.Reference()) == nil || h.State(desc.Digest, src.Reference()) == nil {
 		t.Fatal("a second source is not recorded beside the first")
 	}
 
@@ -85,39 +85,49 @@ func TestHeldFindsStateByDigestBeneathTheCache(t *testing.T) {
 	if err := os.Rename(state, otherState); err != nil {
 		t.Fatal(err)
 	}
-	for name, plant := range map[string]func() error{
-		"the state a link to another directory": func() error { return os.Symlink(otherState, state) },
-		"its sources a FIFO": func() error {
+	for _, tc := range []struct {
+		name  string
+		plant func() error
+	}{
+		{"the state a link to another directory", func() error { return os.Symlink(otherState, state) }},
+		{"its sources a FIFO", func() error {
 			os.Remove(state)
 			if err := os.Mkdir(state, 0o700); err != nil {
 				return err
 			}
 			return unix.Mkfifo(sources, 0o600)
-		},
-		"its sources a link": func() error {
+		}},
+		{"its sources a link", func() error {
 			os.Remove(sources)
 			return os.Symlink(filepath.Join(otherState, sourcesFile), sources)
-		},
+		}},
 	} {
-		if err := plant(); err != nil {
+		if err := tc.plant(); err != nil {
 			t.Fatal(err)
 		}
 		if h.State(desc.Digest, src.Reference()) != nil {
-			t.Errorf("%s: found", name)
+			t.Errorf("%s: found", tc.name)
 		}
 	}
 
 	const size = 1 << 20
-	for name, plant := range map[string]func() error{
-		"a link":         func() error { return os.Symlink(filepath.Join(otherState, sourcesFile), ram) },
-		"a FIFO":         func() error { os.Remove(ram); return unix.Mkfifo(ram, 0o600) },
-		"the wrong size": func() error { os.Remove(ram); return os.WriteFile(ram, make([]byte, size/2), 0o600) },
+	elsewhere := filepath.Join(t.TempDir(), "ram") // of the right size, not the cache's
+	if err := os.WriteFile(elsewhere, make([]byte, size), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		plant func() error
+	}{
+		{"a link", func() error { return os.Symlink(elsewhere, ram) }},
+		{"a FIFO", func() error { os.Remove(ram); return unix.Mkfifo(ram, 0o600) }},
+		{"the wrong size", func() error { os.Remove(ram); return os.WriteFile(ram, make([]byte, size/2), 0o600) }},
 	} {
-		if err := plant(); err != nil {
+		if err := tc.plant(); err != nil {
 			t.Fatal(err)
 		}
 		if h.File(desc.Digest, size) != nil {
-			t.Errorf("a RAM file that is %s: found", name)
+			t.Errorf("a RAM file that is %s: found", tc.name)
 		}
 	}
 	os.Remove(ram)
