@@ -97,7 +97,7 @@ func (h *Held) open(parent *os.File, rel string, want fs.FileMode) *os.File {
 	if parent == nil {
 		parent = h.dir
 	}
-	f, err := beneath.Open(parent, rel, filepath.Join(h.path, rel))
+	f, err := beneath.Open(parent, rel, filepath.Join(parent.Name(), rel))
 	if err != nil {
 		return nil
 	}
