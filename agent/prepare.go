@@ -19,6 +19,15 @@ func RAMCacheDir(stateDir, namespace string) string {
 	return filepath.Join(stateDir, "ram", namespace)
 }
 
+// restoreCacheDir is the cache a restore into a VM of namespace looks up
+// prepared images in: its namespace's, or none for a VM in no namespace.
+func restoreCacheDir(stateDir, namespace string) string {
+	if namespace == "" || !isDNSLabel(namespace) {
+		return ""
+	}
+	return RAMCacheDir(stateDir, namespace)
+}
+
 // maxQEMUDir bounds a request's qemuDir: it becomes part of a QEMU option.
 const maxQEMUDir = 1024
 

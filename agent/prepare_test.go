@@ -22,6 +22,13 @@ import (
 // the RAM file's bytes.
 func memoryFileImage(t *testing.T, dir string, size int) (string, []byte) {
 	t.Helper()
+	img, ram, _ := memoryFileImageState(t, dir, size)
+	return img, ram
+}
+
+// memoryFileImageState is memoryFileImage, and the fake's device state.
+func memoryFileImageState(t *testing.T, dir string, size int) (string, []byte, []byte) {
+	t.Helper()
 	ram := make([]byte, size)
 	rand.Read(ram[:size/4])
 	ramPath := filepath.Join(t.TempDir(), "guest.ram")
@@ -44,7 +51,7 @@ func memoryFileImage(t *testing.T, dir string, size int) (string, []byte) {
 	if res.VMState.Format != "memory-file" {
 		t.Fatalf("format %s", res.VMState.Format)
 	}
-	return res.VMState.Image, ram
+	return res.VMState.Image, ram, state
 }
 
 // The agent prepares into the cache of the caller's namespace, only what

@@ -138,6 +138,9 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.
 			StagingDir: s.cfg.StateDir,
+			// The RAM cache of the VM's own namespace, and no other: what
+			// its callers prepared there (Prepare).
+			CacheDir: restoreCacheDir(s.cfg.StateDir, target.Namespace),
 		})
 		if err == nil {
 			res.Endpoint = &api.Endpoint{PodUID: req.VM.PodUID, Container: req.VM.Container, QMPPath: req.VM.QMPPath}

@@ -37,6 +37,9 @@ const lockName = "index.json.lock"
 type Layout struct {
 	ref Reference
 	dir string
+	// root, if set, is a handle of dir: the layout is read beneath it
+	// only, and never written (OpenLayoutIn).
+	root *os.File
 }
 
 var _ Repository = (*Layout)(nil)
@@ -59,7 +62,7 @@ func (l *Layout) HasBlob(ctx context.Context, d digest.Digest) (bool, error) {
 	if _, err := parseDigest(string(d)); err != nil {
 		return false, errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", d)
 	}
-	_, err := os.Stat(l.blobPath(d))
+	_, err := l.stat(blobRel(d))
 	switch {
 	case err == nil:
 		return true, nil
@@ -115,6 +118,9 @@ func (l *Layout) putBlob(d digest.Digest, data []byte) error {
 // ensureLayout creates the layout's directories, oci-layout and index.json
 // if they are missing.
 func (l *Layout) ensureLayout(ctx context.Context) error {
+	if err := l.readOnly(); err != nil {
+		return err
+	}
 	layoutFile := filepath.Join(l.dir, ocispec.ImageLayoutFile)
 	indexFile := filepath.Join(l.dir, ocispec.ImageIndexFile)
 	if exists(layoutFile) && exists(indexFile) && exists(l.blobDir()) {
@@ -145,6 +151,9 @@ func (l *Layout) ensureLayout(ctx context.Context) error {
 }
 
 func (l *Layout) lock(ctx context.Context) (unlock func(), err error) {
+	if err := l.readOnly(); err != nil {
+		return nil, err
+	}
 	unlock, err = lockFile(ctx, filepath.Join(l.dir, lockName))
 	if err != nil {
 		if ctx.Err() != nil {
@@ -291,7 +300,7 @@ func (l *Layout) resolveRef(ctx context.Context, ref Reference) (ocispec.Descrip
 }
 
 func (l *Layout) resolveDigest(idx ocispec.Index, d digest.Digest) (ocispec.Descriptor, error) {
-	fi, err := os.Stat(l.blobPath(d))
+	fi, err := l.stat(blobRel(d))
 	if errors.Is(err, fs.ErrNotExist) {
 		return ocispec.Descriptor{}, notFound{errcode.New(errcode.RegistryError, "no manifest %s in %s; check the digest, or use a tag", d, l.dir)}
 	}
@@ -308,7 +317,7 @@ func (l *Layout) resolveDigest(idx ocispec.Index, d digest.Digest) (ocispec.Desc
 	if fi.Size() > MaxManifestSize {
 		return ocispec.Descriptor{}, errcode.New(errcode.InvalidInput, "%s in %s is %d bytes, too large to be a manifest; check the digest", d, l.dir, fi.Size())
 	}
-	b, err := os.ReadFile(l.blobPath(d))
+	b, err := l.readFile(blobRel(d), MaxManifestSize)
 	if err != nil {
 		return ocispec.Descriptor{}, errcode.Wrap(errcode.RegistryError, err, "cannot read manifest %s in %s", d, l.dir)
 	}
@@ -381,7 +390,7 @@ func (l *Layout) readChecked(ctx context.Context, what string, desc ocispec.Desc
 		return nil, err
 	}
 	path := l.blobPath(desc.Digest)
-	f, err := os.Open(path)
+	f, _, err := l.openFile(blobRel(desc.Digest))
 	if errors.Is(err, fs.ErrNotExist) {
 		if err := l.checkLayout(); err != nil {
 			return nil, err
@@ -456,7 +465,7 @@ func indexTags(idx ocispec.Index) []string {
 // checkLayout tells a missing or foreign directory from a missing file in
 // a layout, so that errors name the real problem.
 func (l *Layout) checkLayout() error {
-	b, err := os.ReadFile(filepath.Join(l.dir, ocispec.ImageLayoutFile))
+	b, err := l.readFile(ocispec.ImageLayoutFile, maxLayoutFile)
 	if errors.Is(err, fs.ErrNotExist) {
 		return notFound{errcode.New(errcode.RegistryError, "no OCI layout at %s; check the path, or push an image there first", l.dir)}
 	}
@@ -474,8 +483,8 @@ func (l *Layout) checkLayout() error {
 // readIndex reads index.json; a missing one is an empty index (the layout
 // is being created).
 func (l *Layout) readIndex() (ocispec.Index, error) {
-	path := filepath.Join(l.dir, ocispec.ImageIndexFile)
-	f, err := os.Open(path)
+	path := l.name(ocispec.ImageIndexFile)
+	f, _, err := l.openFile(ocispec.ImageIndexFile)
 	if errors.Is(err, fs.ErrNotExist) {
 		return newIndex(), nil
 	}

@@ -211,17 +211,17 @@ func (l *Layout) namedBy(d digest.Digest) (blobs, manifests []digest.Digest, err
 		return nil, nil, errcode.New(errcode.InvalidInput, "%s names an invalid digest %q; repair it before collecting garbage", l.dir, d)
 	}
 	path := l.blobPath(d)
-	fi, err := os.Stat(path)
+	fi, err := l.stat(blobRel(d))
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil, nil
 	}
 	if err != nil {
 		return nil, nil, errcode.Wrap(errcode.RegistryError, err, "cannot read %s", path)
 	}
-	if fi.Size() > MaxManifestSize {
+	if fi.Size() > MaxManifestSize || !fi.Mode().IsRegular() {
 		return nil, nil, nil // too large to be a manifest
 	}
-	b, err := os.ReadFile(path)
+	b, err := l.readFile(blobRel(d), MaxManifestSize)
 	if err != nil {
 		return nil, nil, errcode.Wrap(errcode.RegistryError, err, "cannot read %s", path)
 	}

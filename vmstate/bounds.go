@@ -4,8 +4,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"sync"
-	"time"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
@@ -67,72 +65,6 @@ func (b *boundedStream) Read(p []byte) (int, error) {
 	n, err := b.r.Read(p)
 	b.left -= int64(n)
 	return n, err
-}
-
-// stagingWatchInterval is how often a staging file QEMU may write to is
-// checked against its bound: what QEMU can write in one interval, past the
-// bound, is what the watch lets through (at 2 GB/s, 100 MB).
-var stagingWatchInterval = 50 * time.Millisecond
-
-// stagingWatch checks a staging file QEMU writes, from the moment QEMU
-// holds it until it is released: once its size or its allocated bytes pass
-// the bound, it frees the file's space (truncating it through our
-// descriptor, whatever QEMU holds) and aborts the checkpoint.
-type stagingWatch struct {
-	stopOnce sync.Once
-	stopped  chan struct{}
-	done     chan struct{}
-
-	mu  sync.Mutex
-	err error
-}
-
-// watch starts watching s. abort is called once, with the error, when the
-// bound is passed. Stop the watch before s is released.
-func (s *stagingFile) watch(memory int64, abort func(error)) *stagingWatch {
-	w := &stagingWatch{stopped: make(chan struct{}), done: make(chan struct{})}
-	f, limit := s.f, maxStateBytes(memory)
-	go func() {
-		defer close(w.done)
-		tick := time.NewTicker(stagingWatchInterval)
-		defer tick.Stop()
-		for {
-			select {
-			case <-w.stopped:
-				return
-			case <-tick.C:
-			}
-			size, allocated, err := fileExtent(f)
-			if err != nil || (size <= limit && allocated <= limit) {
-				continue
-			}
-			_ = f.Truncate(0) // again if QEMU goes on: it must not fill the disk meanwhile
-			w.mu.Lock()
-			first := w.err == nil
-			if first {
-				w.err = stateTooLarge(fmt.Sprintf("grew the staging file to %d MiB", max(size, allocated)>>20), memory)
-			}
-			err = w.err
-			w.mu.Unlock()
-			if first {
-				abort(err)
-			}
-		}
-	}()
-	return w
-}
-
-// stop ends the watch and waits for it; it may be called more than once.
-func (w *stagingWatch) stop() {
-	w.stopOnce.Do(func() { close(w.stopped) })
-	<-w.done
-}
-
-// exceeded is the error of a bound passed, or nil.
-func (w *stagingWatch) exceeded() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.err
 }
 
 // checkExtent refuses a finished staging file beyond the bound, whether

@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"runtime"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -48,11 +47,6 @@ const (
 	capMultifd   = "multifd"
 )
 
-// stagingSlack is added to the guest's memory when checking that a staging
-// directory can hold a mapped-ram file: the device state, the bitmaps and
-// the alignment of each RAMBlock's region.
-const stagingSlack = 64 << 20
-
 // migrationCapabilities lists the migration capabilities QEMU has, with
 // their current state.
 func migrationCapabilities(ctx context.Context, mon Executor) (map[string]bool, error) {
@@ -80,8 +74,10 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 	switch opts.Format {
 	case "", FormatAuto:
 		// A shared RAM file is read by vmsnap whatever the QEMU: the
-		// device state alone goes through QEMU's stream.
-		if opts.Mode != ModeLive && record.RAM.fileShared() && record.RAM.Bytes <= ramfile.MaxFileBytes {
+		// device state alone goes through QEMU's stream. Its pages are
+		// staged: with no room for the most this VM may stage, the stream.
+		if opts.Mode != ModeLive && record.RAM.fileShared() && record.RAM.Bytes <= ramfile.MaxFileBytes &&
+			stagingRoom(stagingDir(opts.StagingDir), maxStateBytes(record.MemoryBytes), false) == nil {
 			return FormatMemoryFile, nil
 		}
 	case FormatStream:
@@ -94,6 +90,9 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 			return "", errcode.New(errcode.Usage, "the memory-file format needs the VM's RAM in a shared file, and this VM's is not one: start QEMU with -object memory-backend-file,id=ram0,mem-path=FILE,share=on,size=SIZE -machine memory-backend=ram0 (FILE on tmpfs or hugetlbfs), or use %s auto or stream", errcode.Field("format"))
 		case record.RAM.Bytes > ramfile.MaxFileBytes:
 			return "", errcode.New(errcode.Usage, "the memory-file format holds guests of up to %d GiB (an image lists at most %d regions of %d MiB), and this one has %d GiB: use %s auto or stream", ramfile.MaxFileBytes>>30, ramfile.MaxRegionLayers, ramfile.RegionSize>>20, record.RAM.Bytes>>30, errcode.Field("format"))
+		}
+		if err := stagingRoom(stagingDir(opts.StagingDir), maxStateBytes(record.MemoryBytes), false); err != nil {
+			return "", err
 		}
 		return FormatMemoryFile, nil
 	case FormatMappedRAM:
@@ -122,23 +121,14 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 		}
 		return FormatStream, nil
 	}
-	dir := stagingDir(opts.StagingDir)
-	need := record.MemoryBytes + stagingSlack
-	free, err := freeSpace(dir)
-	if err == nil {
-		// A read-only root (the agent's container) has no room at all.
-		err = syscall.Access(dir, 2|1) // W_OK|X_OK
-	}
-	if err == nil && free >= need {
+	err = stagingRoom(stagingDir(opts.StagingDir), maxStateBytes(record.MemoryBytes), true)
+	switch {
+	case err == nil:
 		return FormatMappedRAM, nil
-	}
-	if !explicit {
+	case !explicit:
 		return FormatStream, nil // the stream needs no staging space
 	}
-	if err != nil {
-		return "", errcode.Wrap(errcode.Internal, err, "staging directory %s (for the mapped-ram file; pick another with %s)", dir, errcode.Field("stagingDir"))
-	}
-	return "", errcode.New(errcode.Internal, "staging directory %s has %d MiB free, and a mapped-ram checkpoint of this VM may need up to %d MiB there: free space there or pick another directory with %s", dir, free>>20, need>>20, errcode.Field("stagingDir"))
+	return "", err
 }
 
 // stagingDir is where the mapped-ram file is staged: dir, else $TMPDIR.
@@ -149,124 +139,8 @@ func stagingDir(dir string) string {
 	return dir
 }
 
-// freeSpace is what an unprivileged user may still allocate in dir (a
-// variable for tests).
-var freeSpace = func(dir string) (int64, error) {
-	var st syscall.Statfs_t
-	if err := syscall.Statfs(dir, &st); err != nil {
-		return 0, err
-	}
-	return int64(st.Bavail) * st.Bsize, nil
-}
-
 // multifdChannels is how many threads QEMU writes the mapped-ram file with.
 func multifdChannels() int64 { return int64(min(max(runtime.NumCPU(), 2), 8)) }
-
-// stagingFile is an unlinked file in a staging directory: our descriptor,
-// open for reading and writing, and QEMU's, which QEMU gets in an fdset.
-type stagingFile struct {
-	dir   string
-	f     *os.File // ours, read-write: truncating through it frees the space
-	qemu  *os.File // QEMU's, until it is passed
-	mon   Monitor
-	fdset int64
-	held  bool // QEMU holds fdset
-}
-
-// newStagingFile creates an empty file in dir. QEMU's descriptor of it is
-// open with flag (os.O_WRONLY for QEMU's outgoing side, os.O_RDONLY for its
-// incoming side: QEMU's fdset matches the access mode). The file is
-// unlinked before this returns: it goes away with the last descriptor,
-// whatever happens. Defer release.
-func newStagingFile(dir string, flag int, mon Monitor) (*stagingFile, error) {
-	rw, err := os.CreateTemp(dir, ".vmsnap-state-*.tmp") // O_RDWR
-	if err != nil {
-		return nil, stagingError(dir, err, "creating the staging file")
-	}
-	name := rw.Name()
-	defer os.Remove(name)
-	qemu, err := os.OpenFile(name, flag, 0)
-	if err != nil {
-		rw.Close()
-		return nil, stagingError(dir, err, "opening the staging file")
-	}
-	if err := os.Remove(name); err != nil {
-		rw.Close()
-		qemu.Close()
-		return nil, stagingError(dir, err, "unlinking the staging file")
-	}
-	return &stagingFile{dir: dir, f: rw, qemu: qemu, mon: mon}, nil
-}
-
-// pass hands QEMU its descriptor in a new fdset (add-fd over SCM_RIGHTS):
-// "file:/dev/fdset/ID" (uri) then opens a duplicate of it.
-func (s *stagingFile) pass(ctx context.Context) error {
-	var r struct {
-		FDSetID int64 `json:"fdset-id"`
-	}
-	err := s.mon.ExecuteWithFile(ctx, "add-fd", map[string]any{"opaque": "vmsnap staging file"}, &r, s.qemu)
-	s.qemu.Close() // QEMU holds its own copy now
-	s.qemu = nil
-	if err != nil {
-		return errcode.Ensure(errcode.QMPError, err, "passing the staging file to QEMU")
-	}
-	s.fdset, s.held = r.FDSetID, true
-	return nil
-}
-
-func (s *stagingFile) uri() string { return "file:/dev/fdset/" + strconv.FormatInt(s.fdset, 10) }
-
-// free frees the file's space at once, once QEMU is done with it (or has
-// been stopped): truncating through our own descriptor frees the blocks
-// whatever descriptors QEMU still holds. QEMU 9.0 closes a removed fdset's
-// descriptors only while the VM runs, and remove-fd is best effort, so
-// without it a VM left stopped (pause mode, a failure, a paused restore)
-// would keep a file the size of its memory held.
-func (s *stagingFile) free() {
-	if s.f != nil {
-		_ = s.f.Truncate(0)
-	}
-}
-
-// dropFDSet drops QEMU's fdset (best effort, with its own budget: QEMU
-// only holds a file that is unlinked and, once freed, empty).
-func (s *stagingFile) dropFDSet(ctx context.Context) {
-	if !s.held {
-		return
-	}
-	s.held = false
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	_ = s.mon.Execute(cctx, "remove-fd", map[string]any{"fdset-id": s.fdset}, nil)
-}
-
-// release frees the file and closes our descriptors, then drops QEMU's
-// fdset. Call it once QEMU no longer uses the file; calling it again does
-// nothing.
-func (s *stagingFile) release(ctx context.Context) {
-	s.free()
-	if s.f != nil {
-		s.f.Close()
-		s.f = nil
-	}
-	if s.qemu != nil {
-		s.qemu.Close()
-		s.qemu = nil
-	}
-	s.dropFDSet(ctx)
-}
-
-// qemuFull is QEMU's failure to write the file for want of space (errno
-// ENOSPC or EDQUOT), as an error of ours that names it.
-func (s *stagingFile) qemuFull(errno syscall.Errno) error {
-	return stagingError(s.dir, &os.PathError{Op: "write", Path: s.f.Name(), Err: errno}, "QEMU writing the VM state")
-}
-
-// stagingError is INTERNAL and names the directory to change; a full disk
-// gets errcode.Wrap's advice (free space there).
-func stagingError(dir string, err error, what string) error {
-	return errcode.Wrap(errcode.Internal, err, "%s in the staging directory %s (pick another with %s)", what, dir, errcode.Field("stagingDir"))
-}
 
 // checkpointMappedRAM is Checkpoint's mapped-ram path: from Checkpoint,
 // which has checked the VM's run state (st), read its record into
@@ -285,23 +159,21 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	sub := mon.Subscribe()
 	defer sub.Close()
 
-	staging, err := newStagingFile(dir, os.O_WRONLY, mon)
-	if err != nil {
-		return nil, err
-	}
-	// On failure, once the guard has cancelled the migration: QEMU writes
-	// into the file no more.
-	g.onFinish(func() { staging.release(ctx) })
-	// From here on QEMU may write into the file, and it must not write
-	// more than the VM's memory explains: past that, the watch frees the
-	// file and cancels ctx with its error, which the checkpoint returns.
+	// From the file's creation on, it must not hold more than the VM's
+	// memory explains: past that, its guard empties it and cancels ctx
+	// with its error, which the checkpoint returns.
 	memory := res.Config.Record.MemoryBytes
 	ctx, abort := context.WithCancelCause(ctx)
 	defer abort(nil)
-	watch := staging.watch(memory, abort)
-	g.onFinish(watch.stop) // before the release
+	staging, err := newStagingFile(dir, os.O_WRONLY, mon, memory, abort)
+	if err != nil {
+		return nil, err
+	}
+	// On failure, once the guard has cancelled the migration: the file is
+	// emptied and kept so (the checkpoint fails anyway).
+	g.onFinish(func() { _ = staging.settle(ctx, true) })
 	defer func() {
-		if werr := watch.exceeded(); werr != nil {
+		if werr := staging.exceeded(); werr != nil {
 			err = werr
 		}
 	}()
@@ -331,7 +203,7 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 		}
 		res.Durations.Save = time.Since(saveStart)
 		var err error
-		size, allocated, err = checkExtent(staging.f, memory)
+		size, allocated, err = checkExtent(staging.file(), memory)
 		if errcode.Of(err) == errcode.QMPError {
 			return err
 		} else if err != nil {
@@ -343,16 +215,18 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 		return nil
 	}
 	// The state is in the file: the VM need not wait for the upload.
+	// QEMU 9.0 keeps its descriptor while the VM is stopped; any QEMU
+	// closes it at remove-fd while the VM runs.
+	mayKeep := keepsRemovedFDs(res.Config.Record.QEMUVersion) && !(opts.Mode == ModeSnapshot && wasRunning)
 	store := func(ctx context.Context) error {
-		// QEMU is done with the file. Dropped once the VM runs again, QEMU
-		// 9.0 closes its descriptor too.
+		// QEMU is done with the file.
 		staging.dropFDSet(ctx)
 		g.phase = "storing the VM state"
 		streamStart := time.Now()
 		so := opts.Stream
 		so.Fixed = true
 		var err error
-		res.Stream, err = chunk.EncodeStream(ctx, &sparseReader{f: staging.f, size: size}, repo, so)
+		res.Stream, err = chunk.EncodeStream(ctx, &sparseReader{f: staging.file(), size: size}, repo, so)
 		if err != nil {
 			return err
 		}
@@ -362,12 +236,11 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 		res.Durations.Stream = res.Durations.Save + time.Since(streamStart)
 		res.Config.RawBytes = size
 		res.Config.DataBytes = allocated
-		watch.stop()
-		if err = watch.exceeded(); err != nil {
+		if err = staging.exceeded(); err != nil {
 			return err
 		}
-		staging.release(ctx) // the staging space is free from here on
-		return nil
+		// Before the tag: a QEMU that still writes into the file fails it.
+		return staging.settle(ctx, mayKeep)
 	}
 	if err = stopAndSave(ctx, mon, g, repo, opts, res, start, save, store); err != nil {
 		return nil, err
@@ -512,22 +385,32 @@ func (w *sparseWriter) Write(p []byte) (int, error) {
 // restoreMappedRAM is Restore's mapped-ram path, from Restore, which has
 // loaded and checked the image and the target: it stages the verified file,
 // then has QEMU load it.
-func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository, layers []ocispec.Descriptor, opts RestoreOptions, res *RestoreResult, start time.Time) (*RestoreResult, error) {
+func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository, layers []ocispec.Descriptor, opts RestoreOptions, res *RestoreResult, start time.Time) (out *RestoreResult, err error) {
 	cfg := res.Config
 	dir := stagingDir(opts.StagingDir)
-	if free, err := freeSpace(dir); err != nil {
-		return nil, stagingError(dir, err, "checking the free space")
-	} else if need := cfg.DataBytes + stagingSlack; free < need {
-		return nil, errcode.New(errcode.Internal, "staging directory %s has %d MiB free, and this mapped-ram snapshot needs about %d MiB there: free space there or pick another directory with %s", dir, free>>20, need>>20, errcode.Field("stagingDir"))
-	}
-	staging, err := newStagingFile(dir, os.O_RDONLY, mon)
+	// The checkpoint's bound, whatever sizes the image declares: the VM's
+	// memory is the target's, which matches it (checkRestorable).
+	ctx, abort := context.WithCancelCause(ctx)
+	defer abort(nil)
+	staging, err := newStagingFile(dir, os.O_RDONLY, mon, cfg.Record.MemoryBytes, abort)
 	if err != nil {
 		return nil, err
 	}
-	// Last, so that QEMU 9.0 closes its descriptor: it does only while the
-	// VM runs, that is once finishRestore has continued it.
-	defer staging.release(ctx)
-	if err := staging.f.Truncate(cfg.RawBytes); err != nil {
+	defer func() {
+		// Last, so that QEMU 9.0 closes its descriptor: it does only while
+		// the VM runs, that is once finishRestore has continued it. QEMU
+		// reads the file: one that holds it open for writing now fails the
+		// restore; one that keeps reading it (9.0, paused) is let be.
+		serr := staging.settle(ctx, err != nil)
+		if werr := staging.exceeded(); werr != nil {
+			serr = werr
+		}
+		if err == nil && serr != nil {
+			out, err = nil, serr
+		}
+	}()
+	f := staging.file()
+	if err := f.Truncate(cfg.RawBytes); err != nil {
 		return nil, stagingError(dir, err, "sizing the staging file")
 	}
 	res.Durations.Prepare = time.Since(start)
@@ -535,12 +418,12 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	// Every chunk is verified before it is written, and QEMU sees the file
 	// only once all of them are: a bad chunk leaves the target untouched.
 	streamStart := time.Now()
-	n, err := chunk.DecodeStream(ctx, layers, repo, &sparseWriter{f: staging.f}, opts.Stream)
+	n, err := chunk.DecodeStream(ctx, layers, repo, &sparseWriter{f: f}, opts.Stream)
 	if err != nil {
 		// A failed write names the staging file; a failed read from the
 		// store is reported as it is.
 		var perr *os.PathError
-		if errors.As(err, &perr) && perr.Path == staging.f.Name() {
+		if errors.As(err, &perr) && perr.Path == f.Name() {
 			return nil, stagingError(dir, err, "writing the staging file")
 		}
 		return nil, err

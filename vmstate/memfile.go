@@ -5,13 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"os"
 	"path"
-	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/opencontainers/go-digest"
@@ -312,6 +309,13 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	} else if fi.Size() < be.Bytes {
 		return nil, errcode.New(errcode.InvalidInput, "the VM's RAM file %s holds %d bytes, less than its memory backend's %d", be.MemPath, fi.Size(), be.Bytes)
 	}
+	// What it stages (pages, device state) is bounded by the VM's memory:
+	// that room is reserved until the staging files are gone.
+	release, err := reserveStaging(stagingDir(opts.StagingDir), maxStateBytes(res.Config.Record.MemoryBytes), false)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	parent, why, err := findParent(ctx, repo, opts, be)
 	if err != nil {
 		return nil, err
@@ -567,7 +571,7 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 		return nil, err
 	}
 	// Best effort: without it, a restore reads the registry.
-	keepDeviceState(ctx, repo, desc, res.MemoryFile)
+	_ = opts.Cache.KeepState(ctx, ociimage.Pinned(repo, desc), desc)
 	if res.Evicted, err = opts.Cache.Evict(opts.MaxCacheBytes, desc.Digest); err != nil {
 		return nil, err
 	}
@@ -643,9 +647,12 @@ func mapsReadOnly(cfg Config) bool {
 func qemuOptEscape(s string) string { return strings.ReplaceAll(s, ",", ",,") }
 
 // checkMemoryFileTarget is checkRestorable's part for a memory-file
-// image: the target must map the file Prepare made for this image,
-// private, under the same backend ID, and have x-ignore-shared.
-func checkMemoryFileTarget(ctx context.Context, mon Executor, cfg Config, manifest digest.Digest, target Record) ([]string, error) {
+// image: the target must map a file named for this image, private unless
+// it is a VM's own copy, under the same backend ID, and have
+// x-ignore-shared. What QEMU reports is compared, never opened: prepared,
+// if set, is the file Prepare made in the caller's cache, and a target
+// that maps it shared (under any name: a link) is refused.
+func checkMemoryFileTarget(ctx context.Context, mon Executor, cfg Config, manifest digest.Digest, target Record, prepared *os.File) ([]string, error) {
 	var diffs []string
 	caps, err := migrationCapabilities(ctx, mon)
 	if err != nil {
@@ -663,80 +670,10 @@ func checkMemoryFileTarget(ctx context.Context, mon Executor, cfg Config, manife
 		diffs = append(diffs, fmt.Sprintf("memory backend: snapshot's RAM file is backend %s, the target's is %s", cfg.RAM.Backend, b.ID))
 	case ramfile.KeyOf(b.MemPath) != manifest:
 		diffs = append(diffs, fmt.Sprintf("memory backend: the target maps %s, not the RAM file of this image: %s", b.MemPath, want))
-	case b.Share && !ownCopy(b.MemPath):
+	case b.Share && !ramfile.IsOwnCopy(b.MemPath) || mapsShared(mon, prepared):
 		diffs = append(diffs, "memory backend: the target maps the cached RAM file shared (share=on), so the guest would write into the file every restore of this image uses: map it with share=off, or give the VM its own copy (vmsnap prepare --copy-to DIR)")
 	case b.Bytes != cfg.RAM.Bytes:
 		diffs = append(diffs, fmt.Sprintf("memory backend: snapshot's RAM file is %d bytes, target's backend %d", cfg.RAM.Bytes, b.Bytes))
 	}
 	return diffs, nil
-}
-
-// ownCopy says whether a target's shared RAM file is a VM's own copy
-// (prepare --copy-to): named as one and, where this process sees the path,
-// a regular file (no link) with one name (no hard link of a cache file).
-func ownCopy(memPath string) bool {
-	if !ramfile.IsOwnCopy(memPath) {
-		return false
-	}
-	fi, err := os.Lstat(memPath)
-	if errors.Is(err, fs.ErrNotExist) {
-		return true // in another mount namespace: by its name
-	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	return err == nil && fi.Mode().IsRegular() && ok && st.Nlink == 1
-}
-
-// keepDeviceState copies the image's manifest, config and device state
-// (every layer but the RAM file's: a few hundred KiB) into an OCI layout
-// beside its cache file (ramfile.StatePath), complete or absent, so that a
-// restore on this node reads nothing from the registry (localState). An
-// image whose copy would not keep its digest (a decrypted copy of an
-// encrypted image) is not kept: the restore then reads the registry. It
-// is an optimization: a failure only means that.
-func keepDeviceState(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor, ramFile string) error {
-	dir := ramfile.StatePath(ramFile)
-	if _, err := os.Lstat(dir); err == nil {
-		return nil
-	}
-	tmp, err := os.MkdirTemp(filepath.Dir(dir), "."+filepath.Base(dir)+".*")
-	if err != nil {
-		return errcode.Wrap(errcode.Internal, err, "RAM cache")
-	}
-	defer os.RemoveAll(tmp)
-	dst, err := ociimage.Open(ctx, ociimage.Reference{Layout: tmp})
-	if err != nil {
-		return err
-	}
-	copied, err := ociimage.CopyLayers(ctx, ociimage.Pinned(repo, desc), dst, 0, 4, func(l ocispec.Descriptor) bool { return !ramfile.IsRAMLayer(l) })
-	if err != nil {
-		return err
-	}
-	if copied.Digest != desc.Digest {
-		return nil
-	}
-	if err := os.Rename(tmp, dir); err != nil && !errors.Is(err, fs.ErrExist) && !errors.Is(err, syscall.ENOTEMPTY) {
-		return errcode.Wrap(errcode.Internal, err, "RAM cache")
-	}
-	return nil
-}
-
-// localState is where a restore reads a memory-file image from when the
-// waiting QEMU's RAM backend b maps a RAM file vmsnap prepared for it on
-// this node: the device state kept beside that file (keepDeviceState),
-// which holds every blob the restore needs, each verified by its digest as
-// it is read. Nil when there is none (the file is a VM's own copy, is not
-// visible from here, or was prepared for another image).
-func localState(b *RAMBackend, image digest.Digest) ociimage.Repository {
-	if image == "" || b == nil || b.Type != "memory-backend-file" || ramfile.KeyOf(b.MemPath) != image || !filepath.IsAbs(b.MemPath) {
-		return nil
-	}
-	dir := ramfile.StatePath(b.MemPath)
-	if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
-		return nil
-	}
-	repo, err := ociimage.Open(context.Background(), ociimage.Reference{Layout: dir, Digest: image})
-	if err != nil {
-		return nil
-	}
-	return repo
 }

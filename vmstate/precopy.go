@@ -601,13 +601,14 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f
 
 	// Bounds: the RAM file's pages are rewritten in place, so a QEMU that
 	// sends them again and again is cut off at three times the file plus
-	// the most state a VM of its size may have; the device state at that
-	// most (and 1 GiB).
+	// the most state a VM of its size may have. The staging files hold at
+	// most that state: the pages at their offsets in the shadow (the file's
+	// size at most), and the device state in what is left (and 1 GiB).
 	parse := func(_ context.Context, r io.Reader) error {
 		br := bufio.NewReaderSize(&boundedStream{r: r, left: 3*be.Bytes + maxStateBytes(be.Bytes), tooMuch: func() error {
 			return streamErr("QEMU sent more than a pre-copy of this VM may take")
 		}}, 1<<20)
-		bw := bufio.NewWriterSize(&limitedWriter{w: p.devices, left: min(maxPrecopyDevices, maxStateBytes(be.Bytes))}, 1<<20)
+		bw := bufio.NewWriterSize(&limitedWriter{w: p.devices, left: min(maxPrecopyDevices, maxStateBytes(be.Bytes)-be.Bytes)}, 1<<20)
 		err := readPrecopy(br, bw, be.ID, be.Bytes, addr, sh)
 		if err == nil {
 			// The devices, copied as they are, to the end.

@@ -84,31 +84,65 @@ func checkRAMFile(f *os.File, memPath string) error {
 // checkMappedByPeer requires f to be a file the QEMU behind the monitor
 // maps (its /proc/PID/maps lists f's device and inode).
 func checkMappedByPeer(p peer, f *os.File, memPath string) error {
+	m, pid, err := peerMapping(p, f)
+	switch {
+	case errors.Is(err, errNoPeer):
+		return errcode.New(errcode.Forbidden, "cannot tell which process is behind the monitor socket, so cannot confirm that %s is the RAM file QEMU maps: use %s stream", memPath, errcode.Field("format"))
+	case errors.Is(err, fs.ErrPermission):
+		return errcode.New(errcode.Forbidden, "cannot read QEMU's (pid %d) memory map to confirm that %s is its RAM file: run vmsnap as QEMU's user or root, or use %s stream", pid, memPath, errcode.Field("format"))
+	case err != nil:
+		return errcode.Wrap(errcode.QMPError, err, "reading QEMU's (pid %d) memory map", pid)
+	case !m.mapped:
+		return errcode.New(errcode.InvalidInput, "QEMU (pid %d) names %s as its RAM file but does not map it: refused", pid, memPath)
+	}
+	return nil
+}
+
+// mapsShared says whether the QEMU behind mon maps f (a file of vmsnap's)
+// shared, by f's device and inode, whatever name QEMU gave it; false when
+// it does not, or that cannot be told.
+func mapsShared(mon Executor, f *os.File) bool {
+	p, ok := mon.(peer)
+	if !ok || f == nil {
+		return false
+	}
+	m, _, err := peerMapping(p, f)
+	return err == nil && m.shared
+}
+
+var errNoPeer = errors.New("no process behind the monitor socket")
+
+// mapping is how a process maps a file: at all, and shared anywhere.
+type mapping struct{ mapped, shared bool }
+
+// peerMapping reads how the QEMU behind the monitor maps f (any
+// descriptor of it, O_PATH included) from its /proc/PID/maps: f's device
+// and inode, never a name.
+func peerMapping(p peer, f *os.File) (mapping, int, error) {
 	pid, err := p.PeerPID()
 	if err != nil || pid <= 0 {
-		return errcode.New(errcode.Forbidden, "cannot tell which process is behind the monitor socket, so cannot confirm that %s is the RAM file QEMU maps: use %s stream", memPath, errcode.Field("format"))
+		return mapping{}, pid, errNoPeer
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return errcode.Wrap(errcode.Internal, err, "reading the RAM file %s", memPath)
+		return mapping{}, pid, err
 	}
 	maps, err := os.Open("/proc/" + strconv.Itoa(pid) + "/maps")
 	if err != nil {
-		if errors.Is(err, fs.ErrPermission) {
-			return errcode.New(errcode.Forbidden, "cannot read QEMU's (pid %d) memory map to confirm that %s is its RAM file: run vmsnap as QEMU's user or root, or use %s stream", pid, memPath, errcode.Field("format"))
-		}
-		return errcode.Wrap(errcode.QMPError, err, "reading QEMU's (pid %d) memory map", pid)
+		return mapping{}, pid, err
 	}
 	defer maps.Close()
 	want := fmt.Sprintf("%02x:%02x %d", unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino)
+	var m mapping
 	sc := bufio.NewScanner(maps)
 	sc.Buffer(make([]byte, 64<<10), 64<<10)
 	for sc.Scan() {
 		// address perms offset dev inode path
 		fields := strings.Fields(sc.Text())
 		if len(fields) >= 5 && fields[3]+" "+fields[4] == want {
-			return nil
+			m.mapped = true
+			m.shared = m.shared || strings.HasSuffix(fields[1], "s")
 		}
 	}
-	return errcode.New(errcode.InvalidInput, "QEMU (pid %d) names %s as its RAM file but does not map it: refused", pid, memPath)
+	return m, pid, sc.Err()
 }

@@ -3,6 +3,7 @@ package vmstate
 import (
 	"context"
 	"fmt"
+	"os"
 
 	"github.com/opencontainers/go-digest"
 
@@ -13,11 +14,11 @@ import (
 // for a mapped-ram image, the target's mapped-ram capability, so that a
 // QEMU that cannot load the file is refused with every difference at once
 // and before anything is fed. A stream image costs no QMP command more.
-func checkRestorable(ctx context.Context, mon Executor, cfg Config, manifest digest.Digest, target Record) error {
+func checkRestorable(ctx context.Context, mon Executor, cfg Config, manifest digest.Digest, target Record, prepared *os.File) error {
 	diffs := Compare(cfg.Record, target)
 	format := ""
 	if cfg.Format == FormatMemoryFile {
-		more, err := checkMemoryFileTarget(ctx, mon, cfg, manifest, target)
+		more, err := checkMemoryFileTarget(ctx, mon, cfg, manifest, target, prepared)
 		if err != nil {
 			return err
 		}

@@ -11,6 +11,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
+	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
 // RestoreOptions tunes Restore.
@@ -22,6 +23,13 @@ type RestoreOptions struct {
 	// StagingDir is where a mapped-ram image is staged, verified, before
 	// QEMU loads it (default $TMPDIR).
 	StagingDir string
+	// Cache is the RAM cache of the restore's caller (the CLI's
+	// --cache-dir, the agent's cache of the VM's namespace), where Prepare
+	// put memory-file images: an image prepared there from the same
+	// repository is read from the device state kept beside its file, and
+	// the target must not map that file shared. Nothing else on the node
+	// is read for a restore, least of all a path QEMU names.
+	Cache *ramfile.Cache
 }
 
 // RestoreDurations are a restore's phases.
@@ -98,10 +106,11 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	if err != nil {
 		return nil, errcode.Ensure(errcode.QMPError, err, "reading the waiting QEMU's compatibility record")
 	}
-	// A QEMU mapping the RAM file prepared for this image on this node:
-	// its device state was kept beside it, and nothing comes from the
-	// store.
-	if local := localState(target.RAM, repo.Reference().Digest); local != nil {
+	cache := holdCache(opts.Cache)
+	defer cache.Close()
+	// An image prepared on this node, from this very repository: its
+	// device state was kept in the cache, and nothing comes from the store.
+	if local := cache.State(repo.Reference().Digest, repo.Reference()); local != nil {
 		repo, res.FromNode = local, true
 	}
 	var m ocispec.Manifest
@@ -109,7 +118,11 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	if err != nil {
 		return nil, err
 	}
-	if err := checkRestorable(ctx, mon, res.Config, res.Manifest.Digest, target); err != nil {
+	var prepared *os.File
+	if res.Config.RAM != nil {
+		prepared = cache.File(res.Manifest.Digest, res.Config.RAM.Bytes)
+	}
+	if err := checkRestorable(ctx, mon, res.Config, res.Manifest.Digest, target, prepared); err != nil {
 		return nil, err
 	}
 	if res.Config.Format == FormatMappedRAM {
@@ -175,6 +188,20 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	}
 	res.Durations.Stream = time.Since(streamStart)
 	return finishRestore(ctx, mon, opts, res, start)
+}
+
+// holdCache opens a restore's cache for lookups. A cache that cannot be
+// trusted (another user's, writable by others) is not read at all: the
+// image then comes from the store, as if the cache did not have it.
+func holdCache(c *ramfile.Cache) *ramfile.Held {
+	if c == nil {
+		return nil
+	}
+	h, err := c.Hold()
+	if err != nil {
+		return nil
+	}
+	return h
 }
 
 // finishRestore sets a loaded VM's run state (continued, or stopped if

@@ -107,6 +107,14 @@ func WritePrepared(dir string, res *api.PrepareResult) error {
 	return nil
 }
 
+// Prepared is what `vmsnap prepare --state-dir` recorded for the image
+// staged in a directory, checked (PreparedArgs).
+type Prepared struct {
+	Digest     digest.Digest
+	QEMUArgs   []string // what maps the RAM file
+	MemoryFile string   // the RAM file, as QEMU sees it
+}
+
 // PreparedArgs returns the QEMU arguments that map the RAM file of the
 // memory-file image staged in dir, from what `vmsnap prepare --state-dir`
 // recorded there. What was recorded must be for the staged image (same
@@ -114,46 +122,46 @@ func WritePrepared(dir string, res *api.PrepareResult) error {
 // its arguments must be exactly those vmsnap derives from the staged
 // image's config for that file: the file is in a pod's volume, and what
 // it says becomes QEMU's command line.
-func PreparedArgs(ctx context.Context, dir string) (digest.Digest, []string, error) {
+func PreparedArgs(ctx context.Context, dir string) (Prepared, error) {
 	d, cfg, err := StagedConfig(ctx, dir)
 	if err != nil {
-		return "", nil, err
+		return Prepared{}, err
 	}
 	if cfg.Format != vmstate.FormatMemoryFile {
-		return "", nil, errcode.New(errcode.Usage, "the snapshot staged in %s is in the %s format, which needs no prepare", dir, cfg.Format)
+		return Prepared{}, errcode.New(errcode.Usage, "the snapshot staged in %s is in the %s format, which needs no prepare", dir, cfg.Format)
 	}
 	p := filepath.Join(dir, PreparedFile)
 	f, err := os.Open(p)
 	if err != nil {
-		return "", nil, errcode.Wrap(errcode.Usage, err,
+		return Prepared{}, errcode.Wrap(errcode.Usage, err,
 			"the snapshot staged in %s (%s) is in the memory-file format: its RAM file must be prepared first, with vmsnap prepare %s --cache-dir RAM_DIR --state-dir %s (an init container after the restore's)", dir, d, d, dir)
 	}
 	defer f.Close()
 	b, err := io.ReadAll(io.LimitReader(f, maxPreparedFile+1))
 	if err != nil || len(b) > maxPreparedFile {
-		return "", nil, errcode.New(errcode.InvalidInput, "%s: unreadable or over %d bytes (%v)", p, maxPreparedFile, err)
+		return Prepared{}, errcode.New(errcode.InvalidInput, "%s: unreadable or over %d bytes (%v)", p, maxPreparedFile, err)
 	}
 	var res api.PrepareResult
 	if err := json.Unmarshal(b, &res); err != nil {
-		return "", nil, errcode.Wrap(errcode.InvalidInput, err, "%s is not a prepare result", p)
+		return Prepared{}, errcode.Wrap(errcode.InvalidInput, err, "%s is not a prepare result", p)
 	}
 	if res.Digest != d.String() {
-		return "", nil, errcode.New(errcode.InvalidInput, "%s is for snapshot %s, but %s is staged: run vmsnap prepare for the staged snapshot", p, clipped(res.Digest), d)
+		return Prepared{}, errcode.New(errcode.InvalidInput, "%s is for snapshot %s, but %s is staged: run vmsnap prepare for the staged snapshot", p, clipped(res.Digest), d)
 	}
 	if ramfile.KeyOf(res.MemoryFile) != d || !filepath.IsAbs(res.MemoryFile) || filepath.Clean(res.MemoryFile) != res.MemoryFile {
-		return "", nil, errcode.New(errcode.InvalidInput, "%s names the RAM file %q, which is not the file prepared for %s", p, clipped(res.MemoryFile), d)
+		return Prepared{}, errcode.New(errcode.InvalidInput, "%s names the RAM file %q, which is not the file prepared for %s", p, clipped(res.MemoryFile), d)
 	}
 	// A VM's own copy (prepare --copy-to) is mapped shared, a cache file
 	// private: the name says which, and the arguments must agree.
 	want := vmstate.QEMUArgs(cfg, res.MemoryFile, ramfile.IsOwnCopy(res.MemoryFile))
 	if !slices.Equal(res.QEMUArgs, want) {
-		return "", nil, errcode.New(errcode.InvalidInput, "%s has QEMU arguments %q, not those of the staged snapshot's RAM file (%q): run vmsnap prepare again", p, res.QEMUArgs, want)
+		return Prepared{}, errcode.New(errcode.InvalidInput, "%s has QEMU arguments %q, not those of the staged snapshot's RAM file (%q): run vmsnap prepare again", p, res.QEMUArgs, want)
 	}
 	fi, err := os.Stat(res.MemoryFile)
 	if err != nil || !fi.Mode().IsRegular() || fi.Size() != cfg.RAM.Bytes {
-		return "", nil, errcode.New(errcode.InvalidInput, "the prepared RAM file %s is not there as a file of %d bytes (%v): is its volume mounted at the same path in this container, and was it emptied (a node reboot empties medium: Memory)?", res.MemoryFile, cfg.RAM.Bytes, err)
+		return Prepared{}, errcode.New(errcode.InvalidInput, "the prepared RAM file %s is not there as a file of %d bytes (%v): is its volume mounted at the same path in this container, and was it emptied (a node reboot empties medium: Memory)?", res.MemoryFile, cfg.RAM.Bytes, err)
 	}
-	return d, want, nil
+	return Prepared{Digest: d, QEMUArgs: want, MemoryFile: res.MemoryFile}, nil
 }
 
 func clipped(s string) string {

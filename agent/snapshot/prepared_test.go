@@ -63,7 +63,7 @@ func TestStageAndPreparedArgsMemoryFile(t *testing.T) {
 		t.Errorf("the staged layout holds %d bytes: RAM regions were staged", blobBytes)
 	}
 	// Without a prepare, launch is told what to run.
-	if _, _, err := PreparedArgs(ctx, dir); errcode.Of(err) != errcode.Usage || !strings.Contains(err.Error(), "vmsnap prepare") {
+	if _, err := PreparedArgs(ctx, dir); errcode.Of(err) != errcode.Usage || !strings.Contains(err.Error(), "vmsnap prepare") {
 		t.Fatalf("no prepare: %v", err)
 	}
 	res, err := Prepare(ctx, PrepareSpec{Image: cp.VMState.Image, CacheDir: filepath.Join(t.TempDir(), "ram")})
@@ -73,7 +73,8 @@ func TestStageAndPreparedArgsMemoryFile(t *testing.T) {
 	if err := WritePrepared(dir, res); err != nil {
 		t.Fatal(err)
 	}
-	d, args, err := PreparedArgs(ctx, dir)
+	prepared, err := PreparedArgs(ctx, dir)
+	d, args := prepared.Digest, prepared.QEMUArgs
 	if err != nil || d.String() != cp.VMState.Digest || strings.Join(args, " ") != strings.Join(res.QEMUArgs, " ") {
 		t.Fatalf("PreparedArgs: %s %q %v; want %s %q", d, args, err, cp.VMState.Digest, res.QEMUArgs)
 	}
@@ -105,20 +106,21 @@ func TestStageAndPreparedArgsMemoryFile(t *testing.T) {
 		r.QEMUArgs = append([]string(nil), res.QEMUArgs...)
 		mut(&r)
 		write(r)
-		if _, args, err := PreparedArgs(ctx, dir); errcode.Of(err) != errcode.InvalidInput {
+		if prepared, err := PreparedArgs(ctx, dir); errcode.Of(err) != errcode.InvalidInput {
+			args := prepared.QEMUArgs
 			t.Errorf("%s: %q, %v; want INVALID_INPUT", name, args, err)
 		}
 	}
 	if err := os.WriteFile(filepath.Join(dir, PreparedFile), make([]byte, 1<<20), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := PreparedArgs(ctx, dir); errcode.Of(err) != errcode.InvalidInput {
+	if _, err := PreparedArgs(ctx, dir); errcode.Of(err) != errcode.InvalidInput {
 		t.Errorf("a 1 MiB record: %v, want INVALID_INPUT", err)
 	}
 	// The file itself gone (a node reboot empties medium: Memory).
 	write(*res)
 	os.Remove(res.MemoryFile)
-	if _, _, err := PreparedArgs(ctx, dir); errcode.Of(err) != errcode.InvalidInput || !strings.Contains(err.Error(), "not there") {
+	if _, err := PreparedArgs(ctx, dir); errcode.Of(err) != errcode.InvalidInput || !strings.Contains(err.Error(), "not there") {
 		t.Errorf("the RAM file removed: %v", err)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
+	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
 // RestoreSpec is a restore of VM state into a QEMU waiting with -incoming defer.
@@ -28,6 +29,12 @@ type RestoreSpec struct {
 	Progress Progress
 	// StagingDir is where a mapped-ram image is staged (default $TMPDIR).
 	StagingDir string
+	// CacheDir is the RAM cache where the caller prepared memory-file
+	// images (PrepareSpec.CacheDir), looked up by the image's digest
+	// (vmstate.RestoreOptions.Cache); "" for none. PrivateParent as
+	// PrepareSpec's.
+	CacheDir      string
+	PrivateParent bool
 }
 
 // RestoreState loads a VM state image into a waiting QEMU.
@@ -53,7 +60,11 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 		return nil, err
 	}
 	defer mon.Close()
-	res, err := vmstate.Restore(ctx, mon, repo, vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream), StagingDir: s.StagingDir})
+	opts := vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream), StagingDir: s.StagingDir}
+	if s.CacheDir != "" {
+		opts.Cache = &ramfile.Cache{Dir: s.CacheDir, PrivateParent: s.PrivateParent}
+	}
+	res, err := vmstate.Restore(ctx, mon, repo, opts)
 	if err != nil {
 		return nil, err
 	}

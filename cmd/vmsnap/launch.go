@@ -214,11 +214,11 @@ func (f launchFlags) plan(ctx context.Context) (name, what string, incoming, loa
 		return "", "", nil, nil, errcode.Wrap(errcode.Internal, err, "finding the vmsnap binary for QEMU's exec: command")
 	}
 	if cfg.Format == vmstate.FormatMemoryFile {
-		_, ramArgs, err := snapshot.PreparedArgs(ctx, f.stateDir)
+		prepared, err := snapshot.PreparedArgs(ctx, f.stateDir)
 		if err != nil {
 			return "", "", nil, nil, err
 		}
-		incoming = append(append([]string(nil), ramArgs...), "-incoming", "defer")
+		incoming = append(append([]string(nil), prepared.QEMUArgs...), "-incoming", "defer")
 		return markerName("loaded", d), "the memory-file snapshot " + d.String() + " staged in " + f.stateDir + " (its RAM file prepared)",
 			incoming, []string{self, "load", "--dir", f.stateDir, "--qmp", f.qmp}, nil
 	}

@@ -46,9 +46,11 @@ memory-backend-file) on this node:
         "memory-backend=ram0"], "memoryFile": PATH, "fetchedBytes": N, ...}
   2. start the target QEMU with its usual arguments, then qemuArgs, then
      -incoming defer;
-  3. vmsnap restore --qmp SOCK --image REF@sha256:...
+  3. vmsnap restore --qmp SOCK --image REF@sha256:... [--cache-dir DIR]
      loads the device state (milliseconds, whatever the guest's size) and the
      guest runs, its pages faulting in from the file as it touches them.
+     With the cache prepare filled, and the same repository, the device state
+     prepare kept there is read, not the store.
 
 QEMU maps the file private (share=off): the guest's writes stay in the VM and
 the file is never changed, so several VMs restored from one snapshot on one

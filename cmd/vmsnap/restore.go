@@ -16,7 +16,7 @@ import (
 
 type restoreFlags struct {
 	qmp, image, disk, diskImage, toDir string
-	stagingDir, markerDir              string
+	stagingDir, markerDir, cacheDir    string
 	paused, allowTag                   bool
 	maxBytes                           int64
 	timeout                            time.Duration
@@ -85,6 +85,7 @@ checkpoint (--registry-config, --ca-file, --insecure-registry).`,
 	c.Flags().Int64Var(&f.maxBytes, "max-bytes", 0, "with --to-dir: refuse an image larger than this many bytes (0: no limit)")
 	c.Flags().BoolVar(&f.paused, "paused", false, "leave the VM stopped once loaded (start QEMU with -S so it never runs)")
 	c.Flags().StringVar(&f.stagingDir, "staging-dir", "", "with --qmp: where a mapped-ram snapshot is staged, verified, for QEMU to load (default $TMPDIR)")
+	c.Flags().StringVar(&f.cacheDir, "cache-dir", snapshot.DefaultCacheDir(), "with --qmp: the RAM cache vmsnap prepare filled; a memory-file snapshot prepared there from the same repository is read from it, not from the store")
 	c.Flags().StringVar(&f.markerDir, "marker-dir", "", "restore once per pod: skip (and say so) when this directory holds the marker of an earlier successful run of the same restore; write it on success")
 	c.Flags().BoolVar(&f.allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up after this long")
@@ -124,6 +125,8 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		return errcode.New(errcode.Usage, "--marker-dir goes with a restore before QEMU starts (--disk-image, --to-dir); vmsnap launch marks the load")
 	case f.markerDir != "" && f.allowTag:
 		return errcode.New(errcode.Usage, "--marker-dir keys its marker by the images' digests: give REF@sha256:... references, without --allow-tag")
+	case f.cacheDir != snapshot.DefaultCacheDir() && (f.qmp == "" || f.agent.address != ""):
+		return errcode.New(errcode.Usage, "--cache-dir is where a local restore into a waiting QEMU (--qmp) finds what vmsnap prepare made; through --agent, the agent uses its cache of the VM's namespace")
 	case f.stagingDir != "" && (f.qmp == "" || f.agent.address != ""):
 		return errcode.New(errcode.Usage, "--staging-dir is where a local restore into a waiting QEMU (--qmp) stages a mapped-ram snapshot")
 	}
@@ -176,7 +179,7 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 	if f.qmp != "" {
 		r, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{
 			QMPPath: f.qmp, Image: f.image, AllowTag: f.allowTag, Paused: f.paused,
-			Stream: f.stream.options(), Store: store, Progress: p.update, StagingDir: f.stagingDir,
+			Stream: f.stream.options(), Store: store, Progress: p.update, StagingDir: f.stagingDir, CacheDir: f.cacheDir,
 		})
 		if err != nil {
 			return err

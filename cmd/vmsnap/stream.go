@@ -190,10 +190,11 @@ func newLoadCmd() *cobra.Command {
 }
 
 func runLoad(ctx context.Context, log io.Writer, dir, qmpPath string, f streamFlags) error {
-	d, _, err := snapshot.PreparedArgs(ctx, dir)
+	prepared, err := snapshot.PreparedArgs(ctx, dir)
 	if err != nil {
 		return err
 	}
+	d := prepared.Digest
 	// QEMU is starting: wait for its monitor, then leave it to the restore.
 	mon, err := dialRetry(ctx, qmpPath)
 	if err != nil {
@@ -204,7 +205,10 @@ func runLoad(ctx context.Context, log io.Writer, dir, qmpPath string, f streamFl
 	if err != nil {
 		return errcode.Wrap(errcode.Usage, err, "%s", dir)
 	}
-	res, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{QMPPath: qmpPath, Image: "oci:" + abs + "@" + d.String(), Stream: f.options()})
+	// The RAM cache is the pod's own volume, where prepare put the file
+	// QEMU must map private.
+	res, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{QMPPath: qmpPath, Image: "oci:" + abs + "@" + d.String(), Stream: f.options(),
+		CacheDir: filepath.Dir(prepared.MemoryFile), PrivateParent: true})
 	if err != nil {
 		return err
 	}

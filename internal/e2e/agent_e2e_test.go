@@ -152,6 +152,7 @@ type podOptions struct {
 	// /overlay.qcow2. Unless the image has it already, a new overlay and
 	// its base are created there. testguest.Options.Disk must be empty.
 	layerDisk string
+	namespace string // the pod's ("default" if empty)
 }
 
 // qmpInPod is the guest's QMP socket as the container sees it.
@@ -180,7 +181,7 @@ func startPodVM(t *testing.T, ctrd *testcontainerd.Daemon, opts testguest.Option
 		opts.Dir = testguest.FreeShortDir(t)
 	}
 	uid := testcontainerd.NewPodUID()
-	c := ctrd.Create(t, testcontainerd.PodContainer{PodUID: uid, Name: "qemu", HostDir: opts.Dir, Image: pod.image})
+	c := ctrd.Create(t, testcontainerd.PodContainer{PodUID: uid, PodNamespace: pod.namespace, Name: "qemu", HostDir: opts.Dir, Image: pod.image})
 	p := &podVM{uid: uid, container: c, dir: opts.Dir, monitor: filepath.Join(opts.Dir, "test-mon.sock")}
 	if pod.layerDisk != "" {
 		if opts.Disk != "" || filepath.Base(pod.layerDisk) != "overlay.qcow2" {

@@ -286,7 +286,7 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 		r.rssPrepare, r.coldFetched = max(r.rssPrepare, rss), p.FetchedBytes
 		t = bb.mfTarget(g, p.QEMUArgs)
 		rs = api.RestoreResult{}
-		tm = bb.runCLI(t, &rs, "restore", "--qmp", t.QMPPath(), "--image", im.file)
+		tm = bb.runCLI(t, &rs, "restore", "--qmp", t.QMPPath(), "--image", im.file, "--cache-dir", cache)
 		bb.mfResumed(t, im.at, rs)
 		r.coldPrepare, r.coldRestore = append(r.coldPrepare, pd), append(r.coldRestore, tm.d)
 		t.Kill()
@@ -302,7 +302,7 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 			}
 			t = bb.mfTarget(g, p2.QEMUArgs)
 			rs = api.RestoreResult{}
-			tm = bb.runCLI(t, &rs, "restore", "--qmp", t.QMPPath(), "--image", im.file)
+			tm = bb.runCLI(t, &rs, "restore", "--qmp", t.QMPPath(), "--image", im.file, "--cache-dir", cache)
 			bb.mfResumed(t, im.at, rs)
 			r.warmPrepare, r.warmPrepareMs = append(r.warmPrepare, ptm.d), append(r.warmPrepareMs, p2.DurationsMs["total"])
 			r.warmRestore, r.warmRestoreMs = append(r.warmRestore, tm.d), append(r.warmRestoreMs, rs.VMState.DurationsMs["total"])
@@ -401,7 +401,7 @@ func (bb *bench) memoryFileChain(g *mfGuest, r *mfSize) {
 		bb.runCLI(src, &rd, "restore", "--disk-image", last.Disk.Image, "--disk", disk)
 		t := bb.mfTargetDisk(g, p.QEMUArgs, disk)
 		var rs api.RestoreResult
-		tm := bb.runCLI(t, &rs, "restore", "--qmp", t.QMPPath(), "--image", last.VMState.Image)
+		tm := bb.runCLI(t, &rs, "restore", "--qmp", t.QMPPath(), "--image", last.VMState.Image, "--cache-dir", cache)
 		if rs.VMState == nil || !rs.VMState.VMRunning {
 			// Pause mode: the source was stopped, so is the restored VM.
 			qmpOnce(b, t.QMPPath(), "cont", nil)

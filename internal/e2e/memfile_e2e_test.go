@@ -168,9 +168,9 @@ func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
 		disk := restoreDisk(t, cp3, tdir, fmt.Sprintf("clone%d.qcow2", i))
 		args := append([]string(nil), p1.QEMUArgs...)
 		vm := testguest.Start(t, testguest.Options{Dir: tdir, Incoming: true, Disk: disk, ExtraArgs: args})
-		rs := cliJSON[api.RestoreResult](t, "restore", "--qmp", vm.QMPPath(), "--image", cp3.VMState.Image)
+		rs := cliJSON[api.RestoreResult](t, "restore", "--qmp", vm.QMPPath(), "--image", cp3.VMState.Image, "--cache-dir", cache)
 		if rs.VMState == nil || !rs.VMState.VMRunning || !rs.VMState.FromNode {
-			t.Fatalf("clone %d: %+v (want the state read from the node, beside the prepared file)", i, rs.VMState)
+			t.Fatalf("clone %d: %+v (want the state read from the node, from the cache prepare filled)", i, rs.VMState)
 		}
 		t.Logf("clone %d: restore %.0f ms", i, rs.VMState.DurationsMs["total"])
 		clones = append(clones, vm)

@@ -45,9 +45,10 @@ func TestMemoryFileE2EPrecopySnapshotsRestoreExactly(t *testing.T) {
 		if err != nil {
 			t.Fatalf("the source does not run on after checkpoint %d: %v", i, err)
 		}
-		p := cliJSON[api.PrepareResult](t, "prepare", cp.VMState.Image, "--cache-dir", filepath.Join(shm, "cache"))
+		cache := filepath.Join(shm, "cache")
+		p := cliJSON[api.PrepareResult](t, "prepare", cp.VMState.Image, "--cache-dir", cache)
 		target := testguest.Start(t, opts(testguest.Options{Dir: targetDir(t, dir), Incoming: true, Disk: testguest.NewDisk(t, testguest.FreeShortDir(t)), ExtraArgs: p.QEMUArgs}))
-		cliJSON[api.RestoreResult](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image)
+		cliJSON[api.RestoreResult](t, "restore", "--qmp", target.QMPPath(), "--image", cp.VMState.Image, "--cache-dir", cache)
 		first, err := target.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true })
 		if err != nil || first.Boot != boot.Boot || first.Counter <= last.Counter || first.Counter > after.Counter {
 			t.Fatalf("checkpoint %d restored: %+v, %v (source: before %d, after %d)\n%s", i, first, err, last.Counter, after.Counter, target.SerialTail(20))

@@ -45,17 +45,24 @@ type fileMigration struct {
 	// state and then extend the file to this size (a hole) before it
 	// reports completion.
 	LieSparseSize int64
-	errorDesc     string     // of the last failed file migration
-	holdFDs       bool       // HoldRemovedFDs
-	held          []*os.File // removed from their fdsets, still open
+	// UpgradeHeld makes HoldRemovedFDs keep, instead of a removed
+	// descriptor, one reopened for writing (through /proc/self/fd), as a
+	// QEMU under someone else's control and allowed to could.
+	UpgradeHeld bool
+	errorDesc   string     // of the last failed file migration
+	holdFDs     bool       // HoldRemovedFDs
+	held        []*os.File // removed from their fdsets, still open
 }
 
 // EnableMappedRAM makes the fake offer the mapped-ram and multifd
 // migration capabilities (off) and the multifd-channels parameter (2), as
-// QEMU 9.0 and later do.
+// QEMU 9.0 and later do, and be QEMU 9.0 if it was older.
 func (f *FakeQEMU) EnableMappedRAM() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.Version[0] < 9 {
+		f.Version = [3]int{9, 0, 0}
+	}
 	f.Caps["mapped-ram"] = false
 	f.Caps["multifd"] = false
 	f.MultifdChannels = 2
@@ -85,6 +92,37 @@ func (f *FakeQEMU) HoldRemovedFDs(t testing.TB) {
 		}
 		f.held = nil
 	})
+}
+
+// WriteHeld writes n bytes of data at the end of each file removed from
+// its fdset that HoldRemovedFDs kept open, as a QEMU that keeps writing
+// after its operation ended.
+func (f *FakeQEMU) WriteHeld(n int64) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	block := bytes.Repeat([]byte{0x5a}, 1<<20)
+	for _, h := range f.held {
+		fi, err := h.Stat()
+		if err != nil {
+			return err
+		}
+		for off := int64(0); off < n; off += int64(len(block)) {
+			if _, err := h.WriteAt(block[:min(int64(len(block)), n-off)], fi.Size()+off); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// CloseHeld closes the files HoldRemovedFDs kept open: QEMU lets go.
+func (f *FakeQEMU) CloseHeld() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, h := range f.held {
+		h.Close()
+	}
+	f.held = nil
 }
 
 // HeldFile is a file QEMU still holds open.
@@ -139,6 +177,12 @@ func (f *FakeQEMU) handleFile(cmd Command, files []*os.File) (any, *qmp.Error, b
 		file, ok := f.fdsets[a.ID]
 		if !ok {
 			return nil, gerr("File descriptor named 'fdset-id:" + strconv.FormatInt(a.ID, 10) + "' not found"), true
+		}
+		if f.holdFDs && f.UpgradeHeld {
+			if w, err := os.OpenFile("/proc/self/fd/"+strconv.Itoa(int(file.Fd())), os.O_WRONLY, 0); err == nil {
+				file.Close()
+				file = w
+			}
 		}
 		if f.holdFDs {
 			f.held = append(f.held, file)

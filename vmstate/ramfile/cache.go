@@ -54,13 +54,6 @@ func (c Cache) Path(key digest.Digest) string {
 	return filepath.Join(c.Dir, key.Algorithm().String()+"-"+key.Encoded()+suffix)
 }
 
-// StatePath is, beside a cache file (or any file named for key), the OCI
-// layout that holds the image's manifest, config and device state: what a
-// restore of that image reads instead of the registry.
-func StatePath(ramFile string) string {
-	return strings.TrimSuffix(ramFile, suffix) + ".state"
-}
-
 // KeyOf is the manifest digest a RAM file's name carries, or "" if the
 // name is not one of vmsnap's: sha256-HEX.ram (a cache file) or
 // NAME.sha256-HEX.ram (a VM's own copy, CopyFor).
@@ -146,7 +139,12 @@ func (c Cache) CopyFor(key digest.Digest, size int64, dir string) (string, error
 // root's and sticky (/dev/shm, /tmp), where others cannot rename what is
 // ours. Otherwise someone else could swap the cache, or a directory above
 // it, for one holding files of theirs, which would become a VM's memory.
-func (c Cache) open() error {
+func (c Cache) open() error { return c.walk(true) }
+
+// walk checks the cache directory and those above it by open's rules,
+// creating what is missing if create is set; otherwise a missing one is
+// an error that wraps fs.ErrNotExist.
+func (c Cache) walk(create bool) error {
 	if c.Dir == "" {
 		return errcode.New(errcode.Usage, "no cache directory: set %s", errcode.Field("cacheDir"))
 	}
@@ -158,6 +156,9 @@ func (c Cache) open() error {
 	// before creating inside it.
 	for _, d := range ancestors(dir) {
 		fi, err := os.Lstat(d)
+		if errors.Is(err, fs.ErrNotExist) && !create {
+			return err
+		}
 		if errors.Is(err, fs.ErrNotExist) {
 			if err := os.Mkdir(d, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 				return errcode.Wrap(errcode.Internal, err, "creating the RAM cache %s", d)
@@ -361,7 +362,7 @@ func (c Cache) Evict(maxBytes int64, keep digest.Digest) ([]Entry, error) {
 			return removed, errcode.Wrap(errcode.Internal, err, "evicting %s from the RAM cache", e.Path)
 		}
 		os.Remove(e.Path + ".lock")
-		os.RemoveAll(StatePath(e.Path))
+		os.RemoveAll(filepath.Join(c.Dir, stateName(e.Key)))
 		total -= e.Bytes
 		removed = append(removed, e)
 	}

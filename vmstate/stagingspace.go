@@ -1,0 +1,137 @@
+package vmstate
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
+
+// Staging space is planned with one bound per operation: maxStateBytes of
+// the VM's memory, the most any staging file of that VM may hold (a
+// mapped-ram file, or a memory-file capture's pages and device state). The
+// free-space check and the watch on a file QEMU writes use that same
+// bound. A check alone is not enough where one process runs several
+// operations at once (the agent): each reserves its bound on the staging
+// filesystem until its files are gone, and the next is checked against
+// what is free and not reserved.
+
+// maxKeptStaging is how many staging files this process keeps watching
+// after their operations ended because a QEMU did not close its
+// descriptor: past it, no staging file is made (auto takes the stream).
+const maxKeptStaging = 64
+
+var stagingSpace struct {
+	sync.Mutex
+	reserved map[[2]int32]int64 // by filesystem
+	kept     int                // stagingFile.settle
+}
+
+// freeSpace is what an unprivileged user may still allocate in dir (a
+// variable for tests).
+var freeSpace = func(dir string) (int64, error) {
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil {
+		return 0, err
+	}
+	return int64(st.Bavail) * st.Bsize, nil
+}
+
+// stagingRoom is nil if dir can take need bytes besides what the other
+// operations of this process reserved on its filesystem. For a file QEMU
+// gets a descriptor of (forQEMU), the filesystem must also have file
+// leases (stagingFile.holders), and fewer than maxKeptStaging such files
+// may be kept after their operations.
+func stagingRoom(dir string, need int64, forQEMU bool) error {
+	stagingSpace.Lock()
+	defer stagingSpace.Unlock()
+	_, err := checkRoom(dir, need, forQEMU)
+	return err
+}
+
+// reserveStaging is stagingRoom, and reserves need bytes there until
+// release is called (once; more calls do nothing).
+func reserveStaging(dir string, need int64, forQEMU bool) (release func(), err error) {
+	stagingSpace.Lock()
+	defer stagingSpace.Unlock()
+	fs, err := checkRoom(dir, need, forQEMU)
+	if err != nil {
+		return nil, err
+	}
+	if stagingSpace.reserved == nil {
+		stagingSpace.reserved = map[[2]int32]int64{}
+	}
+	stagingSpace.reserved[fs] += need
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			stagingSpace.Lock()
+			defer stagingSpace.Unlock()
+			if stagingSpace.reserved[fs] -= need; stagingSpace.reserved[fs] <= 0 {
+				delete(stagingSpace.reserved, fs)
+			}
+		})
+	}, nil
+}
+
+// checkRoom is stagingRoom's check, and the filesystem's id. The caller
+// holds stagingSpace's lock.
+func checkRoom(dir string, need int64, forQEMU bool) ([2]int32, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return [2]int32{}, stagingError(dir, err, "checking the free space")
+	}
+	if err := unix.Access(dir, unix.W_OK|unix.X_OK); err != nil {
+		// A read-only root (the agent's container) has no room at all.
+		return [2]int32{}, stagingError(dir, err, "checking the staging directory")
+	}
+	if forQEMU {
+		if err := probeLeases(dir); err != nil {
+			return [2]int32{}, err
+		}
+	}
+	if forQEMU && stagingSpace.kept >= maxKeptStaging {
+		return [2]int32{}, errcode.New(errcode.Internal, "%d staging files are still held by QEMUs that did not close them when their operations ended (vmsnap keeps them empty until they do): no more are made until then", stagingSpace.kept)
+	}
+	fs := [2]int32(st.Fsid.Val)
+	free, err := freeSpace(dir)
+	if err != nil {
+		return fs, stagingError(dir, err, "checking the free space")
+	}
+	if reserved := stagingSpace.reserved[fs]; free-reserved < need {
+		return fs, errcode.New(errcode.Internal, "staging directory %s has %d MiB free (%d MiB of it for other operations under way), and this operation may need up to %d MiB there: free space there or pick another directory with %s",
+			dir, free>>20, reserved>>20, need>>20, errcode.Field("stagingDir"))
+	}
+	return fs, nil
+}
+
+// probeLeases checks that dir's filesystem grants file leases, by which
+// vmsnap tells when QEMU has closed a staging file: a read lease on a file
+// that is open for writing must be refused as a conflict (EAGAIN), not as
+// unsupported.
+func probeLeases(dir string) error {
+	rw, err := os.CreateTemp(dir, ".vmsnap-probe-*.tmp")
+	if err != nil {
+		return stagingError(dir, err, "creating a file")
+	}
+	defer rw.Close()
+	defer os.Remove(rw.Name())
+	ro, err := os.Open(rw.Name())
+	if err != nil {
+		return stagingError(dir, err, "opening a file")
+	}
+	defer ro.Close()
+	_, err = unix.FcntlInt(ro.Fd(), unix.F_SETLEASE, unix.F_RDLCK)
+	if err == nil {
+		_, _ = unix.FcntlInt(ro.Fd(), unix.F_SETLEASE, unix.F_UNLCK)
+	}
+	if !errors.Is(err, unix.EAGAIN) {
+		return stagingError(dir, fmt.Errorf("its filesystem grants no file leases (%v), by which vmsnap tells that QEMU has closed a staging file: use one on ext4, xfs, btrfs or tmpfs", err), "checking the staging directory")
+	}
+	return nil
+}
