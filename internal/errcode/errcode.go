@@ -24,6 +24,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 )
@@ -191,8 +192,9 @@ func Of(err error) Code {
 	}
 	// Errors that crossed a process boundary (the agent's API) carry their
 	// code without being an *Error.
+	// A code this vmsnap does not know (from a newer agent) is INTERNAL.
 	var c interface{ ErrorCode() string }
-	if errors.As(err, &c) {
+	if errors.As(err, &c) && slices.Contains(Codes, Code(c.ErrorCode())) {
 		return Code(c.ErrorCode())
 	}
 	return Internal
