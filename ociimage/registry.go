@@ -868,7 +868,7 @@ func (r *Registry) withRetry(ctx context.Context, what string, size int64, op fu
 		}
 		if stalled {
 			if try >= r.attempts {
-				return errcode.New(errcode.RegistryError, "%s: registry %s stopped answering (no answer within %v, %d tries)",
+				return errcode.New(errcode.RegistryError, "%s: registry %s stopped answering (no answer within %v, %d tries); check the registry and the network in between",
 					what, r.ref.Registry, limit.Round(time.Second), try)
 			}
 		} else if try >= r.attempts || !retryable(err) {
