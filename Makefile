@@ -91,7 +91,8 @@ FUZZ_TARGETS := \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
-	./rootfs/overlay:FuzzReadHeader
+	./rootfs/overlay:FuzzReadHeader \
+	./cmd/vmsnap:FuzzErrorRendering
 .PHONY: fuzz
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \

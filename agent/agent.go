@@ -196,7 +196,9 @@ func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
 	defer cancel()
 	go s.watch(ctx)
 	srv := &http.Server{
-		Handler:           s.Handler(),
+		Handler: s.Handler(),
+		// net/http's own complaints go into the agent's JSON log.
+		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 		ReadHeaderTimeout: 10 * time.Second,
 		// A connection between requests is closed after a while: a caller
 		// must not hold the agent's descriptors by opening connections and
@@ -227,20 +229,33 @@ func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
 // watch drops everything about VMs whose containers go away.
 func (s *Server) watch(ctx context.Context) {
 	for ctx.Err() == nil {
-		gone, err := s.cfg.Resolver.Watch(ctx)
-		if err != nil {
+		if err := s.watchOnce(ctx); err != nil {
 			s.log.Error("watching containers failed; retrying", "err", err)
 			select {
 			case <-time.After(2 * time.Second):
 			case <-ctx.Done():
 			}
-			continue
-		}
-		s.readyMu.Do(func() { close(s.ready) })
-		for g := range gone {
-			s.forget(g)
 		}
 	}
+}
+
+// watchOnce follows one of the resolver's watches to its end. A panic ends
+// only this watch (INTERNAL): watch starts another.
+func (s *Server) watchOnce(ctx context.Context) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = Recovered(s.log, v, "the container watch")
+		}
+	}()
+	gone, err := s.cfg.Resolver.Watch(ctx)
+	if err != nil {
+		return err
+	}
+	s.readyMu.Do(func() { close(s.ready) })
+	for g := range gone {
+		s.forget(g)
+	}
+	return nil
 }
 
 // forget cancels the operations of a VM whose container is gone and removes
@@ -336,6 +351,21 @@ func (s *Server) continueJournaled(ctx context.Context, op api.Operation) error 
 	return continueVM(ctx, vm.QMP, op.VM.QMPPath)
 }
 
+// putBack continues the VM of an unfinished checkpoint whose journal entry
+// says it stopped the VM, and says what became of the VM ("; the VM was
+// continued"), or "" if there was nothing to do.
+func (s *Server) putBack(ctx context.Context, e journalEntry, log *slog.Logger) string {
+	if e.Op.Kind != api.KindCheckpoint || !e.VMWasRunning || e.Op.Checkpoint != nil || e.Op.Target == nil {
+		return ""
+	}
+	if err := s.continueJournaled(ctx, e.Op); err != nil {
+		log.Error("could not continue the VM an unfinished checkpoint had stopped", "err", err)
+		return fmt.Sprintf("; continuing the VM failed: %v", err)
+	}
+	log.Info("continued the VM an unfinished checkpoint had stopped")
+	return "; the VM was continued"
+}
+
 // recover finishes what a previous run of the agent left in its journal.
 func (s *Server) recover(ctx context.Context) {
 	entries, err := s.journal.list()
@@ -345,16 +375,7 @@ func (s *Server) recover(ctx context.Context) {
 	}
 	for _, e := range entries {
 		log := s.log.With("op", e.Op.ID, "kind", e.Op.Kind, "pod", e.Op.VM.PodUID)
-		outcome := "the agent stopped during this operation"
-		if e.Op.Kind == "checkpoint" && e.VMWasRunning && e.Op.Checkpoint == nil && e.Op.Target != nil {
-			if err := s.continueJournaled(ctx, e.Op); err != nil {
-				log.Error("could not continue the VM an unfinished checkpoint had stopped", "err", err)
-				outcome += fmt.Sprintf("; continuing the VM failed: %v", err)
-			} else {
-				log.Info("continued the VM an unfinished checkpoint had stopped")
-				outcome += "; the VM was continued"
-			}
-		}
+		outcome := "the agent stopped during this operation" + s.putBack(ctx, e, log)
 		op := e.Op
 		op.Updated = time.Now().UTC()
 		op.Progress = nil

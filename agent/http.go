@@ -125,7 +125,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errcode.New(errcode.InvalidInput, "no endpoint %s %s: the API is listed by `vmsnap agent --help`", r.Method, r.URL.Path))
 	})
-	return mux
+	return recovering(s.log, mux)
 }
 
 // serveEvents streams operation events. It first sends the current state
@@ -231,7 +231,16 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 func writeError(w http.ResponseWriter, err error) {
-	writeJSON(w, HTTPStatus(errcode.Of(err)), api.ErrorDoc{Error: api.ErrorOf(err)})
+	status, doc := ErrorResponse(err)
+	writeJSON(w, status, doc)
+}
+
+// ErrorResponse is the answer to an API request that failed with err: its
+// HTTP status and error document. It never panics, whatever err is (see
+// api.ErrorOf).
+func ErrorResponse(err error) (int, api.ErrorDoc) {
+	e := api.ErrorOf(err)
+	return HTTPStatus(e.Code), api.ErrorDoc{Error: e}
 }
 
 // HTTPStatus is the status of a failed API request with this code.

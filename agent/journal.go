@@ -69,19 +69,33 @@ func (j *journal) list() ([]journalEntry, error) {
 	}
 	var out []journalEntry
 	for _, n := range names {
-		b, err := os.ReadFile(n)
+		e, ok, err := j.read(strings.TrimSuffix(filepath.Base(n), ".json"))
 		if err != nil {
 			return nil, err
 		}
-		var e journalEntry
-		if err := json.Unmarshal(b, &e); err != nil || e.Op.ID != strings.TrimSuffix(filepath.Base(n), ".json") {
-			// An entry we cannot read names no VM we could help.
-			_ = os.Remove(n)
-			continue
+		if ok {
+			out = append(out, e)
 		}
-		out = append(out, e)
 	}
 	return out, nil
+}
+
+// read returns the entry of operation id, if it has a readable one.
+func (j *journal) read(id string) (journalEntry, bool, error) {
+	b, err := os.ReadFile(j.path(id))
+	if os.IsNotExist(err) {
+		return journalEntry{}, false, nil
+	}
+	if err != nil {
+		return journalEntry{}, false, err
+	}
+	var e journalEntry
+	if err := json.Unmarshal(b, &e); err != nil || e.Op.ID != id {
+		// An entry we cannot read names no VM we could help.
+		_ = os.Remove(j.path(id))
+		return journalEntry{}, false, nil
+	}
+	return e, true, nil
 }
 
 // continueVM makes a VM run again after a checkpoint that did not finish:

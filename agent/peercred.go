@@ -163,6 +163,11 @@ func (l *credListener) refuse(c net.Conn, p peer, cause error) {
 	case l.refuses <- struct{}{}:
 		go func() {
 			defer func() { <-l.refuses }()
+			defer func() {
+				if v := recover(); v != nil {
+					_ = Recovered(l.log, v, "answering a refused caller")
+				}
+			}()
 			answerRefused(c, msg)
 		}()
 	default:

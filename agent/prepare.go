@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"path"
 	"path/filepath"
 	"strings"
@@ -68,7 +69,8 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 	if err := s.checkImages(ctx, req.Image); err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithTimeoutCause(ctx, s.cfg.OperationTimeout, errcode.New(errcode.Busy, "the prepare did not finish within the agent's --operation-timeout (%s)", s.cfg.OperationTimeout))
+	timedOut := errcode.New(errcode.Busy, "the prepare did not finish within the agent's --operation-timeout of %s", s.cfg.OperationTimeout)
+	ctx, cancel := context.WithTimeoutCause(ctx, s.cfg.OperationTimeout, timedOut)
 	defer cancel()
 	select {
 	case s.slots <- struct{}{}:
@@ -83,6 +85,11 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 	if err != nil {
 		if ctx.Err() != nil && context.Cause(ctx) != nil && errcode.Of(err) == errcode.Internal {
 			return nil, context.Cause(ctx)
+		}
+		if errors.Is(context.Cause(ctx), timedOut) {
+			// What it waited for keeps its code (a registry that did not
+			// answer is REGISTRY_ERROR), as an operation's does (end).
+			return nil, errcode.Wrap(errcode.Of(err), err, "%v", timedOut)
 		}
 		return nil, err
 	}

@@ -224,6 +224,12 @@ func (s *Server) start(o *op, vm *Resolved, work func(context.Context) error) (a
 	s.events.publish(snap)
 	go func() {
 		defer vm.Close()
+		defer func() {
+			// runWork recovers the work; this is the bookkeeping's last resort.
+			if v := recover(); v != nil {
+				_ = Recovered(s.log, v, "an operation's bookkeeping", "op", o.id)
+			}
+		}()
 		s.run(o, work)
 	}()
 	return snap, nil
@@ -260,7 +266,7 @@ func (s *Server) run(o *op, work func(context.Context) error) {
 	s.events.publish(o.update(func(d *api.Operation) { d.State = api.StateRunning }))
 	log.Info("operation started")
 	start := time.Now()
-	err := work(o.ctx)
+	err := s.runWork(o, log, work)
 	if err == nil && o.ctx.Err() != nil {
 		// Finished just as it was cancelled: the result stands.
 		err = nil

@@ -54,15 +54,17 @@ func CopyLayers(ctx context.Context, src, dst Repository, maxBytes int64, jobs i
 	g.SetLimit(max(jobs, 1))
 	for _, b := range blobs {
 		g.Go(func() error {
-			have, err := dst.HasBlob(gctx, b.Digest)
-			if err != nil || have {
-				return err
-			}
-			data, err := src.Blob(gctx, b, MaxChunkSize)
-			if err != nil {
-				return err
-			}
-			return dst.PutBlob(gctx, b, data)
+			return errcode.Safely(func() error { // a panic here must not end the process
+				have, err := dst.HasBlob(gctx, b.Digest)
+				if err != nil || have {
+					return err
+				}
+				data, err := src.Blob(gctx, b, MaxChunkSize)
+				if err != nil {
+					return err
+				}
+				return dst.PutBlob(gctx, b, data)
+			})
 		})
 	}
 	if err := g.Wait(); err != nil {

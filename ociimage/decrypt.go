@@ -62,15 +62,17 @@ func (d *decrypting) Manifest(ctx context.Context, desc ocispec.Descriptor) (oci
 			continue
 		}
 		g.Go(func() error {
-			if err := gctx.Err(); err != nil {
-				return err
-			}
-			plain, k, err := decryptLayer(l, d.keys, d.unwrapped)
-			if err != nil {
-				return err
-			}
-			layers[i], found[i] = plain, decLayer{enc: l, key: k}
-			return nil
+			return errcode.Safely(func() error { // an image's annotations are untrusted
+				if err := gctx.Err(); err != nil {
+					return err
+				}
+				plain, k, err := decryptLayer(l, d.keys, d.unwrapped)
+				if err != nil {
+					return err
+				}
+				layers[i], found[i] = plain, decLayer{enc: l, key: k}
+				return nil
+			})
 		})
 	}
 	if err := g.Wait(); err != nil {

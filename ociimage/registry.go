@@ -251,7 +251,8 @@ func (r *Registry) store(ctx context.Context, desc ocispec.Descriptor, src io.Re
 			if errors.As(err, &terr) {
 				for _, e := range terr.Errors {
 					if e.Code == transport.DigestInvalidErrorCode {
-						return errcode.Wrap(errcode.DigestMismatch, err, "data for blob %s does not match its digest", desc.Digest)
+						return errcode.Wrap(errcode.DigestMismatch, err,
+							"the data the registry received for blob %s does not match its digest (it changed on its way, or it is not that blob): try again, and if it persists, check any proxy in between", desc.Digest)
 					}
 				}
 			}
@@ -396,30 +397,32 @@ func (r *Registry) checkBlobs(ctx context.Context, m ocispec.Manifest) error {
 			what = fmt.Sprintf("layer %d", i-1)
 		}
 		g.Go(func() error {
-			size, ok := r.known.Load(bd.Digest)
-			if !ok {
-				var have bool
-				err := r.withRetry(gctx, "checking for blob "+string(bd.Digest), 0, func(ctx context.Context) error {
-					var err error
-					var n int64
-					n, have, err = r.headBlob(ctx, bd.Digest)
-					size = n
-					return err
-				})
-				if err != nil {
-					return err
+			return errcode.Safely(func() error { // the registry's answers are untrusted
+				size, ok := r.known.Load(bd.Digest)
+				if !ok {
+					var have bool
+					err := r.withRetry(gctx, "checking for blob "+string(bd.Digest), 0, func(ctx context.Context) error {
+						var err error
+						var n int64
+						n, have, err = r.headBlob(ctx, bd.Digest)
+						size = n
+						return err
+					})
+					if err != nil {
+						return err
+					}
+					if !have {
+						return errcode.New(errcode.RegistryError,
+							"refusing to store the manifest: its %s blob %s is not in %s; store every blob before the manifest", what, bd.Digest, r.where())
+					}
+					r.remember(bd.Digest, size.(int64))
 				}
-				if !have {
-					return errcode.New(errcode.RegistryError,
-						"refusing to store the manifest: its %s blob %s is not in %s; store every blob before the manifest", what, bd.Digest, r.where())
+				if n := size.(int64); n >= 0 && n != bd.Size {
+					return errcode.New(errcode.DigestMismatch,
+						"refusing to store the manifest: its %s blob %s in %s is %d bytes, not the %d the manifest says", what, bd.Digest, r.where(), n, bd.Size)
 				}
-				r.remember(bd.Digest, size.(int64))
-			}
-			if n := size.(int64); n >= 0 && n != bd.Size {
-				return errcode.New(errcode.DigestMismatch,
-					"refusing to store the manifest: its %s blob %s in %s is %d bytes, not the %d the manifest says", what, bd.Digest, r.where(), n, bd.Size)
-			}
-			return nil
+				return nil
+			})
 		})
 	}
 	return g.Wait()
@@ -830,7 +833,9 @@ func (g *plainHTTPGuard) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		return nil, &plainHTTPRefused{host: req.URL.Host}
 	}
-	return g.inner.RoundTrip(req)
+	resp, err := g.inner.RoundTrip(req)
+	noteRetryAfter(resp)
+	return resp, err
 }
 
 type plainHTTPRefused struct{ host string }
@@ -851,6 +856,7 @@ func (r *Registry) withRetry(ctx context.Context, what string, size int64, op fu
 		// request and then stops answering must not hold a checkpoint (and
 		// its stopped VM) until the caller's overall timeout.
 		tctx, cancel := context.WithTimeoutCause(ctx, limit, errStalled)
+		tctx, hint := withRetryHint(tctx)
 		err := op(tctx)
 		stalled := ctx.Err() == nil && context.Cause(tctx) == errStalled
 		cancel()
@@ -862,7 +868,7 @@ func (r *Registry) withRetry(ctx context.Context, what string, size int64, op fu
 		}
 		if stalled {
 			if try >= r.attempts {
-				return errcode.New(errcode.RegistryError, "%s: registry %s stopped answering (no answer within %v, %d tries)",
+				return errcode.New(errcode.RegistryError, "%s: registry %s stopped answering (no answer within %v, %d tries); check the registry and the network in between",
 					what, r.ref.Registry, limit.Round(time.Second), try)
 			}
 		} else if try >= r.attempts || !retryable(err) {
@@ -870,6 +876,12 @@ func (r *Registry) withRetry(ctx context.Context, what string, size int64, op fu
 		}
 		// ±20% jitter, so workers that failed together do not retry together.
 		pause := time.Duration(float64(delay) * (0.8 + 0.4*rand.Float64()))
+		if wait, ok := hint.get(); ok {
+			if !waitFits(ctx, wait) {
+				return r.askedToWait(what, err, wait)
+			}
+			pause = max(pause, wait)
+		}
 		t := time.NewTimer(pause)
 		select {
 		case <-ctx.Done():
@@ -982,10 +994,10 @@ func (r *Registry) describe(ctx context.Context, what string, err error, tries i
 					words = w
 				}
 			}
-			return errcode.New(errcode.AuthFailed, "%s: registry %s refused access to %s: %s; vmsnap used %s",
-				what, host, r.ref.Repository, words, r.creds.where)
+			return errcode.New(errcode.AuthFailed, "%s: registry %s refused access to %s: %s; vmsnap used %s: check the credentials, and that they may %s %s",
+				what, host, r.ref.Repository, words, r.creds.where, accessFor(terr), r.ref.Repository)
 		}
-		return errcode.New(errcode.RegistryError, "%s: registry %s answered %s%s", what, host, words, gaveUp)
+		return errcode.New(errcode.RegistryError, "%s: registry %s answered %s%s%s", what, host, words, gaveUp, statusAdvice(terr.StatusCode))
 	}
 	if cve := tlsVerifyError(err); cve != nil {
 		return errcode.New(errcode.RegistryError,
@@ -995,7 +1007,8 @@ func (r *Registry) describe(ctx context.Context, what string, err error, tries i
 		return errcode.New(errcode.RegistryError,
 			"%s: registry %s answers plain HTTP, not TLS; if that is intended, pass %s %s", what, host, errcode.Field("insecureRegistry"), host)
 	}
-	return errcode.Wrap(errcode.RegistryError, withoutRefusals{err}, "%s: cannot reach registry %s%s", what, host, gaveUp)
+	failed, advice := unreachable(err, host)
+	return errcode.Wrap(errcode.RegistryError, withAdvice{withoutRefusals{err}, advice}, "%s: %s%s", what, failed, gaveUp)
 }
 
 // withoutRefusals drops from err's text the plain-HTTP attempts the guard

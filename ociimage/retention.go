@@ -339,10 +339,12 @@ func (r *Registry) ListTags(ctx context.Context) ([]TaggedManifest, error) {
 	g.SetLimit(8)
 	for i, tag := range names {
 		g.Go(func() error {
-			return r.withRetry(gctx, "resolving tag "+tag, 0, func(ctx context.Context) error {
-				desc, err := r.resolve(ctx, tag, "")
-				out[i] = TaggedManifest{Tag: tag, Descriptor: desc}
-				return err
+			return errcode.Safely(func() error { // a panic here must not end the process
+				return r.withRetry(gctx, "resolving tag "+tag, 0, func(ctx context.Context) error {
+					desc, err := r.resolve(ctx, tag, "")
+					out[i] = TaggedManifest{Tag: tag, Descriptor: desc}
+					return err
+				})
 			})
 		})
 	}

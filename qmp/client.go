@@ -453,7 +453,9 @@ func (c *Client) readLoop(br *bufio.Reader) {
 		if len(bytes.TrimSpace(line)) == 0 {
 			continue
 		}
-		if err := c.dispatch(line); err != nil {
+		// Safely: the line is what QEMU sent; a panic reading it ends
+		// this connection, not the process.
+		if err := errcode.Safely(func() error { return c.dispatch(line) }); err != nil {
 			c.fail(err)
 			return
 		}

@@ -355,8 +355,13 @@ func (g *sourceGuard) onFinish(f func()) { g.cleanups = append(g.cleanups, f) }
 // finish is the checkpoint's deferred call, given its results: on failure
 // it cancels the migration, continues the VM if it was running, runs the
 // onFinish functions, adds to *err what became of the VM and clears *res;
-// in any case it puts the migration settings back, last.
+// in any case it puts the migration settings back, last. A panic under the
+// guard is such a failure (INTERNAL): the checkpoint returns it as its
+// error, and the VM runs again.
 func (g *sourceGuard) finish(res **CheckpointResult, err *error) {
+	if v := recover(); v != nil {
+		*err = errcode.Recovered(v)
+	}
 	defer func() {
 		cctx, cancel := g.cleanupCtx(cleanupTimeout)
 		defer cancel()

@@ -111,7 +111,8 @@ func (p *outgoingPipe) migrate(ctx context.Context, mon Monitor, g *sourceGuard,
 	var consumeErr error
 	go func() {
 		defer close(finished)
-		if consumeErr = consume(cctx, p.r); consumeErr != nil {
+		// Safely: consume reads what QEMU sends, in a goroutine.
+		if consumeErr = errcode.Safely(func() error { return consume(cctx, p.r) }); consumeErr != nil {
 			p.r.Close()
 			failed <- consumeErr
 		}

@@ -216,9 +216,16 @@ type ErrorDoc struct {
 	Error Error `json:"error"`
 }
 
-// ErrorOf converts any error into its JSON form.
-func ErrorOf(err error) Error {
-	e := Error{Code: errcode.Of(err), Message: err.Error()}
+// ErrorOf converts any error into its JSON form. It never panics: an error
+// that cannot be described (an Error method that panics) is INTERNAL, and
+// the message says so.
+func ErrorOf(err error) (e Error) {
+	defer func() {
+		if v := recover(); v != nil {
+			e = Error{Code: errcode.Internal, Message: "the error could not be described: " + errcode.Recovered(v).Error()}
+		}
+	}()
+	e = Error{Code: errcode.Of(err), Message: err.Error()}
 	if d := errcode.DetailsOf(err); len(d) > 0 {
 		e.Details = d
 		e.Message = errcode.Summary(err)

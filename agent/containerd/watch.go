@@ -106,7 +106,12 @@ func (w *watcher) open(ctx context.Context) (*subscription, error) {
 }
 
 func (w *watcher) run(ctx context.Context, s *subscription) {
-	defer close(w.out)
+	defer close(w.out) // the agent subscribes again
+	defer func() {
+		if v := recover(); v != nil {
+			_ = agent.Recovered(w.r.log, v, "the containerd watch")
+		}
+	}()
 	delay := 100 * time.Millisecond
 	for {
 		err := w.serve(ctx, s)

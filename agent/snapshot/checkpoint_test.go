@@ -244,10 +244,14 @@ func TestCheckpointMovesTheDiskTagBackWhenTheRootfsTagFails(t *testing.T) {
 // refuseTagging is a repository whose tags move only ok more times.
 type refuseTagging struct {
 	ociimage.Repository
-	ok int
+	ok     int
+	panics bool // instead of refusing, as a store with a bug would
 }
 
 func (r *refuseTagging) TagManifest(ctx context.Context, desc ocispec.Descriptor, tag string) error {
+	if r.ok <= 0 && r.panics {
+		panic("a bug in tagging")
+	}
 	if r.ok <= 0 {
 		return errcode.New(errcode.RegistryError, "tagging refused")
 	}
@@ -301,10 +305,12 @@ func TestMoveTagsMovesBackWhenTheStateTagFails(t *testing.T) {
 		diskOK        int    // tag moves the disk store allows
 		wantDisk      string // what the disk tag names afterwards
 		wantDetail    string
+		statePanics   bool // the state's store panics instead of refusing
 	}{
-		{"moved back", "vm-disk", 2, first.Disk.Digest, "was moved back to " + first.Disk.Digest},
-		{"new tag", "new-disk", 2, second.Disk.Digest, "is left on the new manifest " + second.Disk.Digest + ": it named no manifest before"},
-		{"moving back fails", "vm-disk", 1, second.Disk.Digest, "is left on the new manifest " + second.Disk.Digest + ": moving it back to " + first.Disk.Digest + " failed"},
+		{"moved back", "vm-disk", 2, first.Disk.Digest, "was moved back to " + first.Disk.Digest, false},
+		{"new tag", "new-disk", 2, second.Disk.Digest, "is left on the new manifest " + second.Disk.Digest + ": it named no manifest before", false},
+		{"moving back fails", "vm-disk", 1, second.Disk.Digest, "is left on the new manifest " + second.Disk.Digest + ": moving it back to " + first.Disk.Digest + " failed", false},
+		{"the state's tagging panics", "vm-disk", 2, first.Disk.Digest, "was moved back to " + first.Disk.Digest, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			disk, err := openStore(ctx, "oci:"+diskDir+":"+c.diskTag, nil)
@@ -316,10 +322,14 @@ func TestMoveTagsMovesBackWhenTheStateTagFails(t *testing.T) {
 				t.Fatal(err)
 			}
 			disk.repo = &refuseTagging{Repository: disk.repo, ok: c.diskOK}
-			state.repo = &refuseTagging{Repository: state.repo}
+			state.repo = &refuseTagging{Repository: state.repo, panics: c.statePanics}
 			err = moveTags(ctx, tagMove{what: "disk", st: disk, to: disk2}, tagMove{what: "VM state", st: state, to: state2})
-			if errcode.Of(err) != errcode.RegistryError || !strings.Contains(err.Error(), "tagging refused") {
-				t.Fatalf("moving the tags: %v, want REGISTRY_ERROR", err)
+			wantCode, wantMsg := errcode.RegistryError, "tagging refused"
+			if c.statePanics {
+				wantCode, wantMsg = errcode.Internal, "a bug in tagging"
+			}
+			if errcode.Of(err) != wantCode || !strings.Contains(err.Error(), wantMsg) {
+				t.Fatalf("moving the tags: %v, want %s", err, wantCode)
 			}
 			if d := strings.Join(errcode.DetailsOf(err), "\n"); !strings.Contains(d, "disk tag oci:"+diskDir+":"+c.diskTag+" "+c.wantDetail) {
 				t.Fatalf("the error does not say %q: %v", c.wantDetail, err)

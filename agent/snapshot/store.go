@@ -88,7 +88,8 @@ func moveTags(ctx context.Context, moves ...tagMove) error {
 		moves[i].prev, moves[i].prevErr = moves[i].st.current(ctx)
 	}
 	for i, m := range moves {
-		if err := m.st.commit(ctx, m.to); err != nil {
+		// Safely: a panic half-way must still move back what had moved.
+		if err := errcode.Safely(func() error { return m.st.commit(ctx, m.to) }); err != nil {
 			return rollbackTags(ctx, moves[:i], m, err)
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -16,6 +17,7 @@ import (
 
 func newInspectCmd(out *globalOutput) *cobra.Command {
 	var reg registryFlags
+	var timeout time.Duration
 	c := &cobra.Command{
 		Use:   "inspect REF",
 		Short: "Show what a snapshot image holds, and the images of its checkpoint",
@@ -34,10 +36,13 @@ access works as for checkpoint (--registry-config, --ca-file,
 --insecure-registry).`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(c *cobra.Command, args []string) error {
-			return coded(runInspect(c.Context(), out, args[0], reg.options()))
+			ctx, cancel := context.WithTimeout(c.Context(), timeout)
+			defer cancel()
+			return coded(runInspect(ctx, out, args[0], reg.options()))
 		},
 	}
 	reg.add(c)
+	c.Flags().DurationVar(&timeout, "timeout", 10*time.Minute, "give up after this long")
 	addOutputFlags(c, out, false)
 	return c
 }

@@ -12,7 +12,6 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -20,7 +19,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -42,10 +40,24 @@ type globalOutput struct {
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	out := &globalOutput{stdout: stdout, stderr: stderr}
-	root := newRootCmd(out)
+	return execute(ctx, newRootCmd(out), out, args)
+}
+
+// execute runs the command args name and reports its error, if any; it
+// returns the exit status. A panic anywhere in the command's goroutine
+// ends it as INTERNAL, reported like any error: never a stack trace on the
+// user's terminal. (Whatever the command had stopped is put back by the
+// deferred calls that ran while the panic unwound: a checkpoint continues
+// its VM, see vmstate's sourceGuard.)
+func execute(ctx context.Context, root *cobra.Command, out *globalOutput, args []string) (status int) {
+	defer func() {
+		if v := recover(); v != nil {
+			status = reportError(out, args, errcode.Recovered(v))
+		}
+	}()
 	root.SetArgs(args)
-	root.SetOut(stdout)
-	root.SetErr(stderr)
+	root.SetOut(out.stdout)
+	root.SetErr(out.stderr)
 	start := time.Now()
 	cmd, err := root.ExecuteContextC(ctx)
 	if err == nil {
@@ -56,22 +68,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		// wraps what it returns.
 		err = errcode.New(errcode.Usage, "%v (see vmsnap --help)", err)
 	}
-	err = explainTimeout(cmd, err, time.Since(start))
-	// --json may not have been parsed if parsing itself failed.
-	out.json = out.json || slices.Contains(args, "--json")
-	reportError(out, err)
-	return errcode.Of(err).ExitStatus()
-}
-
-func reportError(out *globalOutput, err error) {
-	err = errcode.WithFieldNames(err, flagOf)
-	fmt.Fprintf(out.stderr, "vmsnap: %s: %v\n", errcode.Of(err), err)
-	doc := api.ErrorDoc{Error: api.ErrorOf(err)}
-	if out.json {
-		writeJSON(out.stdout, doc)
-	}
-	// Kubernetes keeps 4096 bytes of a termination message.
-	writeTerminationLog(out, api.ErrorDoc{Error: doc.Error.Truncated(4096)})
+	return reportError(out, args, explainTimeout(cmd, err, time.Since(start)))
 }
 
 // report prints a command's result: JSON with --json, text otherwise, and

@@ -19,8 +19,6 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"crypto/tls"
-	"crypto/x509"
 	"encoding/base64"
 	"encoding/json"
 	"encoding/pem"
@@ -171,12 +169,6 @@ type faultProxy struct {
 func startFaultProxy(t *testing.T, reg *testregistry.Registry) *faultProxy {
 	t.Helper()
 	target, _ := url.Parse("https://" + reg.Host)
-	pem, err := os.ReadFile(reg.CAFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	roots := x509.NewCertPool()
-	roots.AppendCertsFromPEM(pem)
 	p := &faultProxy{quit: make(chan struct{}), stalled: make(chan struct{})}
 	rp := &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
@@ -195,10 +187,7 @@ func startFaultProxy(t *testing.T, reg *testregistry.Registry) *faultProxy {
 			resp.Body = &faultBody{r: resp.Body, n: &p.bytesDown, limit: p.limit}
 			return nil
 		},
-		Transport: &http.Transport{
-			TLSClientConfig:     &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12},
-			MaxIdleConnsPerHost: 64,
-		},
+		Transport:     reg.Transport(),
 		FlushInterval: -1,
 		ErrorLog:      log.New(io.Discard, "", 0),
 	}
@@ -257,23 +246,45 @@ func startFaultProxy(t *testing.T, reg *testregistry.Registry) *faultProxy {
 		p.srv.Close()
 	})
 	p.Host = strings.TrimPrefix(p.srv.URL, "https://")
+	p.CAFile, p.ConfigDir = proxyAccess(t, p.srv, reg, p.Host)
+	return p
+}
 
-	dir := t.TempDir()
-	p.CAFile = filepath.Join(dir, "proxy-ca.pem")
-	cert := pemEncode(p.srv.Certificate().Raw)
-	if err := os.WriteFile(p.CAFile, cert, 0o600); err != nil {
+// proxyAccess writes what a client needs to reach reg through srv, a TLS
+// server of the test's own at host: srv's certificate (for --ca-file) and
+// reg's credentials for host (for --registry-config).
+func proxyAccess(t *testing.T, srv *httptest.Server, reg *testregistry.Registry, host string) (caFile, configDir string) {
+	return certificateFile(t, srv), dockerConfig(t, reg, host)
+}
+
+// certificateFile writes srv's certificate (PEM) and returns its path.
+func certificateFile(t *testing.T, srv *httptest.Server) string {
+	t.Helper()
+	f := filepath.Join(t.TempDir(), "proxy-ca.pem")
+	if err := os.WriteFile(f, pemEncode(srv.Certificate().Raw), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	p.ConfigDir = filepath.Join(dir, "docker")
-	if err := os.MkdirAll(p.ConfigDir, 0o700); err != nil {
+	return f
+}
+
+// dockerConfig writes a Docker config directory with reg's credentials for
+// each of hosts and returns it.
+func dockerConfig(t *testing.T, reg *testregistry.Registry, hosts ...string) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "docker")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
 	auth := base64.StdEncoding.EncodeToString([]byte(reg.User + ":" + reg.Password))
-	b, _ := json.Marshal(map[string]any{"auths": map[string]any{p.Host: map[string]string{"auth": auth}}})
-	if err := os.WriteFile(filepath.Join(p.ConfigDir, "config.json"), b, 0o600); err != nil {
+	auths := map[string]any{}
+	for _, h := range hosts {
+		auths[h] = map[string]string{"auth": auth}
+	}
+	b, _ := json.Marshal(map[string]any{"auths": auths})
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), b, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return p
+	return dir
 }
 
 func pemEncode(der []byte) []byte {

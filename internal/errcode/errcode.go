@@ -24,7 +24,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"syscall"
@@ -79,6 +78,9 @@ type Error struct {
 }
 
 func (e *Error) Error() string {
+	if e == nil {
+		return "<nil>" // a bug elsewhere, still to be shown rather than crash on
+	}
 	var b strings.Builder
 	b.WriteString(e.Msg)
 	if len(e.Details) > 0 {
@@ -94,10 +96,20 @@ func (e *Error) Error() string {
 	return b.String()
 }
 
-func (e *Error) Unwrap() error { return e.Err }
+func (e *Error) Unwrap() error {
+	if e == nil {
+		return nil
+	}
+	return e.Err
+}
 
 // ErrorCode lets callers outside this module classify the error.
-func (e *Error) ErrorCode() string { return string(e.Code) }
+func (e *Error) ErrorCode() string {
+	if e == nil {
+		return string(Internal)
+	}
+	return string(e.Code)
+}
 
 // New returns an error with a code and a formatted message.
 func New(code Code, format string, args ...any) error {
@@ -176,12 +188,13 @@ func Of(err error) Code {
 	}
 	var e *Error
 	if errors.As(err, &e) {
-		return e.Code
+		return Code(e.ErrorCode())
 	}
 	// Errors that crossed a process boundary (the agent's API) carry their
 	// code without being an *Error.
+	// A code this vmsnap does not know (from a newer agent) is INTERNAL.
 	var c interface{ ErrorCode() string }
-	if errors.As(err, &c) {
+	if errors.As(err, &c) && slices.Contains(Codes, Code(c.ErrorCode())) {
 		return Code(c.ErrorCode())
 	}
 	return Internal
@@ -212,7 +225,7 @@ func Has(err error) bool {
 // carry the details separately.
 func Summary(err error) string {
 	var e *Error
-	if errors.As(err, &e) && len(e.Details) > 0 && e == err {
+	if errors.As(err, &e) && e != nil && len(e.Details) > 0 && e == err {
 		return (&Error{Code: e.Code, Msg: e.Msg, Err: e.Err}).Error()
 	}
 	return err.Error()
@@ -222,6 +235,9 @@ func Summary(err error) string {
 func DetailsOf(err error) []string {
 	var e *Error
 	if errors.As(err, &e) {
+		if e == nil {
+			return nil
+		}
 		return e.Details
 	}
 	var d interface{ ErrorDetails() []string }
@@ -230,85 +246,3 @@ func DetailsOf(err error) []string {
 	}
 	return nil
 }
-
-// Field names, in an error message, the request field the error concerns:
-// its API name (format, stagingDir). A library states the problem in terms
-// of the request it was given; the CLI, which took the request as flags,
-// shows the flag instead (WithFieldNames). Pass it to New, Wrap or Ensure as
-// a format argument (%s); it formats as its API name in backquotes
-// (`stagingDir`), so that a message that crossed the agent's API as text
-// still says which words are fields (RenameQuotedFields).
-type Field string
-
-func (f Field) String() string { return "`" + string(f) + "`" }
-
-var quotedField = regexp.MustCompile("`([a-z][A-Za-z0-9]*)`")
-
-// RenameQuotedFields writes every field a message names (as Field formats
-// it) as name gives it: for a message that arrived as text, such as an
-// agent's error, whose Fields WithFieldNames can no longer see.
-func RenameQuotedFields(msg string, name func(Field) string) string {
-	return quotedField.ReplaceAllStringFunc(msg, func(q string) string {
-		return name(Field(strings.Trim(q, "`")))
-	})
-}
-
-// New and Wrap keep the format and arguments of a message that names a
-// Field, so that WithFieldNames can write it again.
-func keepFormat(e *Error, format string, args []any) *Error {
-	for _, a := range args {
-		if _, ok := a.(Field); ok {
-			e.format, e.args = format, args
-			break
-		}
-	}
-	return e
-}
-
-// WithFieldNames returns err with every Field in its messages written as
-// name gives it (the CLI: as its flag). Messages of wrappers that are not an
-// *Error keep their own text around the renamed one; an error without
-// Fields is returned unchanged. Codes and details are kept.
-func WithFieldNames(err error, name func(Field) string) error {
-	switch e := err.(type) {
-	case nil:
-		return nil
-	case *Error:
-		inner := WithFieldNames(e.Err, name)
-		if e.format == "" && inner == e.Err {
-			return e
-		}
-		c := *e
-		c.Err = inner
-		if e.format != "" {
-			args := slices.Clone(e.args)
-			for i, a := range args {
-				if f, ok := a.(Field); ok {
-					args[i] = name(f)
-				}
-			}
-			c.Msg = fmt.Sprintf(e.format, args...)
-		}
-		return &c
-	}
-	u, ok := err.(interface{ Unwrap() error })
-	if !ok || u.Unwrap() == nil {
-		return err
-	}
-	inner := u.Unwrap()
-	renamed := WithFieldNames(inner, name)
-	if renamed == inner {
-		return err
-	}
-	return &renamedError{err: err, msg: strings.Replace(err.Error(), inner.Error(), renamed.Error(), 1)}
-}
-
-// renamedError is a wrapper from elsewhere (fmt.Errorf) whose message
-// WithFieldNames wrote again; its chain is the original's.
-type renamedError struct {
-	err error
-	msg string
-}
-
-func (e *renamedError) Error() string { return e.msg }
-func (e *renamedError) Unwrap() error { return e.err }

@@ -354,9 +354,16 @@ func (r *Registry) Tags(t testing.TB, repo string) []string {
 
 // client trusts the test CA.
 func (r *Registry) client(timeout time.Duration) *http.Client {
-	return &http.Client{Timeout: timeout, Transport: &http.Transport{
-		TLSClientConfig: &tls.Config{RootCAs: r.roots, MinVersion: tls.VersionTLS12},
-	}}
+	return &http.Client{Timeout: timeout, Transport: r.Transport()}
+}
+
+// Transport reaches the registry, trusting the test CA: for a test's own
+// proxy in front of it.
+func (r *Registry) Transport() *http.Transport {
+	return &http.Transport{
+		TLSClientConfig:     &tls.Config{RootCAs: r.roots, MinVersion: tls.VersionTLS12},
+		MaxIdleConnsPerHost: 64,
+	}
 }
 
 // writeDockerConfig writes dir/config.json with the user and password for

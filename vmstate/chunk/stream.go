@@ -196,16 +196,17 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 			defer upWG.Done()
 			for job := range uploads {
 				if ctx.Err() == nil {
-					var err error
-					if digesting != nil {
-						var desc ocispec.Descriptor
-						desc, err = putUndigested(ctx, digesting, job.desc, job.data, &uploaded)
+					// Safely: the store reads what a registry answers.
+					err := errcode.Safely(func() error {
+						if digesting == nil {
+							return Put(ctx, sink, job.desc, job.data, &uploaded)
+						}
+						desc, err := putUndigested(ctx, digesting, job.desc, job.data, &uploaded)
 						if err == nil {
 							record(job.index, desc)
 						}
-					} else {
-						err = Put(ctx, sink, job.desc, job.data, &uploaded)
-					}
+						return err
+					})
 					if err != nil {
 						storeErr.CompareAndSwap(nil, &err)
 						cancel(err)
@@ -531,7 +532,11 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 				buf, err := bufs.get(ctx)
 				var data []byte
 				if err == nil {
-					data, err = fetchChunk(ctx, src, dec, layers[i], buf)
+					// Safely: a chunk is what the store gave, untrusted.
+					err = errcode.Safely(func() (err error) {
+						data, err = fetchChunk(ctx, src, dec, layers[i], buf)
+						return err
+					})
 				}
 				slots[i] <- result{data, buf, err}
 			}

@@ -379,7 +379,11 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 					}
 				}
 				if ctx.Err() == nil {
-					d, err := put(ctx, enc, j.raw, func(data []byte) ocispec.Descriptor { return regionDesc(j.offset, len(j.raw), data) })
+					var d ocispec.Descriptor
+					err := errcode.Safely(func() (err error) { // the store reads a registry's answers
+						d, err = put(ctx, enc, j.raw, func(data []byte) ocispec.Descriptor { return regionDesc(j.offset, len(j.raw), data) })
+						return err
+					})
 					if err != nil {
 						cancel(err)
 					} else {

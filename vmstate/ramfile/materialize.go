@@ -219,7 +219,8 @@ func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor, first,
 				if ctx.Err() != nil {
 					continue
 				}
-				if err := m.region(ctx, j.l, dec, buf, j.check); err != nil {
+				// Safely: a region is what the store gave, untrusted.
+				if err := errcode.Safely(func() error { return m.region(ctx, j.l, dec, buf, j.check) }); err != nil {
 					cancel(err)
 					continue
 				}
