@@ -51,8 +51,19 @@ type Config struct {
 	// (default 2); more wait as pending.
 	MaxConcurrent int
 	Resolver      Resolver
-	Store         []ociimage.Option // registry credentials, CA, ...
-	Logger        *slog.Logger
+	// Store is how the agent reaches registries (credentials, CA, ...),
+	// never keys: those are DecryptionKeyDir and Encrypt, which the agent
+	// applies per caller and namespace (keys.go).
+	Store  []ociimage.Option
+	Logger *slog.Logger
+
+	// DecryptionKeyDir holds the private keys operations decrypt with: the
+	// node's directly in it (admin callers only), each namespace's in
+	// DIR/NAMESPACE (keydir.go); "": none.
+	DecryptionKeyDir string
+	// Encrypt, if set, is what every checkpoint is encrypted for besides its
+	// namespace's keys (the node's recipients, and a dedup secret).
+	Encrypt *ociimage.EncryptOptions
 
 	// Authorization (caller.go, policy.go).
 	// AdminNamespaces are pod namespaces whose callers may act on any VM
@@ -113,6 +124,7 @@ type Server struct {
 	journal *journal
 	slots   chan struct{}
 	policy  *imagePolicy
+	keys    *keyDir // nil: no --decryption-key-dir
 
 	ready   chan struct{} // closed once the resolver's watch runs
 	readyMu sync.Once
@@ -154,6 +166,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	keys, err := openKeyDir(cfg.DecryptionKeyDir)
+	if err != nil {
+		return nil, err
+	}
 	s := &Server{
 		cfg:     cfg,
 		log:     cfg.Logger,
@@ -163,6 +179,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		journal: j,
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
 		policy:  policy,
+		keys:    keys,
 		ready:   make(chan struct{}),
 	}
 	s.recover(ctx)

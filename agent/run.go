@@ -24,7 +24,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	}
 	spec := snapshot.CheckpointSpec{
 		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: vmstate.Mode(req.Mode),
-		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
+		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers},
 		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
 		// gets it as a descriptor, so its container need not see the path).
 		StagingDir: s.cfg.StateDir,
@@ -47,6 +47,10 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	}
 	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
+		return api.Operation{}, err
+	}
+	if spec.Store, err = s.storeFor(ctx, vm.Namespace); err != nil {
+		vm.Close()
 		return api.Operation{}, err
 	}
 	// From here the operation uses the files the resolver opened, never the
@@ -124,6 +128,11 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if err != nil {
 		return api.Operation{}, err
 	}
+	store, err := s.storeFor(ctx, vm.Namespace)
+	if err != nil {
+		vm.Close()
+		return api.Operation{}, err
+	}
 	target := vm.Target
 	o := newOp(api.KindRestore, req.VM, &target, s.cfg.OperationTimeout)
 	return s.start(o, vm, func(ctx context.Context) error {
@@ -134,7 +143,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 		}
 		res, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{
 			QMPPath: req.VM.QMPPath, QMP: vm.QMP, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
-			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
+			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.
 			StagingDir: s.cfg.StateDir,

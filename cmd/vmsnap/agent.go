@@ -12,7 +12,6 @@ import (
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/containerd"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 func newAgentCmd(out *globalOutput) *cobra.Command {
@@ -127,28 +126,18 @@ caller. Every directory from --layout-root down must be the agent's alone
 	reg.add(c)
 	crypt.encrypt.add(c)
 	c.Flags().StringVar(&crypt.keyDir, "decryption-key-dir", "",
-		"`DIR` of PEM private keys (a mounted Secret; each file mode 0600, or 0440 with the pod's fsGroup) with which restores decrypt encrypted images; requests never carry keys")
+		"`DIR` of PEM private keys (a mounted Secret; each file mode 0600 or 0440): DIR/NAMESPACE/* are a namespace's, which its restores and prepares decrypt with "+
+			"and its checkpoints are encrypted for; files directly in DIR are the node's, for --admin-namespace callers only; requests never carry keys")
 	c.AddCommand(newAgentHealthCmd())
 	return c
 }
 
 // agentCryptFlags: the agent encrypts every checkpoint for the operator's
-// recipients, and decrypts with the keys of a mounted directory.
+// recipients (and its namespace's keys), and decrypts with the keys of a
+// mounted directory, by namespace (agent/keys.go).
 type agentCryptFlags struct {
 	encrypt encryptFlags
 	keyDir  string
-}
-
-func (f *agentCryptFlags) options() ([]ociimage.Option, error) {
-	opts, err := f.encrypt.options()
-	if err != nil || f.keyDir == "" {
-		return opts, err
-	}
-	keys, err := ociimage.LoadDecryptionKeyDir(f.keyDir)
-	if err != nil {
-		return nil, err
-	}
-	return append(opts, ociimage.WithDecryptionKeys(keys...)), nil
 }
 
 func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDir, logLevel string, reg registryFlags, crypt agentCryptFlags) error {
@@ -156,9 +145,13 @@ func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDi
 	if err := level.UnmarshalText([]byte(logLevel)); err != nil {
 		return errcode.New(errcode.Usage, "--log-level %q: use debug, info, warn or error", logLevel)
 	}
-	// Keys are read before anything else starts: a bad one fails here.
-	crypto, err := crypt.options()
+	// Keys are read before anything else starts: a bad one fails here (the
+	// key directory's, in agent.New).
+	enc, err := crypt.encrypt.encryption()
 	if err != nil {
+		return err
+	}
+	if err := agent.CheckDecryptionKeyDir(crypt.keyDir); err != nil {
 		return err
 	}
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
@@ -173,7 +166,8 @@ func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDi
 	defer res.Close()
 	cfg.Resolver = res
 	cfg.Logger = log
-	cfg.Store = append(reg.options(), crypto...)
+	cfg.Store = reg.options()
+	cfg.Encrypt, cfg.DecryptionKeyDir = enc, crypt.keyDir
 	srv, err := agent.New(ctx, cfg)
 	if err != nil {
 		return err
