@@ -112,7 +112,9 @@ Not with --restore-via-agent.`,
 }
 
 // namespaceKeysFlag is a repeatable NAMESPACE=SECRET.
-type namespaceKeysFlag struct{ v *[]manifests.NamespaceKeySecret }
+type namespaceKeysFlag struct {
+	v *[]manifests.NamespaceKeySecret
+}
 
 func (f namespaceKeysFlag) String() string {
 	if f.v == nil {
