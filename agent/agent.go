@@ -84,6 +84,9 @@ type Config struct {
 	// much of the agent's memory one operation takes. A request above it
 	// is refused (INVALID_INPUT), not clamped, so the caller knows.
 	MaxWorkers int
+	// Limits bound what one caller may hold at once: connections, event
+	// streams, operations (limits.go).
+	Limits Limits
 	// OperationTimeout bounds every operation from its acceptance, its
 	// wait for a slot included (default 30m): a QEMU that stops answering,
 	// or a caller killed mid-wait, never holds a slot for good. When it
@@ -125,6 +128,7 @@ type Server struct {
 	slots   chan struct{}
 	policy  *imagePolicy
 	keys    *keyDir // nil: no --decryption-key-dir
+	held    *holdings
 
 	ready   chan struct{} // closed once the resolver's watch runs
 	readyMu sync.Once
@@ -180,6 +184,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
 		policy:  policy,
 		keys:    keys,
+		held:    newHoldings(cfg.Limits),
 		ready:   make(chan struct{}),
 	}
 	s.recover(ctx)
@@ -203,18 +208,20 @@ func (s *Server) Serve(ctx context.Context) error {
 // ServeListener serves on ln until ctx ends. Only callers whose peer
 // credentials the agent accepts are served (see peercred.go).
 func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
-	checked, err := withPeerCheck(ln, s.cfg.SocketGroup, s.log)
+	refusals := newRefusals()
+	checked, err := withPeerCheck(ln, s.cfg.SocketGroup, s.log, refusals)
 	if err != nil {
 		ln.Close()
 		return err
 	}
-	ln = checked
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	ln = s.admitting(ctx, checked, refusals)
 	go s.watch(ctx)
 	srv := &http.Server{
 		Handler:           s.Handler(),
 		ReadHeaderTimeout: 10 * time.Second,
+		MaxHeaderBytes:    maxHeaderBytes,
 		// A connection between requests is closed after a while: a caller
 		// must not hold the agent's descriptors by opening connections and
 		// leaving them (an event stream is a request, and stays).

@@ -94,6 +94,14 @@ func (c *callerConn) Close() error {
 	return c.Conn.Close()
 }
 
+// CloseWrite half-closes the connection (answerRefused).
+func (c *callerConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
 func (c *callerConn) identify(ctx context.Context, s *Server) (Caller, error) {
 	c.once.Do(func() {
 		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)

@@ -152,12 +152,11 @@ func (c *Client) Wait(ctx context.Context, id string, update func(api.Operation)
 		if ctx.Err() != nil {
 			return c.stopped(ctx, id, o)
 		}
-		if err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal {
-			// A verdict (the VM is gone, the caller is refused, the
-			// operation is unknown): following again cannot change it.
+		if verdict(err) {
 			return o, err
 		}
-		// The stream broke off: poll once, then follow again.
+		// The stream broke off, or the agent refused it (this caller holds
+		// its streams already): poll once, then follow again.
 		select {
 		case <-time.After(500 * time.Millisecond):
 		case <-ctx.Done():
@@ -165,10 +164,19 @@ func (c *Client) Wait(ctx context.Context, id string, update func(api.Operation)
 		}
 		if o, err := c.Get(ctx, id); err == nil && o.Done() {
 			return o, nil
-		} else if err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal {
+		} else if verdict(err) {
 			return o, err
 		}
 	}
+}
+
+// verdict reports whether err settles what Wait can learn (the VM is
+// gone, the caller is refused, the operation is unknown): asking again
+// cannot change it. A broken connection (INTERNAL) and a caller at its
+// limits (BUSY: it holds as many streams or connections as the agent
+// allows) can.
+func verdict(err error) bool {
+	return err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal && errcode.Of(err) != errcode.Busy
 }
 
 // stopped cancels an operation the caller stopped waiting for, and waits a

@@ -85,7 +85,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		}
 	}
 	o := newOp(api.KindCheckpoint, req.VM, &target, s.cfg.OperationTimeout)
-	return s.start(o, vm, func(ctx context.Context) error {
+	return s.start(ctx, o, vm, func(ctx context.Context) error {
 		afterResolve()
 		spec.Progress = s.progress(o)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
@@ -135,7 +135,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	}
 	target := vm.Target
 	o := newOp(api.KindRestore, req.VM, &target, s.cfg.OperationTimeout)
-	return s.start(o, vm, func(ctx context.Context) error {
+	return s.start(ctx, o, vm, func(ctx context.Context) error {
 		// Journal it too: after a crash the operation is reported failed
 		// (a half-fed QEMU discards the partial state by itself).
 		if err := s.journal.write(journalEntry{Op: o.snapshot()}); err != nil {
@@ -220,8 +220,22 @@ func (s *Server) resolve(ctx context.Context, vm api.VMRef) (*Resolved, error) {
 
 // start registers o and runs work in the background once a slot is free.
 // The operation owns vm's files: they are closed when it ends, however.
-func (s *Server) start(o *op, vm *Resolved, work func(context.Context) error) (api.Operation, error) {
+// It counts against the operations its caller (of ctx's request) may hold.
+func (s *Server) start(ctx context.Context, o *op, vm *Resolved, work func(context.Context) error) (api.Operation, error) {
+	c, err := requestCaller(ctx)
+	if err != nil {
+		vm.Close()
+		return api.Operation{}, err
+	}
+	who := holderOf(c)
+	if err := s.held.take(who, operations); err != nil {
+		s.refused(who, operations)
+		vm.Close()
+		return api.Operation{}, err
+	}
+	o.holder = who // given back by end
 	if err := s.ops.add(o); err != nil {
+		s.held.give(who, operations)
 		vm.Close()
 		return api.Operation{}, err
 	}
@@ -279,9 +293,11 @@ func (s *Server) end(o *op, err error, seconds float64, log interface {
 	Info(string, ...any)
 	Error(string, ...any)
 }) {
-	// The work is over: free the VM first, so that whoever sees the end
-	// (an event, or a poll of the operation) can start the next one at once.
+	// The work is over: free the VM and the caller's count first, so that
+	// whoever sees the end (an event, or a poll of the operation) can
+	// start the next one at once.
 	s.ops.release(o)
+	s.held.give(o.holder, operations)
 	state := api.StateSucceeded
 	switch {
 	case err == nil:
