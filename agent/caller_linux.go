@@ -110,7 +110,7 @@ func (c *callerConn) identify(ctx context.Context, s *Server) (Caller, error) {
 			c.err = errcode.Wrap(errcode.Forbidden, c.pidfdErr, "%s: the process that connected is gone", cannotTell)
 			return
 		}
-		c.caller, c.err = s.identifyPeer(ctx, c.peer, c.accepted)
+		c.caller, c.err = placePeer(s, ctx, c.peer, c.accepted)
 		if c.err == nil && !c.stillThere() {
 			c.caller, c.err = Caller{}, errcode.New(errcode.Forbidden, "%s: the process that connected (pid %d) exited while the agent looked it up", cannotTell, c.peer.pid)
 		}
@@ -162,6 +162,10 @@ func peerPidfd(c net.Conn) (int, error) {
 	}
 	return fd, nil
 }
+
+// placePeer places a connection's caller; tests that run callers as child
+// processes, in no pod, replace it to place them in one.
+var placePeer = (*Server).identifyPeer
 
 const cannotTell = "the agent cannot tell which pod you are, so it refuses the call"
 

@@ -32,7 +32,7 @@ const subscriberBuffer = 256
 
 // streamWriteTimeout bounds one event's write: a stream whose caller does
 // not read for this long ends (the client re-reads the operation).
-const streamWriteTimeout = 10 * time.Second
+var streamWriteTimeout = 10 * time.Second
 
 func newBroker() *broker { return &broker{subs: map[*subscriber]struct{}{}} }
 
