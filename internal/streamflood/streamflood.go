@@ -97,7 +97,9 @@ func attempt(socket string) (net.Conn, string) {
 		return c, "stream"
 	}
 	defer c.Close()
-	var doc struct{ Error struct{ Code, Message string } }
+	var doc struct {
+		Error struct{ Code, Message string }
+	}
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 	if json.Unmarshal(b, &doc) == nil && doc.Error.Code == "BUSY" && strings.Contains(doc.Error.Message, "--max-") {
 		return nil, "busy"
