@@ -156,6 +156,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if cfg.OperationTimeout <= 0 {
 		cfg.OperationTimeout = DefaultOperationTimeout
 	}
+	if l := cfg.Limits; l.Connections < 0 || l.Streams < 0 || l.Operations < 0 {
+		return nil, errcode.New(errcode.Usage, "the per-caller limits (--max-connections-per-caller, --max-streams-per-caller, --max-operations-per-caller) must be at least 1")
+	}
 	if cfg.RAMCacheMaxBytes < 0 {
 		return nil, errcode.New(errcode.Usage, "--ram-cache-max-bytes %d: give a size in bytes, or 0 for no bound", cfg.RAMCacheMaxBytes)
 	}
