@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -92,6 +93,11 @@ func TestAgentStreamFloodFromOneCaller(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer child.Process.Kill()
+	// Past a bound, the attack has succeeded: stop it at once, rather than
+	// let it take this process's memory and descriptors.
+	overrun := make(chan string, 1)
+	stopWatch := watchFlood(a.srv, base, mem, attacker, func(why string) { overrun <- why; child.Process.Kill() })
+	defer stopWatch()
 
 	// The other caller (this process, on the node) checkpoints its VM
 	// while the flood runs: once the attacker holds its streams.
@@ -108,8 +114,17 @@ func TestAgentStreamFloodFromOneCaller(t *testing.T) {
 		t.Fatalf("the other caller's checkpoint: %s %+v", final.State, final.Error)
 	}
 
-	r := floodOutcome(t, stdout)
+	r, ok := floodOutcome(stdout)
+	stopWatch()
 	mem.finish()
+	select {
+	case why := <-overrun:
+		t.Fatalf("the flood was stopped: %s", why)
+	default:
+	}
+	if !ok {
+		t.Fatal("the attacker printed no result")
+	}
 	grew := int64(mem.peakLive.Load()) - int64(base)
 	t.Logf("attacker: %+v; holds %d connections, %d streams; live heap +%.1f MiB at its peak (bound %d MiB), heap objects peak %.1f MiB",
 		r, a.srv.held.count(attacker, connections), a.srv.held.count(attacker, streams), float64(grew)/mib, floodHeapBound/mib, float64(mem.peakObjs.Load())/mib)
@@ -138,19 +153,45 @@ func TestAgentStreamFloodFromOneCaller(t *testing.T) {
 	}
 }
 
-// floodOutcome reads the attacker's result line.
-func floodOutcome(t *testing.T, stdout io.Reader) streamflood.Result {
-	t.Helper()
+// floodOutcome reads the attacker's result line; false if it printed none.
+func floodOutcome(stdout io.Reader) (streamflood.Result, bool) {
 	sc := bufio.NewScanner(stdout)
 	for sc.Scan() {
 		if line, ok := strings.CutPrefix(sc.Text(), floodResultMark); ok {
 			var r streamflood.Result
-			if err := json.Unmarshal([]byte(line), &r); err != nil {
-				t.Fatal(err)
-			}
-			return r
+			return r, json.Unmarshal([]byte(line), &r) == nil
 		}
 	}
-	t.Fatalf("the attacker printed no result (%v)", sc.Err())
-	return streamflood.Result{}
+	return streamflood.Result{}, false
+}
+
+// watchFlood calls stop, once, if the attacker holds more streams or
+// connections than its limits, or the live heap grows past floodHeapBound,
+// until the returned function is called.
+func watchFlood(s *Server, base uint64, mem *memSampler, attacker string, stop func(why string)) func() {
+	done := make(chan struct{})
+	var once sync.Once
+	go func() {
+		for {
+			var why string
+			switch n, c := s.held.count(attacker, streams), s.held.count(attacker, connections); {
+			case n > DefaultMaxStreamsPerCaller:
+				why = fmt.Sprintf("the attacker holds %d streams", n)
+			case c > DefaultMaxConnectionsPerCaller:
+				why = fmt.Sprintf("the attacker holds %d connections", c)
+			case int64(mem.peakLive.Load())-int64(base) > floodHeapBound:
+				why = fmt.Sprintf("the live heap grew by %d MiB", (int64(mem.peakLive.Load())-int64(base))/mib)
+			}
+			if why != "" {
+				stop(why)
+				return
+			}
+			select {
+			case <-done:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}()
+	return func() { once.Do(func() { close(done) }) }
 }
