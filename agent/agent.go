@@ -129,6 +129,7 @@ type Server struct {
 	policy  *imagePolicy
 	keys    *keyDir // nil: no --decryption-key-dir
 	held    *holdings
+	placed  placedCache // callers placed, by process (caller_linux.go)
 
 	ready   chan struct{} // closed once the resolver's watch runs
 	readyMu sync.Once

@@ -182,6 +182,21 @@ func (s *Server) identifyPeer(ctx context.Context, p peer, accepted time.Time) (
 	if err != nil {
 		return Caller{}, errcode.Wrap(errcode.Forbidden, err, "%s: the process that connected is gone", cannotTell)
 	}
+	// The same process (pid and start time) connecting again is the same
+	// caller: no containerd lookup per connection of a client, or a flood.
+	if c, ok := s.placed.get(p.pid, start); ok {
+		return c, nil
+	}
+	c, err := s.lookupPeer(ctx, p, dir, start)
+	if err == nil {
+		s.placed.put(p.pid, start, c)
+	}
+	return c, err
+}
+
+// lookupPeer places the process p, which started at start, through its
+// cgroups and the resolver.
+func (s *Server) lookupPeer(ctx context.Context, p peer, dir string, start time.Duration) (Caller, error) {
 	cgroups, err := readSmall(dir + "/cgroup")
 	if err != nil {
 		return Caller{}, errcode.Wrap(errcode.Forbidden, err, "%s", cannotTell)

@@ -5,12 +5,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/url"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
@@ -33,12 +35,32 @@ func NewClient(addr string) (*Client, error) {
 		}
 		path = u.Path
 	}
-	dial := func(ctx context.Context, _, _ string) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "unix", path)
-	}
+	dial := func(ctx context.Context, _, _ string) (net.Conn, error) { return dialAgent(ctx, path) }
 	return &Client{socket: path, http: &http.Client{Transport: &http.Transport{DialContext: dial, MaxIdleConns: 4}}}, nil
 }
+
+// dialAgent connects to the agent's socket. A full listen queue (EAGAIN:
+// the agent is accepting more connections than it can place, another
+// caller's flood) is waited out for a while rather than reported as an
+// agent that does not answer.
+func dialAgent(ctx context.Context, path string) (net.Conn, error) {
+	var d net.Dialer
+	wait := 10 * time.Millisecond
+	for deadline := time.Now().Add(dialPatience); ; wait = min(2*wait, time.Second) {
+		c, err := d.DialContext(ctx, "unix", path)
+		if err == nil || !errors.Is(err, syscall.EAGAIN) || time.Now().After(deadline) {
+			return c, err
+		}
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return nil, err
+		}
+	}
+}
+
+// dialPatience is how long dialAgent waits out a full listen queue.
+const dialPatience = 30 * time.Second
 
 func (c *Client) do(ctx context.Context, method, path string, body, out any) error {
 	var rd io.Reader
