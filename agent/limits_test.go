@@ -132,6 +132,7 @@ func TestAgentOperationsPerCallerBounded(t *testing.T) {
 	tn := &tenants{s: s, h: s.Handler(), layout: root}
 	var ids []string
 	for i, uid := range vms {
+		resolved := res.calls
 		o, e := tn.checkpoint(t, callerA, uid)
 		switch {
 		case i < limit && e.Code != "":
@@ -140,6 +141,8 @@ func TestAgentOperationsPerCallerBounded(t *testing.T) {
 			ids = append(ids, o.ID)
 		case e.Code != errcode.Busy || !strings.Contains(e.Message, "--max-operations-per-caller"):
 			t.Fatalf("tenant-a's operation %d, over its limit: %+v, want BUSY naming the flag", i, e)
+		case res.calls != resolved:
+			t.Fatalf("a request over the limit was resolved: it should cost the agent nothing but the refusal")
 		}
 	}
 	if _, e := tn.checkpoint(t, callerB, uidB); e.Code != "" {

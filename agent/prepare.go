@@ -59,16 +59,15 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 	if err := s.checkImages(ctx, req.Image); err != nil {
 		return nil, err
 	}
+	hold, err := s.holdOperation(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer hold.drop()
 	store, err := s.storeFor(ctx, ns)
 	if err != nil {
 		return nil, err
 	}
-	who := holderOf(c)
-	if err := s.held.take(who, operations); err != nil {
-		s.refused(who, operations)
-		return nil, err
-	}
-	defer s.held.give(who, operations)
 	ctx, cancel := context.WithTimeoutCause(ctx, s.cfg.OperationTimeout, errcode.New(errcode.Busy, "the prepare did not finish within the agent's --operation-timeout (%s)", s.cfg.OperationTimeout))
 	defer cancel()
 	select {

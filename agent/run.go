@@ -45,6 +45,11 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if err := s.checkImages(ctx, req.Image, req.DiskImage, req.RootfsImage); err != nil {
 		return api.Operation{}, err
 	}
+	hold, err := s.holdOperation(ctx)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	defer hold.drop()
 	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
@@ -85,7 +90,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		}
 	}
 	o := newOp(api.KindCheckpoint, req.VM, &target, s.cfg.OperationTimeout)
-	return s.start(ctx, o, vm, func(ctx context.Context) error {
+	return s.start(hold, o, vm, func(ctx context.Context) error {
 		afterResolve()
 		spec.Progress = s.progress(o)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
@@ -124,6 +129,11 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if err := s.checkImages(ctx, req.Image); err != nil {
 		return api.Operation{}, err
 	}
+	hold, err := s.holdOperation(ctx)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	defer hold.drop()
 	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
@@ -135,7 +145,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	}
 	target := vm.Target
 	o := newOp(api.KindRestore, req.VM, &target, s.cfg.OperationTimeout)
-	return s.start(ctx, o, vm, func(ctx context.Context) error {
+	return s.start(hold, o, vm, func(ctx context.Context) error {
 		// Journal it too: after a crash the operation is reported failed
 		// (a half-fed QEMU discards the partial state by itself).
 		if err := s.journal.write(journalEntry{Op: o.snapshot()}); err != nil {
@@ -220,25 +230,13 @@ func (s *Server) resolve(ctx context.Context, vm api.VMRef) (*Resolved, error) {
 
 // start registers o and runs work in the background once a slot is free.
 // The operation owns vm's files: they are closed when it ends, however.
-// It counts against the operations its caller (of ctx's request) may hold.
-func (s *Server) start(ctx context.Context, o *op, vm *Resolved, work func(context.Context) error) (api.Operation, error) {
-	c, err := requestCaller(ctx)
-	if err != nil {
-		vm.Close()
-		return api.Operation{}, err
-	}
-	who := holderOf(c)
-	if err := s.held.take(who, operations); err != nil {
-		s.refused(who, operations)
-		vm.Close()
-		return api.Operation{}, err
-	}
-	o.holder = who // given back by end
+// It keeps hold, one of its caller's operations, until it ends.
+func (s *Server) start(hold *opHold, o *op, vm *Resolved, work func(context.Context) error) (api.Operation, error) {
 	if err := s.ops.add(o); err != nil {
-		s.held.give(who, operations)
 		vm.Close()
 		return api.Operation{}, err
 	}
+	hold.keep(o)
 	snap := o.snapshot()
 	s.metrics.inFlight.WithLabelValues(snap.Kind, api.StatePending).Inc()
 	s.events.publish(snap)
