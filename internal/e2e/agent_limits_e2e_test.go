@@ -22,7 +22,7 @@ import (
 
 // e2eFloodRSSBound is what the README promises the flood below can add to
 // the agent's peak RSS, another tenant's small checkpoint included.
-const e2eFloodRSSBound = 64 << 20
+const e2eFloodRSSBound = 32 << 20
 
 // tenant-a's pod makes 20,000 event stream requests, 64 at a time, keeping
 // every stream it gets. It gets its limit and BUSY for the rest; tenant-b's
