@@ -14,7 +14,6 @@ package agent
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"net"
 	"net/http"
 	"sync"
@@ -31,7 +30,6 @@ type admitting struct {
 	net.Listener
 	s        *Server
 	ctx      context.Context
-	log      *slog.Logger
 	refusals *refusals
 	placing  chan struct{}
 	conns    chan net.Conn
@@ -41,7 +39,7 @@ type admitting struct {
 }
 
 func (s *Server) admitting(ctx context.Context, ln net.Listener, r *refusals) *admitting {
-	a := &admitting{Listener: ln, s: s, ctx: ctx, log: s.log, refusals: r, placing: make(chan struct{}, maxPlacing),
+	a := &admitting{Listener: ln, s: s, ctx: ctx, refusals: r, placing: make(chan struct{}, maxPlacing),
 		conns: make(chan net.Conn), errs: make(chan error), done: make(chan struct{})}
 	go a.loop()
 	return a
@@ -127,7 +125,9 @@ func (h *heldConn) Close() error {
 	return h.Conn.Close()
 }
 
-// CloseWrite half-closes the connection, where it can.
+// CloseWrite half-closes the connection, where it can: net/http does so
+// before it closes a connection after an error answer, so that the caller
+// reads the answer rather than a reset.
 func (h *heldConn) CloseWrite() error {
 	if cw, ok := h.Conn.(interface{ CloseWrite() error }); ok {
 		return cw.CloseWrite()
