@@ -51,8 +51,19 @@ type Config struct {
 	// (default 2); more wait as pending.
 	MaxConcurrent int
 	Resolver      Resolver
-	Store         []ociimage.Option // registry credentials, CA, ...
-	Logger        *slog.Logger
+	// Store is how the agent reaches registries (credentials, CA, ...),
+	// never keys: those are DecryptionKeyDir and Encrypt, which the agent
+	// applies per caller and namespace (keys.go).
+	Store  []ociimage.Option
+	Logger *slog.Logger
+
+	// DecryptionKeyDir holds the private keys operations decrypt with: the
+	// node's directly in it (admin callers only), each namespace's in
+	// DIR/NAMESPACE (keydir.go); "": none.
+	DecryptionKeyDir string
+	// Encrypt, if set, is what every checkpoint is encrypted for besides its
+	// namespace's keys (the node's recipients, and a dedup secret).
+	Encrypt *ociimage.EncryptOptions
 
 	// Authorization (caller.go, policy.go).
 	// AdminNamespaces are pod namespaces whose callers may act on any VM
@@ -73,6 +84,9 @@ type Config struct {
 	// much of the agent's memory one operation takes. A request above it
 	// is refused (INVALID_INPUT), not clamped, so the caller knows.
 	MaxWorkers int
+	// Limits bound what one caller may hold at once: connections, event
+	// streams, operations (limits.go).
+	Limits Limits
 	// OperationTimeout bounds every operation from its acceptance, its
 	// wait for a slot included (default 30m): a QEMU that stops answering,
 	// or a caller killed mid-wait, never holds a slot for good. When it
@@ -113,6 +127,9 @@ type Server struct {
 	journal *journal
 	slots   chan struct{}
 	policy  *imagePolicy
+	keys    *keyDir // nil: no --decryption-key-dir
+	held    *holdings
+	placed  placedCache // callers placed, by process (caller_linux.go)
 
 	ready   chan struct{} // closed once the resolver's watch runs
 	readyMu sync.Once
@@ -140,6 +157,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if cfg.OperationTimeout <= 0 {
 		cfg.OperationTimeout = DefaultOperationTimeout
 	}
+	if l := cfg.Limits; l.Connections < 0 || l.Streams < 0 || l.Operations < 0 {
+		return nil, errcode.New(errcode.Usage, "the per-caller limits (--max-connections-per-caller, --max-streams-per-caller, --max-operations-per-caller) must be at least 1")
+	}
 	if cfg.RAMCacheMaxBytes < 0 {
 		return nil, errcode.New(errcode.Usage, "--ram-cache-max-bytes %d: give a size in bytes, or 0 for no bound", cfg.RAMCacheMaxBytes)
 	}
@@ -154,6 +174,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	keys, err := openKeyDir(cfg.DecryptionKeyDir)
+	if err != nil {
+		return nil, err
+	}
 	s := &Server{
 		cfg:     cfg,
 		log:     cfg.Logger,
@@ -163,6 +187,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		journal: j,
 		slots:   make(chan struct{}, cfg.MaxConcurrent),
 		policy:  policy,
+		keys:    keys,
+		held:    newHoldings(cfg.Limits),
 		ready:   make(chan struct{}),
 	}
 	s.recover(ctx)
@@ -186,20 +212,22 @@ func (s *Server) Serve(ctx context.Context) error {
 // ServeListener serves on ln until ctx ends. Only callers whose peer
 // credentials the agent accepts are served (see peercred.go).
 func (s *Server) ServeListener(ctx context.Context, ln net.Listener) error {
-	checked, err := withPeerCheck(ln, s.cfg.SocketGroup, s.log)
+	refusals := newRefusals(s.log)
+	checked, err := withPeerCheck(ln, s.cfg.SocketGroup, s.log, refusals)
 	if err != nil {
 		ln.Close()
 		return err
 	}
-	ln = checked
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	ln = s.admitting(ctx, checked, refusals)
 	go s.watch(ctx)
 	srv := &http.Server{
 		Handler: s.Handler(),
 		// net/http's own complaints go into the agent's JSON log.
 		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 		ReadHeaderTimeout: 10 * time.Second,
+		MaxHeaderBytes:    maxHeaderBytes,
 		// A connection between requests is closed after a while: a caller
 		// must not hold the agent's descriptors by opening connections and
 		// leaving them (an event stream is a request, and stays).

@@ -101,10 +101,12 @@ func (c Caller) sees(o api.Operation) bool {
 func requestCaller(ctx context.Context) (Caller, error) {
 	c, ok := callerFrom(ctx)
 	if !ok {
-		return Caller{}, errcode.New(errcode.Forbidden, "the agent could not tell who is calling, so it refuses the call")
+		return Caller{}, errNoCaller
 	}
 	return c, nil
 }
+
+var errNoCaller = errcode.New(errcode.Forbidden, "the agent could not tell who is calling, so it refuses the call")
 
 // connIdentity is a connection that can tell who made it (caller_linux.go).
 type connIdentity interface {
@@ -128,7 +130,7 @@ func (s *Server) identified(h http.HandlerFunc) http.HandlerFunc {
 		if _, ok := callerFrom(r.Context()); !ok {
 			ci, ok := r.Context().Value(connKey{}).(connIdentity)
 			if !ok {
-				writeError(w, errcode.New(errcode.Forbidden, "the agent could not tell who is calling, so it refuses the call"))
+				writeError(w, errNoCaller)
 				return
 			}
 			c, err := ci.identify(r.Context(), s)

@@ -94,6 +94,14 @@ func (c *callerConn) Close() error {
 	return c.Conn.Close()
 }
 
+// CloseWrite half-closes the connection (answerRefused).
+func (c *callerConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
 func (c *callerConn) identify(ctx context.Context, s *Server) (Caller, error) {
 	c.once.Do(func() {
 		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -102,7 +110,7 @@ func (c *callerConn) identify(ctx context.Context, s *Server) (Caller, error) {
 			c.err = errcode.Wrap(errcode.Forbidden, c.pidfdErr, "%s: the process that connected is gone", cannotTell)
 			return
 		}
-		c.caller, c.err = s.identifyPeer(ctx, c.peer, c.accepted)
+		c.caller, c.err = placePeer(s, ctx, c.peer, c.accepted)
 		if c.err == nil && !c.stillThere() {
 			c.caller, c.err = Caller{}, errcode.New(errcode.Forbidden, "%s: the process that connected (pid %d) exited while the agent looked it up", cannotTell, c.peer.pid)
 		}
@@ -155,6 +163,10 @@ func peerPidfd(c net.Conn) (int, error) {
 	return fd, nil
 }
 
+// placePeer places a connection's caller; tests that run callers as child
+// processes, in no pod, replace it to place them in one.
+var placePeer = (*Server).identifyPeer
+
 const cannotTell = "the agent cannot tell which pod you are, so it refuses the call"
 
 // identifyPeer establishes the caller behind the peer credentials p.
@@ -170,6 +182,21 @@ func (s *Server) identifyPeer(ctx context.Context, p peer, accepted time.Time) (
 	if err != nil {
 		return Caller{}, errcode.Wrap(errcode.Forbidden, err, "%s: the process that connected is gone", cannotTell)
 	}
+	// The same process (pid and start time) connecting again is the same
+	// caller: no containerd lookup per connection of a client, or a flood.
+	if c, ok := s.placed.get(p.pid, start); ok {
+		return c, nil
+	}
+	c, err := s.lookupPeer(ctx, p, dir, start)
+	if err == nil {
+		s.placed.put(p.pid, start, c)
+	}
+	return c, err
+}
+
+// lookupPeer places the process p, which started at start, through its
+// cgroups and the resolver.
+func (s *Server) lookupPeer(ctx context.Context, p peer, dir string, start time.Duration) (Caller, error) {
 	cgroups, err := readSmall(dir + "/cgroup")
 	if err != nil {
 		return Caller{}, errcode.Wrap(errcode.Forbidden, err, "%s", cannotTell)

@@ -265,7 +265,7 @@ func TestIdentifyRefusesAnExitedConnector(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	checked, err := withPeerCheck(ln, "", s.log)
+	checked, err := withPeerCheck(ln, "", s.log, newRefusals(s.log))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,12 +5,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/url"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
@@ -33,12 +35,32 @@ func NewClient(addr string) (*Client, error) {
 		}
 		path = u.Path
 	}
-	dial := func(ctx context.Context, _, _ string) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "unix", path)
-	}
+	dial := func(ctx context.Context, _, _ string) (net.Conn, error) { return dialAgent(ctx, path) }
 	return &Client{socket: path, http: &http.Client{Transport: &http.Transport{DialContext: dial, MaxIdleConns: 4}}}, nil
 }
+
+// dialAgent connects to the agent's socket. A full listen queue (EAGAIN:
+// the agent is accepting more connections than it can place, another
+// caller's flood) is waited out for a while rather than reported as an
+// agent that does not answer.
+func dialAgent(ctx context.Context, path string) (net.Conn, error) {
+	var d net.Dialer
+	wait := 10 * time.Millisecond
+	for deadline := time.Now().Add(dialPatience); ; wait = min(2*wait, time.Second) {
+		c, err := d.DialContext(ctx, "unix", path)
+		if err == nil || !errors.Is(err, syscall.EAGAIN) || time.Now().After(deadline) {
+			return c, err
+		}
+		select {
+		case <-time.After(wait):
+		case <-ctx.Done():
+			return nil, err
+		}
+	}
+}
+
+// dialPatience is how long dialAgent waits out a full listen queue.
+const dialPatience = 30 * time.Second
 
 func (c *Client) do(ctx context.Context, method, path string, body, out any) error {
 	var rd io.Reader
@@ -152,12 +174,11 @@ func (c *Client) Wait(ctx context.Context, id string, update func(api.Operation)
 		if ctx.Err() != nil {
 			return c.stopped(ctx, id, o)
 		}
-		if err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal {
-			// A verdict (the VM is gone, the caller is refused, the
-			// operation is unknown): following again cannot change it.
+		if verdict(err) {
 			return o, err
 		}
-		// The stream broke off: poll once, then follow again.
+		// The stream broke off, or the agent refused it (this caller holds
+		// its streams already): poll once, then follow again.
 		select {
 		case <-time.After(500 * time.Millisecond):
 		case <-ctx.Done():
@@ -165,10 +186,19 @@ func (c *Client) Wait(ctx context.Context, id string, update func(api.Operation)
 		}
 		if o, err := c.Get(ctx, id); err == nil && o.Done() {
 			return o, nil
-		} else if err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal {
+		} else if verdict(err) {
 			return o, err
 		}
 	}
+}
+
+// verdict reports whether err settles what Wait can learn (the VM is
+// gone, the caller is refused, the operation is unknown): asking again
+// cannot change it. A broken connection (INTERNAL) and a caller at its
+// limits (BUSY: it holds as many streams or connections as the agent
+// allows) can.
+func verdict(err error) bool {
+	return err != nil && errcode.Has(err) && errcode.Of(err) != errcode.Internal && errcode.Of(err) != errcode.Busy
 }
 
 // stopped cancels an operation the caller stopped waiting for, and waits a

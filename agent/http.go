@@ -20,6 +20,12 @@ import (
 // maxRequestBody bounds a request's body: requests are a few hundred bytes.
 const maxRequestBody = 64 << 10
 
+// maxHeaderBytes bounds a request's head (net/http allows 4 KiB more): a
+// client of this API sends a few hundred bytes; the default, 1 MiB per
+// connection, would let a caller make the agent hold a megabyte per
+// connection it may open.
+const maxHeaderBytes = 16 << 10
+
 // bodyTimeout bounds reading a request's body, as the server's
 // ReadHeaderTimeout bounds its headers: a caller that trickles a body, or
 // announces one and sends nothing, must not hold a connection and a
@@ -126,65 +132,6 @@ func (s *Server) Handler() http.Handler {
 		writeError(w, errcode.New(errcode.InvalidInput, "no endpoint %s %s: the API is listed by `vmsnap agent --help`", r.Method, r.URL.Path))
 	})
 	return recovering(s.log, mux)
-}
-
-// serveEvents streams operation events. It first sends the current state
-// of the operations asked for, so that a client that subscribes after
-// starting an operation cannot miss its end.
-func (s *Server) serveEvents(w http.ResponseWriter, r *http.Request) {
-	flusher, ok := w.(http.Flusher)
-	if !ok {
-		writeError(w, errcode.New(errcode.Internal, "streaming unsupported"))
-		return
-	}
-	c, _ := callerFrom(r.Context())
-	filter := r.URL.Query().Get("operation")
-	var initial []api.Operation
-	if filter != "" {
-		o, err := s.visibleOp(r.Context(), filter)
-		if err != nil {
-			writeError(w, err)
-			return
-		}
-		sub := s.events.subscribe(filter, c.sees)
-		defer s.events.unsubscribe(sub)
-		initial = append(initial, o.snapshot())
-		s.stream(w, r, flusher, sub, initial)
-		return
-	}
-	sub := s.events.subscribe("", c.sees)
-	defer s.events.unsubscribe(sub)
-	s.stream(w, r, flusher, sub, s.ops.list(c.sees))
-}
-
-func (s *Server) stream(w http.ResponseWriter, r *http.Request, flusher http.Flusher, sub *subscriber, initial []api.Operation) {
-	w.Header().Set("Content-Type", "text/event-stream")
-	w.Header().Set("Cache-Control", "no-store")
-	w.WriteHeader(http.StatusOK)
-	flusher.Flush() // a subscriber learns at once that the stream is open
-	send := func(ev api.Event) bool {
-		b, _ := json.Marshal(ev)
-		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", ev.Type, b); err != nil {
-			return false
-		}
-		flusher.Flush()
-		return true
-	}
-	for _, o := range initial {
-		if !send(api.Event{Type: "operation", Time: o.Updated, Operation: o}) {
-			return
-		}
-	}
-	for {
-		select {
-		case ev, ok := <-sub.c:
-			if !ok || !send(ev) {
-				return
-			}
-		case <-r.Context().Done():
-			return
-		}
-	}
 }
 
 // decode reads a JSON request strictly: unknown fields, trailing data and

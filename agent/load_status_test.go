@@ -124,7 +124,8 @@ func statusLoadAgent(tb testing.TB, stateSize int) (*testAgent, []byte) {
 	state := randomState(tb, stateSize)
 	res := newStaticResolver()
 	res.add(uid1, qmptest.NewFakeQEMU(tb, "running", state).Path())
-	return startAgent(tb, tb.TempDir(), res, 2), state
+	// The crowd is one caller (this process) with a connection each.
+	return startAgentConfig(tb, Config{StateDir: tb.TempDir(), Resolver: res, MaxConcurrent: 2, Limits: Limits{Connections: 2 * statusClients}}), state
 }
 
 // timedCheckpoint checkpoints the VM into a new layout, with during (if

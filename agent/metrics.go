@@ -15,7 +15,8 @@ type metrics struct {
 	bytes      *prometheus.CounterVec   // kind, what (raw, stored, uploaded)
 	throughput *prometheus.HistogramVec // kind
 	downtime   prometheus.Histogram
-	inFlight   *prometheus.GaugeVec // kind, state (pending, running)
+	inFlight   *prometheus.GaugeVec   // kind, state (pending, running)
+	refusals   *prometheus.CounterVec // resource (limits.go)
 }
 
 func newMetrics() *metrics {
@@ -42,8 +43,11 @@ func newMetrics() *metrics {
 		inFlight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "vmsnap_operations_in_flight", Help: "Operations pending or running now.",
 		}, []string{"kind", "state"}),
+		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "vmsnap_caller_limit_refusals_total", Help: "Requests and connections refused because their caller held its limit, by resource (connections, streams, operations).",
+		}, []string{"resource"}),
 	}
-	m.reg.MustRegister(m.total, m.duration, m.bytes, m.throughput, m.downtime, m.inFlight,
+	m.reg.MustRegister(m.total, m.duration, m.bytes, m.throughput, m.downtime, m.inFlight, m.refusals,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

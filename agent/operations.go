@@ -18,6 +18,7 @@ import (
 type op struct {
 	id     string
 	key    string // the VM: pod UID and container
+	holder string // whose operations it counts against (limits.go)
 	cancel context.CancelCauseFunc
 	ctx    context.Context
 	done   chan struct{}
@@ -91,10 +92,18 @@ type table struct {
 	active  map[string]*op // by VM key
 	order   []string       // ids, oldest first
 	removed map[string]error
+	gone    []string // ids in removed, oldest first
 	wg      sync.WaitGroup
 }
 
-const historyLimit = 256
+// historyLimit bounds the finished operations kept, and removedLimit the
+// reasons kept for operations forgotten because their VM went away: each
+// a pod's container, so a tenant that creates and deletes pods must not
+// grow the agent's memory by it.
+const (
+	historyLimit = 256
+	removedLimit = 1024
+)
 
 func newTable() *table {
 	return &table{byID: map[string]*op{}, active: map[string]*op{}, removed: map[string]error{}}
@@ -161,7 +170,14 @@ func (t *table) remove(o *op, why error) {
 	defer t.mu.Unlock()
 	delete(t.byID, o.id)
 	t.order = slices.DeleteFunc(t.order, func(id string) bool { return id == o.id })
+	if _, ok := t.removed[o.id]; !ok {
+		t.gone = append(t.gone, o.id)
+	}
 	t.removed[o.id] = &forgotten{error: why, ns: ns}
+	for len(t.gone) > removedLimit {
+		delete(t.removed, t.gone[0])
+		t.gone = t.gone[1:]
+	}
 }
 
 // forgotten is the answer about a removed operation: why, and the

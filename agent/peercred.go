@@ -45,12 +45,9 @@ package agent
 // connection is closed at once.
 
 import (
-	"bufio"
 	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -62,7 +59,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
@@ -100,20 +96,15 @@ var peerGroupsFunc = peerGroups
 // credListener admits only the peers its policy allows.
 type credListener struct {
 	net.Listener
-	policy  peerPolicy
-	log     *slog.Logger
-	refuses chan struct{} // bounds the refusals being answered at once
+	policy   peerPolicy
+	log      *slog.Logger
+	refusals *refusals
 }
-
-const (
-	maxRefusing    = 32
-	refusalTimeout = 2 * time.Second
-)
 
 // withPeerCheck wraps ln so that Accept returns only connections from
 // allowed peers. group is the socket group as configured ("" for the
 // agent's own).
-func withPeerCheck(ln net.Listener, group string, log *slog.Logger) (net.Listener, error) {
+func withPeerCheck(ln net.Listener, group string, log *slog.Logger, r *refusals) (net.Listener, error) {
 	gid := uint32(os.Getegid())
 	if group != "" {
 		g, err := lookupGroup(group)
@@ -126,7 +117,7 @@ func withPeerCheck(ln net.Listener, group string, log *slog.Logger) (net.Listene
 		Listener: ln,
 		policy:   peerPolicy{selfUID: uint32(os.Geteuid()), group: gid},
 		log:      log,
-		refuses:  make(chan struct{}, maxRefusing),
+		refusals: r,
 	}, nil
 }
 
@@ -159,45 +150,7 @@ func (l *credListener) refuse(c net.Conn, p peer, cause error) {
 		msg = fmt.Sprintf("the agent refuses callers with uid %d: only root, the agent's uid (%d) and members of the socket's group (gid %d) may use it",
 			p.uid, l.policy.selfUID, l.policy.group)
 	}
-	select {
-	case l.refuses <- struct{}{}:
-		go func() {
-			defer func() { <-l.refuses }()
-			defer func() {
-				if v := recover(); v != nil {
-					_ = Recovered(l.log, v, "answering a refused caller")
-				}
-			}()
-			answerRefused(c, msg)
-		}()
-	default:
-		c.Close()
-	}
-}
-
-// answerRefused reads the caller's request head, answers 403 AUTH_FAILED
-// and closes the connection, within refusalTimeout.
-func answerRefused(c net.Conn, msg string) {
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(refusalTimeout))
-	// The head only, bounded: answering before the request was sent can
-	// make a client see a reset instead of the answer.
-	if _, err := http.ReadRequest(bufio.NewReader(io.LimitReader(c, 16<<10))); err != nil {
-		return
-	}
-	body, _ := json.Marshal(api.ErrorDoc{Error: api.ErrorOf(errcode.New(errcode.AuthFailed, "%s", msg))})
-	var b bytes.Buffer
-	fmt.Fprintf(&b, "HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
-	if _, err := c.Write(b.Bytes()); err != nil {
-		return
-	}
-	// Close our side of the stream, then drain what the caller still sends
-	// (a request body), so that closing does not reset the connection
-	// before the caller has read the answer.
-	if uc, ok := c.(*net.UnixConn); ok {
-		_ = uc.CloseWrite()
-	}
-	_, _ = io.Copy(io.Discard, io.LimitReader(c, maxRequestBody+1))
+	l.refusals.refuse(c, http.StatusForbidden, errcode.New(errcode.AuthFailed, "%s", msg))
 }
 
 // peerOf reads the credentials of the process that connected c.

@@ -69,6 +69,15 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 	if err := s.checkImages(ctx, req.Image); err != nil {
 		return nil, err
 	}
+	hold, err := s.holdOperation(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer hold.drop()
+	store, err := s.storeFor(ctx, ns)
+	if err != nil {
+		return nil, err
+	}
 	timedOut := errcode.New(errcode.Busy, "the prepare did not finish within the agent's --operation-timeout of %s", s.cfg.OperationTimeout)
 	ctx, cancel := context.WithTimeoutCause(ctx, s.cfg.OperationTimeout, timedOut)
 	defer cancel()
@@ -80,7 +89,7 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 	}
 	res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
 		Image: req.Image, AllowTag: req.AllowTag, CacheDir: RAMCacheDir(s.cfg.StateDir, ns),
-		MaxCacheBytes: s.cfg.RAMCacheMaxBytes, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: s.cfg.Store,
+		MaxCacheBytes: s.cfg.RAMCacheMaxBytes, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store,
 	})
 	if err != nil {
 		if ctx.Err() != nil && context.Cause(ctx) != nil && errcode.Of(err) == errcode.Internal {

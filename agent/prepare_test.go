@@ -14,20 +14,21 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
 // memoryFileImage checkpoints a fake QEMU whose RAM is a shared file of
 // size bytes into the layout dir and returns the image (REF@sha256) and
 // the RAM file's bytes.
-func memoryFileImage(t *testing.T, dir string, size int) (string, []byte) {
+func memoryFileImage(t *testing.T, dir string, size int, store ...ociimage.Option) (string, []byte) {
 	t.Helper()
-	img, ram, _ := memoryFileImageState(t, dir, size)
+	img, ram, _ := memoryFileImageState(t, dir, size, store...)
 	return img, ram
 }
 
 // memoryFileImageState is memoryFileImage, and the fake's device state.
-func memoryFileImageState(t *testing.T, dir string, size int) (string, []byte, []byte) {
+func memoryFileImageState(t *testing.T, dir string, size int, store ...ociimage.Option) (string, []byte, []byte) {
 	t.Helper()
 	ram := make([]byte, size)
 	rand.Read(ram[:size/4])
@@ -44,7 +45,7 @@ func memoryFileImageState(t *testing.T, dir string, size int) (string, []byte, [
 	vm.Caps["x-ignore-shared"] = false
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	res, err := snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{QMPPath: vm.Path(), Image: "oci:" + dir + ":vm", Mode: "snapshot"})
+	res, err := snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{QMPPath: vm.Path(), Image: "oci:" + dir + ":vm", Mode: "snapshot", Store: store})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,7 +24,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	}
 	spec := snapshot.CheckpointSpec{
 		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: vmstate.Mode(req.Mode),
-		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers}, Store: s.cfg.Store,
+		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers},
 		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
 		// gets it as a descriptor, so its container need not see the path).
 		StagingDir: s.cfg.StateDir,
@@ -45,8 +45,17 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if err := s.checkImages(ctx, req.Image, req.DiskImage, req.RootfsImage); err != nil {
 		return api.Operation{}, err
 	}
+	hold, err := s.holdOperation(ctx)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	defer hold.drop()
 	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
+		return api.Operation{}, err
+	}
+	if spec.Store, err = s.storeFor(ctx, vm.Namespace); err != nil {
+		vm.Close()
 		return api.Operation{}, err
 	}
 	// From here the operation uses the files the resolver opened, never the
@@ -81,7 +90,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		}
 	}
 	o := newOp(api.KindCheckpoint, req.VM, &target, s.cfg.OperationTimeout)
-	return s.start(o, vm, func(ctx context.Context) error {
+	return s.start(hold, o, vm, func(ctx context.Context) error {
 		afterResolve()
 		spec.Progress = s.progress(o)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
@@ -120,13 +129,23 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if err := s.checkImages(ctx, req.Image); err != nil {
 		return api.Operation{}, err
 	}
+	hold, err := s.holdOperation(ctx)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	defer hold.drop()
 	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
 	}
+	store, err := s.storeFor(ctx, vm.Namespace)
+	if err != nil {
+		vm.Close()
+		return api.Operation{}, err
+	}
 	target := vm.Target
 	o := newOp(api.KindRestore, req.VM, &target, s.cfg.OperationTimeout)
-	return s.start(o, vm, func(ctx context.Context) error {
+	return s.start(hold, o, vm, func(ctx context.Context) error {
 		// Journal it too: after a crash the operation is reported failed
 		// (a half-fed QEMU discards the partial state by itself).
 		if err := s.journal.write(journalEntry{Op: o.snapshot()}); err != nil {
@@ -134,7 +153,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 		}
 		res, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{
 			QMPPath: req.VM.QMPPath, QMP: vm.QMP, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
-			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
+			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.
 			StagingDir: s.cfg.StateDir,
@@ -214,11 +233,13 @@ func (s *Server) resolve(ctx context.Context, vm api.VMRef) (*Resolved, error) {
 
 // start registers o and runs work in the background once a slot is free.
 // The operation owns vm's files: they are closed when it ends, however.
-func (s *Server) start(o *op, vm *Resolved, work func(context.Context) error) (api.Operation, error) {
+// It keeps hold, one of its caller's operations, until it ends.
+func (s *Server) start(hold *opHold, o *op, vm *Resolved, work func(context.Context) error) (api.Operation, error) {
 	if err := s.ops.add(o); err != nil {
 		vm.Close()
 		return api.Operation{}, err
 	}
+	hold.keep(o)
 	snap := o.snapshot()
 	s.metrics.inFlight.WithLabelValues(snap.Kind, api.StatePending).Inc()
 	s.events.publish(snap)
@@ -279,9 +300,11 @@ func (s *Server) end(o *op, err error, seconds float64, log interface {
 	Info(string, ...any)
 	Error(string, ...any)
 }) {
-	// The work is over: free the VM first, so that whoever sees the end
-	// (an event, or a poll of the operation) can start the next one at once.
+	// The work is over: free the VM and the caller's count first, so that
+	// whoever sees the end (an event, or a poll of the operation) can
+	// start the next one at once.
 	s.ops.release(o)
+	s.held.give(o.holder, operations)
 	state := api.StateSucceeded
 	switch {
 	case err == nil:

@@ -9,7 +9,6 @@ import (
 	"encoding/hex"
 	"encoding/pem"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 
@@ -134,45 +133,39 @@ func LoadDecryptionKey(path string) (DecryptionKey, error) {
 	if err != nil {
 		return DecryptionKey{}, errcode.Wrap(errcode.Usage, err, "decryption key %s", path)
 	}
+	defer clear(data)
+	return ParseDecryptionKey(data, path)
+}
+
+// ParseDecryptionKey reads a PEM private key from data, the content of the
+// file name (for messages and DecryptionKey.Path): for a caller that opened
+// and checked the file itself (CheckKeyMode). Errors never quote data.
+func ParseDecryptionKey(data []byte, name string) (DecryptionKey, error) {
 	priv, err := parsePrivateKey(data)
-	clear(data)
 	if err != nil {
-		return DecryptionKey{}, errcode.Wrap(errcode.Usage, err, "decryption key %s", path)
+		return DecryptionKey{}, errcode.Wrap(errcode.Usage, err, "decryption key %s", name)
 	}
 	pub, err := checkKeyType(priv.(interface{ Public() crypto.PublicKey }).Public())
 	if err != nil {
-		return DecryptionKey{}, errcode.Wrap(errcode.Usage, err, "decryption key %s", path)
+		return DecryptionKey{}, errcode.Wrap(errcode.Usage, err, "decryption key %s", name)
 	}
 	id, err := KeyID(pub)
 	if err != nil {
-		return DecryptionKey{}, errcode.Wrap(errcode.Usage, err, "decryption key %s", path)
+		return DecryptionKey{}, errcode.Wrap(errcode.Usage, err, "decryption key %s", name)
 	}
-	return DecryptionKey{Key: priv, ID: id, Path: path}, nil
+	return DecryptionKey{Key: priv, ID: id, Path: name}, nil
 }
 
-// LoadDecryptionKeyDir reads every private key in dir (a mounted Secret:
-// its "..data" entries and other dot files are skipped), each as
-// LoadDecryptionKey does. A directory with no key is an error.
-func LoadDecryptionKeyDir(dir string) ([]DecryptionKey, error) {
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		return nil, errcode.Wrap(errcode.Usage, err, "decryption key directory %s", dir)
-	}
-	var keys []DecryptionKey
-	for _, e := range entries {
-		if strings.HasPrefix(e.Name(), ".") {
-			continue
-		}
-		k, err := LoadDecryptionKey(filepath.Join(dir, e.Name()))
-		if err != nil {
-			return nil, err
-		}
-		keys = append(keys, k)
-	}
-	if len(keys) == 0 {
-		return nil, errcode.New(errcode.Usage, "decryption key directory %s holds no key", dir)
-	}
-	return keys, nil
+// Recipient is the public half of k: what to encrypt for so that k decrypts.
+func (k DecryptionKey) Recipient() Recipient {
+	return Recipient{Key: k.Key.(interface{ Public() crypto.PublicKey }).Public(), ID: k.ID}
+}
+
+// CheckKeyMode refuses (USAGE, naming path) a private key file of mode
+// perm that others may read, or its group write: LoadDecryptionKey's
+// check, for a caller that opened the file itself.
+func CheckKeyMode(path string, perm os.FileMode) error {
+	return checkKeyMode(path, "decryption key", perm)
 }
 
 // errNoPrivateKey is what a file without a usable private key says; never

@@ -295,7 +295,7 @@ func AgentArgs(o Options) []string {
 	if o.AgentRecipientSecret != "" {
 		args = append(args, "--encrypt-recipient", "jwe:"+AgentRecipientDir+"/"+AgentRecipientName)
 	}
-	if o.AgentDecryptionKeySecret != "" {
+	if agentHasKeys(o) {
 		args = append(args, "--decryption-key-dir", AgentDecryptionKeyDir)
 	}
 	return args
@@ -335,7 +335,7 @@ func agentMounts(o Options) []corev1.VolumeMount {
 	if o.AgentRecipientSecret != "" {
 		m = append(m, corev1.VolumeMount{Name: volRecipient, MountPath: AgentRecipientDir, ReadOnly: true})
 	}
-	if o.AgentDecryptionKeySecret != "" {
+	if agentHasKeys(o) {
 		m = append(m, corev1.VolumeMount{Name: volDecryptionKeys, MountPath: AgentDecryptionKeyDir, ReadOnly: true})
 	}
 	return m
@@ -361,12 +361,8 @@ func agentVolumes(o Options) []corev1.Volume {
 			SecretName: o.AgentRecipientSecret, Items: []corev1.KeyToPath{{Key: AgentRecipientName, Path: AgentRecipientName}}, DefaultMode: ptr(int32(0o444)),
 		}}})
 	}
-	if o.AgentDecryptionKeySecret != "" {
-		// Every key of the Secret is a private key file; 0440 root:root,
-		// readable by the agent (root) only.
-		v = append(v, corev1.Volume{Name: volDecryptionKeys, VolumeSource: corev1.VolumeSource{Secret: &corev1.SecretVolumeSource{
-			SecretName: o.AgentDecryptionKeySecret, DefaultMode: ptr(int32(0o440)),
-		}}})
+	if agentHasKeys(o) {
+		v = append(v, agentKeysVolume(o))
 	}
 	return v
 }

@@ -98,6 +98,13 @@ func TestAgentEncryptionSecrets(t *testing.T) {
 		if v.Secret != nil && v.Secret.DefaultMode != nil {
 			modes[v.Secret.SecretName] = *v.Secret.DefaultMode
 		}
+		if p := v.Projected; p != nil && p.DefaultMode != nil {
+			for _, src := range p.Sources {
+				if src.Secret != nil && len(src.Secret.Items) == 0 {
+					modes[src.Secret.Name] = *p.DefaultMode
+				}
+			}
+		}
 	}
 	if modes["rcpt"] != 0o444 || modes["dkeys"] != 0o440 {
 		t.Errorf("secret modes %v, want rcpt 0444 (292), dkeys 0440 (288)", modes)
@@ -107,6 +114,45 @@ func TestAgentEncryptionSecrets(t *testing.T) {
 			if m.Name == volRecipient || m.Name == volDecryptionKeys {
 				t.Errorf("container %s mounts the agent's %s", c.Name, m.Name)
 			}
+		}
+	}
+}
+
+// Each namespace's own key: its Secret's key.pem lands in the agent's key
+// directory as NAMESPACE/SECRET.pem, beside the node's keys at the top, in
+// one projected volume (0440); the agent alone mounts it.
+func TestAgentNamespaceKeySecrets(t *testing.T) {
+	o := Options{AgentDecryptionKeySecret: "node-keys", NamespaceKeySecrets: []NamespaceKeySecret{{"tenant-a", "keys-a"}, {"tenant-a", "keys-a-next"}, {"tenant-b", "keys-b"}}}
+	render(t, o) // renders, comments placed
+	if i := slices.Index(AgentArgs(o), "--decryption-key-dir"); i < 0 || AgentArgs(o)[i+1] != AgentDecryptionKeyDir {
+		t.Fatalf("agent args %q lack --decryption-key-dir", AgentArgs(o))
+	}
+	var got []string
+	for _, v := range DaemonSet(o).Spec.Template.Spec.Volumes {
+		if v.Name != volDecryptionKeys {
+			continue
+		}
+		if v.Projected == nil || *v.Projected.DefaultMode != 0o440 {
+			t.Fatalf("the key volume is not a projected one of mode 0440: %+v", v)
+		}
+		for _, src := range v.Projected.Sources {
+			got = append(got, src.Secret.Name)
+			for _, it := range src.Secret.Items {
+				got = append(got, it.Key+"->"+it.Path)
+			}
+		}
+	}
+	want := []string{"node-keys", "keys-a", "key.pem->tenant-a/keys-a.pem", "keys-a-next", "key.pem->tenant-a/keys-a-next.pem", "keys-b", "key.pem->tenant-b/keys-b.pem"}
+	if !slices.Equal(got, want) {
+		t.Fatalf("key volume sources %q, want %q", got, want)
+	}
+	// Namespace keys alone are enough for a key directory.
+	if !slices.Contains(AgentArgs(Options{NamespaceKeySecrets: o.NamespaceKeySecrets[:1]}), "--decryption-key-dir") {
+		t.Error("namespace keys without node keys give no --decryption-key-dir")
+	}
+	for _, bad := range [][]NamespaceKeySecret{{{"Tenant_A", "k"}}, {{"tenant-a", "Not A Name"}}, {{"tenant-a", "k"}, {"tenant-a", "k"}}} {
+		if err := (Options{NamespaceKeySecrets: bad}).Validate(); err == nil {
+			t.Errorf("NamespaceKeySecrets %v: valid", bad)
 		}
 	}
 }

@@ -155,11 +155,19 @@ type Options struct {
 	// AgentRecipientSecret names a Secret in Namespace whose key
 	// recipient.pem is a PEM public key: the agent encrypts every
 	// checkpoint for it (--encrypt-recipient). AgentDecryptionKeySecret
-	// names a Secret in Namespace whose every key is a PEM private key the
-	// agent decrypts restores with (--decryption-key-dir), mounted 0440
-	// (root:root) in the agent only. Empty: none.
+	// names a Secret in Namespace whose every key is a PEM private key of
+	// the node's: the agent decrypts with them for admin callers only
+	// (the files at the top of --decryption-key-dir). Empty: none.
 	AgentRecipientSecret     string
 	AgentDecryptionKeySecret string
+	// NamespaceKeySecrets give each namespace its own keys in the agent:
+	// Secrets in Namespace whose key.pem is a private key of that
+	// namespace, mounted as --decryption-key-dir/NAMESPACE/SECRET.pem. The
+	// agent decrypts that namespace's restores and prepares with them
+	// (and no other caller's), and encrypts its checkpoints for them.
+	// Mounted 0440 (root:root) in the agent only, with
+	// AgentDecryptionKeySecret's keys in one projected volume.
+	NamespaceKeySecrets []NamespaceKeySecret
 
 	// The agent's policy (vmsnap agent flags), passed through:
 	// AllowRepositories are the registry targets (HOST[:PORT]/PREFIX) the
@@ -416,6 +424,7 @@ func (o Options) Validate() error {
 			bad("%s %q is not a Secret name", name, v)
 		}
 	}
+	validateKeySecrets(o, bad)
 	for _, r := range o.AllowRepositories {
 		if r == "" || strings.ContainsAny(r, " \t\n@") || strings.Contains(r, "://") || !strings.Contains(r, "/") {
 			bad("AllowRepositories: %q is not HOST[:PORT]/PREFIX", r)

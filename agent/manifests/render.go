@@ -312,7 +312,10 @@ func daemonSetDoc(o Options) document {
 		notes = append(notes, note{"secretName: " + o.AgentRecipientSecret, "The public key every checkpoint is encrypted for (recipient.pem, --encrypt-recipient)."})
 	}
 	if o.AgentDecryptionKeySecret != "" {
-		notes = append(notes, note{"secretName: " + o.AgentDecryptionKeySecret, "Private keys restores decrypt with (--decryption-key-dir), 0440 root:root: the agent's only."})
+		notes = append(notes, note{"name: " + o.AgentDecryptionKeySecret, "The node's private keys (--decryption-key-dir's top): only admin callers' restores decrypt with them; 0440 root:root."})
+	}
+	for _, n := range o.NamespaceKeySecrets {
+		notes = append(notes, note{"name: " + n.Secret, "Namespace " + n.Namespace + "'s private key (key.pem): its restores decrypt, and its checkpoints are encrypted, with it alone."})
 	}
 	for _, c := range o.AgentExtraCapabilities {
 		notes = append(notes, note{"- " + string(c), "Added by the operator (AgentExtraCapabilities)."})

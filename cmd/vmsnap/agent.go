@@ -12,7 +12,6 @@ import (
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/containerd"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 func newAgentCmd(out *globalOutput) *cobra.Command {
@@ -56,11 +55,25 @@ connection with QMP_ERROR; a migration stream or mapped-ram staging file
 larger than the VM's memory allows is aborted with QMP_ERROR, the VM
 continued and the staging file freed.
 
+Bounds on each caller (the callers of one namespace together, the node's
+processes together): --max-connections-per-caller open connections,
+counted from their accept (idle ones too; a request head at most 16 KiB),
+--max-streams-per-caller event streams (one not read for 10s ends) and
+--max-operations-per-caller operations pending or running, prepares
+included. Beyond them, BUSY naming the flag.
+
 Memory-file snapshots (a VM whose RAM is a shared memory-backend-file): a
 checkpoint reads the RAM file QEMU names as its mem-path, opened as the disk
 is: on a volume of the VM's own pod (below --kubelet-pods-dir/POD_UID; an
 emptyDir with medium: Memory), without following links, mounts or "..", a
 regular file, read-only; anything else is refused before the VM is stopped.
+Encryption (the README's "Encryption"): --decryption-key-dir DIR holds each
+namespace's private keys in DIR/NAMESPACE and the node's directly in DIR.
+A restore, prepare or memory-file delta decrypts with the keys of the
+namespace its VM or cache is in, and for an --admin-namespace caller also
+with the node's; a checkpoint of a namespace's VM is encrypted for that
+namespace's keys and every --encrypt-recipient.
+
 POST /v1/prepare (vmsnap prepare --agent) materializes such a snapshot's RAM
 file in the agent's cache of the caller's namespace, --state-dir/ram/NAMESPACE
 (an admin may name another with "namespace"), under the same --allow-repository
@@ -105,6 +118,12 @@ caller. Every directory from --layout-root down must be the agent's alone
 	c.Flags().DurationVar(&cfg.OperationTimeout, "operation-timeout", agent.DefaultOperationTimeout,
 		"longest an operation may take, from its acceptance; then it fails with the code of what it waited for and its VM is put back")
 
+	c.Flags().IntVar(&cfg.Limits.Connections, "max-connections-per-caller", agent.DefaultMaxConnectionsPerCaller,
+		"open connections one caller (a namespace's callers together) may hold, idle ones included; more are refused with BUSY")
+	c.Flags().IntVar(&cfg.Limits.Streams, "max-streams-per-caller", agent.DefaultMaxStreamsPerCaller,
+		"event streams one caller may hold; more are refused with BUSY (the vmsnap client then polls)")
+	c.Flags().IntVar(&cfg.Limits.Operations, "max-operations-per-caller", agent.DefaultMaxOperationsPerCaller,
+		"checkpoints, restores and prepares one caller may have pending or running; more are refused with BUSY")
 	c.Flags().Int64Var(&cfg.RAMCacheMaxBytes, "ram-cache-max-bytes", 0,
 		"bound of each namespace's RAM file cache (--state-dir/ram/NAMESPACE, filled by prepare requests), in allocated bytes: "+
 			"once a file is ready, the least recently used others past it are removed (QEMUs that map them keep their pages; 0: no bound)")
@@ -127,28 +146,18 @@ caller. Every directory from --layout-root down must be the agent's alone
 	reg.add(c)
 	crypt.encrypt.add(c)
 	c.Flags().StringVar(&crypt.keyDir, "decryption-key-dir", "",
-		"`DIR` of PEM private keys (a mounted Secret; each file mode 0600, or 0440 with the pod's fsGroup) with which restores decrypt encrypted images; requests never carry keys")
+		"`DIR` of PEM private keys (a mounted Secret; each file mode 0600 or 0440): DIR/NAMESPACE/* are a namespace's, which its restores and prepares decrypt with "+
+			"and its checkpoints are encrypted for; files directly in DIR are the node's, for --admin-namespace callers only; requests never carry keys")
 	c.AddCommand(newAgentHealthCmd())
 	return c
 }
 
 // agentCryptFlags: the agent encrypts every checkpoint for the operator's
-// recipients, and decrypts with the keys of a mounted directory.
+// recipients (and its namespace's keys), and decrypts with the keys of a
+// mounted directory, by namespace (agent/keys.go).
 type agentCryptFlags struct {
 	encrypt encryptFlags
 	keyDir  string
-}
-
-func (f *agentCryptFlags) options() ([]ociimage.Option, error) {
-	opts, err := f.encrypt.options()
-	if err != nil || f.keyDir == "" {
-		return opts, err
-	}
-	keys, err := ociimage.LoadDecryptionKeyDir(f.keyDir)
-	if err != nil {
-		return nil, err
-	}
-	return append(opts, ociimage.WithDecryptionKeys(keys...)), nil
 }
 
 func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDir, logLevel string, reg registryFlags, crypt agentCryptFlags) error {
@@ -156,9 +165,13 @@ func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDi
 	if err := level.UnmarshalText([]byte(logLevel)); err != nil {
 		return errcode.New(errcode.Usage, "--log-level %q: use debug, info, warn or error", logLevel)
 	}
-	// Keys are read before anything else starts: a bad one fails here.
-	crypto, err := crypt.options()
+	// Keys are read before anything else starts: a bad one fails here (the
+	// key directory's, in agent.New).
+	enc, err := crypt.encrypt.encryption()
 	if err != nil {
+		return err
+	}
+	if err := agent.CheckDecryptionKeyDir(crypt.keyDir); err != nil {
 		return err
 	}
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
@@ -173,7 +186,8 @@ func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDi
 	defer res.Close()
 	cfg.Resolver = res
 	cfg.Logger = log
-	cfg.Store = append(reg.options(), crypto...)
+	cfg.Store = reg.options()
+	cfg.Encrypt, cfg.DecryptionKeyDir = enc, crypt.keyDir
 	srv, err := agent.New(ctx, cfg)
 	if err != nil {
 		return err

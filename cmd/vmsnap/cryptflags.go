@@ -26,6 +26,15 @@ func (f *encryptFlags) set() bool { return len(f.recipients) > 0 || f.dedupKey !
 
 // options reads the keys and returns the option that encrypts, or none.
 func (f *encryptFlags) options() ([]ociimage.Option, error) {
+	o, err := f.encryption()
+	if o == nil || err != nil {
+		return nil, err
+	}
+	return []ociimage.Option{ociimage.WithEncryption(*o)}, nil
+}
+
+// encryption reads the keys; nil without --encrypt-recipient.
+func (f *encryptFlags) encryption() (*ociimage.EncryptOptions, error) {
 	if !f.set() {
 		return nil, nil
 	}
@@ -47,7 +56,7 @@ func (f *encryptFlags) options() ([]ociimage.Option, error) {
 		}
 		o.DedupSecret = s
 	}
-	return []ociimage.Option{ociimage.WithEncryption(o)}, nil
+	return &o, nil
 }
 
 // decryptFlags name the private keys that decrypt an encrypted image.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -92,7 +93,9 @@ Not with --restore-via-agent.`,
 	c.Flags().StringVar(&o.KubeletPodsDir, "kubelet-pods-dir", "", "the kubelet's pods directory, ROOT_DIR/pods (default "+manifests.DefaultKubeletPodsDir+")")
 	c.Flags().StringVar(&o.RegistryCAConfigMap, "registry-ca-configmap", "", "ConfigMap whose ca.pem is the registry's CA, for the agent and the restore (--ca-file)")
 	c.Flags().StringVar(&o.AgentRecipientSecret, "agent-recipient-secret", "", "Secret (in the agent's namespace) whose recipient.pem is the public key the agent encrypts every checkpoint for (--encrypt-recipient)")
-	c.Flags().StringVar(&o.AgentDecryptionKeySecret, "agent-decryption-key-secret", "", "Secret (in the agent's namespace) whose keys are the private keys the agent decrypts restores with, mounted 0440 root:root in the agent only (--decryption-key-dir)")
+	c.Flags().StringVar(&o.AgentDecryptionKeySecret, "agent-decryption-key-secret", "", "Secret (in the agent's namespace) whose keys are the node's private keys, which the agent decrypts admin callers' restores with, mounted 0440 root:root in the agent only (--decryption-key-dir)")
+	c.Flags().Var(namespaceKeysFlag{&o.NamespaceKeySecrets}, "namespace-key-secret", "`NAMESPACE=SECRET`: a Secret (in the agent's namespace) whose key.pem is a private key of NAMESPACE; "+
+		"the agent decrypts that namespace's restores with its keys alone and encrypts its checkpoints for them (repeatable)")
 	c.Flags().StringVar(&o.DecryptionKeySecret, "decryption-key-secret", "", "Secret whose key.pem is the private key that decrypts encrypted snapshots, mounted 0440 in the restore init container only (--decryption-key; README \"Encryption\")")
 	c.Flags().StringArrayVar(&o.AllowRepositories, "allow-repository", nil, "agent: a registry target HOST[:PORT]/PREFIX it may use (repeatable; with none, every registry target is refused)")
 	c.Flags().StringArrayVar(&o.AdminNamespaces, "admin-namespace", nil, "agent: a namespace whose callers may act on any VM, besides --namespace (repeatable)")
@@ -107,6 +110,32 @@ Not with --restore-via-agent.`,
 	c.Flags().StringVar(&o.BaseDir, "base-dir", "", "restore: the QEMU image's directory holding the overlay's backing file (default "+manifests.DefaultBaseDir+")")
 	return c
 }
+
+// namespaceKeysFlag is a repeatable NAMESPACE=SECRET.
+type namespaceKeysFlag struct {
+	v *[]manifests.NamespaceKeySecret
+}
+
+func (f namespaceKeysFlag) String() string {
+	if f.v == nil {
+		return ""
+	}
+	var s []string
+	for _, n := range *f.v {
+		s = append(s, n.String())
+	}
+	return strings.Join(s, ",")
+}
+
+func (f namespaceKeysFlag) Set(s string) error {
+	n, err := manifests.ParseNamespaceKeySecret(s)
+	if err == nil {
+		*f.v = append(*f.v, n)
+	}
+	return err
+}
+
+func (namespaceKeysFlag) Type() string { return "stringArray" }
 
 // quantityFlag is a Kubernetes quantity (8Gi, 512Mi) as a flag.
 type quantityFlag struct{ q *resource.Quantity }

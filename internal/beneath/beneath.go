@@ -59,6 +59,10 @@ func Type(f *os.File) (fs.FileMode, error) {
 // I/O): check its type with Stat, then Reopen it. name is the *os.File's
 // name, for messages.
 func Open(dir *os.File, rel, name string) (*os.File, error) {
+	return openat2(dir, rel, name, resolve)
+}
+
+func openat2(dir *os.File, rel, name string, resolve uint64) (*os.File, error) {
 	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: resolve}
 	for tries := 0; ; tries++ {
 		fd, err := unix.Openat2(int(dir.Fd()), rel, &how)
@@ -112,4 +116,13 @@ func TypeName(t fs.FileMode) string {
 		return "a device"
 	}
 	return "an irregular file"
+}
+
+// OpenFollowing is Open, except that it follows symbolic links that stay
+// below dir: for a directory the caller trusts as a whole but whose files
+// are links, as a Kubernetes Secret volume's are (KEY -> ..data/KEY). A
+// link that leads out of dir, and a magic link (/proc/self/...), still
+// fails with EXDEV or ELOOP.
+func OpenFollowing(dir *os.File, rel, name string) (*os.File, error) {
+	return openat2(dir, rel, name, unix.RESOLVE_BENEATH|unix.RESOLVE_NO_MAGICLINKS)
 }

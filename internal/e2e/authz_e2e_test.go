@@ -31,34 +31,43 @@ import (
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
-var agentcallBinary struct {
+// testPrograms are the programs of testdata/ built so far, by name.
+var testPrograms sync.Map // name -> *testProgram
+
+type testProgram struct {
 	once sync.Once
 	path string
 	err  error
 }
 
-// agentcall builds testdata/agentcall, static, once per test run.
-func agentcall(t *testing.T) string {
+// buildTestProgram builds testdata/NAME, static (to run in a container),
+// once per test run, and returns its path.
+func buildTestProgram(t *testing.T, name string) string {
 	t.Helper()
-	agentcallBinary.once.Do(func() {
-		dir, err := os.MkdirTemp("", "vmsnap-agentcall-")
+	v, _ := testPrograms.LoadOrStore(name, &testProgram{})
+	p := v.(*testProgram)
+	p.once.Do(func() {
+		dir, err := os.MkdirTemp("", "vmsnap-"+name+"-")
 		if err != nil {
-			agentcallBinary.err = err
+			p.err = err
 			return
 		}
-		agentcallBinary.path = filepath.Join(dir, "agentcall")
-		build := exec.Command("go", "build", "-o", agentcallBinary.path, "./testdata/agentcall")
+		p.path = filepath.Join(dir, name)
+		build := exec.Command("go", "build", "-o", p.path, "./testdata/"+name)
 		build.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if out, err := build.CombinedOutput(); err != nil {
-			agentcallBinary.err = err
+			p.err = err
 			t.Logf("go build: %s", out)
 		}
 	})
-	if agentcallBinary.err != nil {
-		t.Fatalf("building agentcall: %v", agentcallBinary.err)
+	if p.err != nil {
+		t.Fatalf("building %s: %v", name, p.err)
 	}
-	return agentcallBinary.path
+	return p.path
 }
+
+// agentcall is testdata/agentcall: one request to the agent from a container.
+func agentcall(t *testing.T) string { return buildTestProgram(t, "agentcall") }
 
 // inPod runs a program of the host (static) inside a new container of a
 // pod in namespace ns, with the agent's socket directory mounted at

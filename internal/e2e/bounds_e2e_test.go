@@ -59,6 +59,13 @@ func procStatusKiB(t *testing.T, pid int, field string) int64 {
 // agent's /metrics.
 func inFlight(t *testing.T, socket string) float64 {
 	t.Helper()
+	return metricSum(t, socket, "vmsnap_operations_in_flight{")
+}
+
+// metricSum is the sum of the agent's metric series whose line starts
+// with prefix (a name and "{").
+func metricSum(t *testing.T, socket, prefix string) float64 {
+	t.Helper()
 	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		return (&net.Dialer{}).DialContext(ctx, "unix", socket)
 	}}, Timeout: 5 * time.Second}
@@ -70,7 +77,7 @@ func inFlight(t *testing.T, socket string) float64 {
 	sum, seen := 0.0, false
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
-		if l := sc.Text(); strings.HasPrefix(l, "vmsnap_operations_in_flight{") {
+		if l := sc.Text(); strings.HasPrefix(l, prefix) {
 			v, err := strconv.ParseFloat(l[strings.LastIndexByte(l, ' ')+1:], 64)
 			if err != nil {
 				t.Fatalf("metrics line %q", l)
@@ -78,7 +85,7 @@ func inFlight(t *testing.T, socket string) float64 {
 			sum, seen = sum+v, true
 		}
 	}
-	if !seen {
+	if !seen && strings.HasPrefix(prefix, "vmsnap_operations_in_flight") {
 		t.Fatal("/metrics has no vmsnap_operations_in_flight series")
 	}
 	return sum
