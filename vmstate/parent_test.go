@@ -12,6 +12,7 @@ import (
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testforge"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
@@ -234,5 +235,73 @@ func TestMemoryFileRecordHoldsOnlyForItsVMFileAndRepository(t *testing.T) {
 			}
 			r.restoresExactly(v)
 		})
+	}
+}
+
+// A directory of records found by identity (a user's, the CLI's) drops
+// the record of a RAM file that is gone from its path when it records
+// another, and keeps the others'.
+func TestMemoryFileRecordsOfGoneFilesArePruned(t *testing.T) {
+	records := &ParentRecords{Dir: filepath.Join(t.TempDir(), "records")}
+	a, b := newParentRun(t), newParentRun(t)
+	a.records, b.records = records, records
+	a.checkpoint("a", CheckpointOptions{})
+	b.checkpoint("b", CheckpointOptions{})
+	if n := recordCount(t, records.Dir); n != 2 {
+		t.Fatalf("%d records, want 2", n)
+	}
+	os.Remove(a.ram)
+	b.checkpoint("b", CheckpointOptions{})
+	if n := recordCount(t, records.Dir); n != 1 {
+		t.Fatalf("%d records after a's RAM file went, want b's alone", n)
+	}
+	if v := b.checkpoint("b", CheckpointOptions{}); v.RAMParentTrust != ParentRecorded {
+		t.Fatalf("b's record went too: %s", v.RAMParentNote)
+	}
+}
+
+func recordCount(t *testing.T, dir string) int {
+	t.Helper()
+	m, _ := filepath.Glob(filepath.Join(dir, "*.json"))
+	return len(m)
+}
+
+// prepare --copy-to gives a VM its own copy of an image's RAM file,
+// checked page by page against the image's map, and records the image as
+// that file's last checkpoint: the restored VM's next checkpoint is a
+// delta on it. A copy that is not the image (the cache file changed) is
+// refused and removed.
+func TestMemoryFilePreparedCopyIsRecordedAsTheNextParent(t *testing.T) {
+	r := newParentRun(t)
+	v1 := r.checkpoint("vm", CheckpointOptions{})
+	target := &ParentRecords{Dir: filepath.Join(t.TempDir(), "target-records")} // another node's
+	cache := ramfile.Cache{Dir: filepath.Join(t.TempDir(), "cache")}
+	copies := t.TempDir()
+	prepare := func() (*PrepareResult, error) {
+		return Prepare(context.Background(), openLayout(t, "oci:"+r.dir+"@"+v1.Manifest.Digest.String()), PrepareOptions{Cache: cache, CopyTo: copies, Records: target})
+	}
+	p, err := prepare()
+	if err != nil || p.RecordNote != "" {
+		t.Fatalf("prepare --copy-to: %v, note %q", err, p.RecordNote)
+	}
+	restored := &parentRun{t: t, dir: r.dir, ram: p.MemoryFile, records: target}
+	rewriteScattered(t, restored.ram, rand.New(rand.NewPCG(8, 8)), 20)
+	v2 := restored.checkpoint("vm-restored", CheckpointOptions{})
+	if v2.Config.RAM.Parent() != v1.Manifest.Digest || v2.RAMParentTrust != ParentRecorded {
+		t.Fatalf("the restored VM's checkpoint: parent %q (%s; %s), want the prepared image, recorded", v2.Config.RAM.Parent(), v2.RAMParentTrust, v2.RAMParentNote)
+	}
+	restored.restoresExactly(v2)
+
+	f, err := os.OpenFile(cache.Path(v1.Manifest.Digest), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt([]byte{0xff}, 4096+7)
+	f.Close()
+	if _, err := prepare(); errcode.Of(err) != errcode.DigestMismatch {
+		t.Fatalf("a copy of a changed cache file: %v, want DIGEST_MISMATCH", err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(copies, "*")); len(left) != 1 {
+		t.Fatalf("copies left: %v, want the first one only", left)
 	}
 }

@@ -51,9 +51,9 @@ const (
 	recordVersion = 1
 	// maxRecordHeader bounds a record's JSON.
 	maxRecordHeader = 64 << 10
-	// maxRecords is how many records a directory keeps: the oldest go
-	// (a user's VMs that are gone).
-	maxRecords = 64
+	// maxRecords is how many records a directory keeps: past it, the
+	// oldest go.
+	maxRecords = 256
 )
 
 // parentRecord is a record's JSON (NAME.json); its page map is NAME.map.
@@ -65,9 +65,12 @@ type parentRecord struct {
 	Backend    string             `json:"backend"`
 	Bytes      int64              `json:"bytes"`
 	File       fileID             `json:"file"`
-	Map        digest.Digest      `json:"map"`
-	MapBytes   int64              `json:"mapBytes"`
-	Created    time.Time          `json:"created"`
+	// Path is where the RAM file was (records found by its identity): one
+	// whose file is gone from there is removed (prune).
+	Path     string        `json:"path,omitempty"`
+	Map      digest.Digest `json:"map"`
+	MapBytes int64         `json:"mapBytes"`
+	Created  time.Time     `json:"created"`
 }
 
 // fileID is which file a RAM file is: an inode of a device, born at a time
@@ -214,7 +217,7 @@ func (r *ParentRecords) save(f *os.File, be *RAMBackend, repo ociimage.Repositor
 	if err != nil {
 		return err
 	}
-	rec := parentRecord{Version: recordVersion, Scope: r.Scope, Repository: repositoryKey(repo.Reference()), Backend: be.ID, Bytes: be.Bytes, File: id,
+	rec := parentRecord{Version: recordVersion, Scope: r.Scope, Repository: repositoryKey(repo.Reference()), Backend: be.ID, Bytes: be.Bytes, File: id, Path: be.MemPath,
 		Image: ocispec.Descriptor{MediaType: image.MediaType, Digest: image.Digest, Size: image.Size},
 		Map:   digest.FromBytes(data), MapBytes: int64(len(data)), Created: time.Now().UTC()}
 	header, err := json.Marshal(rec)
@@ -235,9 +238,28 @@ func (r *ParentRecords) save(f *os.File, be *RAMBackend, repo ociimage.Repositor
 	return nil
 }
 
-// prune removes the oldest records past maxRecords.
+// prune removes, from a directory of records found by identity (a user's
+// VMs), those whose RAM file is no longer where it was (the VM is gone),
+// then the oldest past maxRecords. A path is only looked at (lstat),
+// never opened.
 func (r *ParentRecords) prune() {
+	if r.Key != "" {
+		return // one record, the VM's own
+	}
 	headers, _ := filepath.Glob(filepath.Join(r.Dir, "*.json"))
+	remove := func(h string) {
+		os.Remove(h)
+		os.Remove(strings.TrimSuffix(h, ".json") + ".map")
+	}
+	live := headers[:0]
+	for _, h := range headers {
+		if r.gone(filepath.Base(h)) {
+			remove(h)
+		} else {
+			live = append(live, h)
+		}
+	}
+	headers = live
 	if len(headers) <= maxRecords {
 		return
 	}
@@ -250,7 +272,27 @@ func (r *ParentRecords) prune() {
 	}
 	slices.SortFunc(headers, func(a, b string) int { return mtime(a).Compare(mtime(b)) })
 	for _, h := range headers[:len(headers)-maxRecords] {
-		os.Remove(h)
-		os.Remove(strings.TrimSuffix(h, ".json") + ".map")
+		remove(h)
 	}
+}
+
+// gone says whether the record named name is of a RAM file no longer at
+// its path (or is not a record at all).
+func (r *ParentRecords) gone(name string) bool {
+	b, err := r.read(name, maxRecordHeader)
+	if err != nil {
+		return false // left for load to report
+	}
+	var rec parentRecord
+	if json.Unmarshal(b, &rec) != nil {
+		return true
+	}
+	if rec.Path == "" {
+		return false
+	}
+	var st unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, rec.Path, unix.AT_SYMLINK_NOFOLLOW, unix.STATX_INO, &st); err != nil {
+		return errors.Is(err, fs.ErrNotExist)
+	}
+	return unix.Mkdev(st.Dev_major, st.Dev_minor) != rec.File.Dev || st.Ino != rec.File.Ino
 }

@@ -6,6 +6,7 @@ import (
 	"os"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
@@ -59,9 +60,20 @@ func recordOwnCopy(ctx context.Context, repo ociimage.Repository, image ocispec.
 	if err != nil {
 		return "", errcode.Wrap(errcode.Of(err), err, "the VM's own copy of the cached RAM file is not the image's (was the cache file changed?)")
 	}
-	be := &RAMBackend{ID: cfg.RAM.Backend, Bytes: cfg.RAM.Bytes}
+	be := &RAMBackend{ID: cfg.RAM.Backend, Bytes: cfg.RAM.Bytes, MemPath: path}
 	if err := records.save(f, be, repo, image, m); err != nil {
 		return fmt.Sprintf("the VM's own copy could not be recorded as its next checkpoint's parent (%v): that checkpoint is a base", err), nil
 	}
 	return "", nil
+}
+
+// DefaultMaxGuestMemory is the guest memory a node takes by default: its
+// own memory (a guest that declares more could not run here anyway), or
+// 1 TiB where the kernel does not say.
+func DefaultMaxGuestMemory() int64 {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil || si.Totalram == 0 {
+		return ramfile.MaxRAMBytes
+	}
+	return int64(si.Totalram) * int64(si.Unit)
 }
