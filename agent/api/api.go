@@ -324,9 +324,11 @@ type CheckpointRequest struct {
 	Keep int `json:"keep,omitempty"`
 	// Parent and MaxChain, for a VM whose RAM is a shared file (the
 	// memory-file format): the checkpoint (REF@sha256:..., in Image's
-	// repository) to store the changed pages of, and how many deltas a
-	// chain may hold. Empty and 0: the one Image's tag names, and the
-	// default bound.
+	// repository) to store the changed pages of, each page it vouches for
+	// checked against the VM's memory unless it is the VM's last checkpoint
+	// as the agent recorded it, and how many deltas a chain may hold.
+	// Empty and 0: the agent's record of the VM's last checkpoint (never
+	// what a tag names), and the default bound.
 	Parent   string `json:"parent,omitempty"`
 	MaxChain int    `json:"maxChain,omitempty"`
 }
