@@ -56,6 +56,13 @@ const (
 	maxRecords = 256
 )
 
+// maxRecordMap bounds a recorded page map of a RAM file of size bytes:
+// its entries, and room for zstd's framing of incompressible data.
+func maxRecordMap(size int64) int64 {
+	raw := int64(ramfile.Pages(size)) * 24
+	return raw + raw/64 + 1<<16
+}
+
 // parentRecord is a record's JSON (NAME.json); its page map is NAME.map.
 type parentRecord struct {
 	Version    int                `json:"version"`
@@ -176,6 +183,8 @@ func (rec *parentRecord) mismatch(scope string, id fileID, be *RAMBackend, repo 
 		return fmt.Sprintf("the node's record of this VM is of memory backend %s of %d MiB, the VM's is %s of %d MiB", rec.Backend, rec.Bytes>>20, be.ID, be.Bytes>>20)
 	case rec.Image.MediaType != ocispec.MediaTypeImageManifest || rec.Image.Digest.Validate() != nil || rec.Image.Size <= 0:
 		return "the node's record of this VM names no manifest"
+	case rec.MapBytes <= 0 || rec.MapBytes > maxRecordMap(be.Bytes):
+		return fmt.Sprintf("the node's record of this VM has a page map of %d bytes, not one of a %d MiB RAM file", rec.MapBytes, be.Bytes>>20)
 	case rec.Repository != repositoryKey(repo.Reference()):
 		return fmt.Sprintf("the VM's last checkpoint is in %s, this one goes to %s, and a delta lists its parent's layers, which must be in its own repository", rec.Repository, repositoryKey(repo.Reference()))
 	}

@@ -24,18 +24,21 @@ func checkGuestMemory(cfg Config, max int64) error {
 	return nil
 }
 
-// materializeVerified writes the image's RAM file into f, then checks
-// every page of it against the image's page map (ramfile.Verify) before
-// any QEMU may map it: a delta's inherited pages were taken on its
-// parent's word at checkpoint, and a parent whose layers do not hold
-// what its map says is refused here (DIGEST_MISMATCH).
+// materializeVerified writes the image's RAM file into f, then, for a
+// delta, checks every page of it against the image's page map
+// (ramfile.Verify) before any QEMU may map it: a delta's inherited pages
+// were taken on its parent's word at checkpoint, and a parent whose layers
+// do not hold what its map says is refused here (DIGEST_MISMATCH). A
+// base's pages are all its own layers', verified by their digests: its map
+// decides nothing a restore gives (a VM's own copy is checked against it
+// all the same before the node records it, recordOwnCopy).
 func materializeVerified(ctx context.Context, repo ociimage.Repository, cfg Config, ram ramfile.Layers, f *os.File, opts PrepareOptions) (int64, error) {
 	mo := ramfile.MaterializeOptions{Workers: opts.Workers, Progress: opts.Progress,
 		// What the config declares, and a region's worth of rounding
 		// (a filesystem allocates whole blocks).
 		MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize}
 	fetched, err := ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, mo)
-	if err != nil {
+	if err != nil || len(cfg.RAM.Chain) == 1 {
 		return fetched, err
 	}
 	_, err = ramfile.Verify(ctx, ram, repo, f, cfg.RAM.Bytes, false)
