@@ -68,8 +68,8 @@ delta of the pages it changed. The copy costs time in proportion to the
 snapshot's data (durationsMs.copy); without it, a restored VM is checkpointed
 with the stream.
 
-Every page of the materialized file is checked against the image's page map
-(xxhash64 and SHA-256, holes included) before any QEMU maps it: a snapshot
+Every page of a delta's materialized file is checked against the image's page
+map (xxhash64 and SHA-256, holes included) before any QEMU maps it: a snapshot
 built on a parent whose layers do not hold what its map says fails with
 DIGEST_MISMATCH. A snapshot that declares more guest memory than
 --max-guest-memory (default: this node's memory) is refused (INVALID_INPUT)
