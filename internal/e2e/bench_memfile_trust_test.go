@@ -41,7 +41,9 @@ func (bb *bench) parentTrustCost(g *mfGuest, records string) *trustCost {
 		seq++
 		bb.settled(src)
 		var cp api.CheckpointResult
-		args := append([]string{"checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:t%d", repo, seq), "--format", "memory-file", "--mode", mode}, extra...)
+		// Every pair adds a delta to the chain: room for them all.
+		args := append([]string{"checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:t%d", repo, seq), "--format", "memory-file", "--mode", mode,
+			"--max-chain", "64"}, extra...)
 		tm := bb.runCLI(src, &cp, args...)
 		if mode == string(vmstate.ModePause) {
 			qmpOnce(b, src.QMPPath(), "cont", nil)
