@@ -161,7 +161,7 @@ func (c *Capture) verifyParent(win *window) {
 	}
 	first := win.firstPage()
 	for k, h := range win.hashes {
-		if _, refuted := c.parent.unchanged(first+k, h, win.page(k)); refuted && h != 0 {
+		if _, refuted := c.parent.unchanged(first+k, h, win.page(k)); refuted {
 			if win.refuted == nil {
 				win.refuted = make([]bool, len(win.hashes))
 			}
