@@ -40,6 +40,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 // Config configures a Server.
@@ -102,6 +103,11 @@ type Config struct {
 	// Keep is the retention a checkpoint request without "keep" gets: the
 	// newest checkpoints its state repository keeps (0: no prune).
 	Keep int
+
+	// MaxGuestMemory refuses a prepare of an image that declares more
+	// guest memory, before a layer of it is fetched (default
+	// vmstate.DefaultMaxGuestMemory, the node's memory).
+	MaxGuestMemory int64
 }
 
 // HardMaxWorkers is the most workers one request may ever ask for: with the
@@ -159,6 +165,12 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	}
 	if l := cfg.Limits; l.Connections < 0 || l.Streams < 0 || l.Operations < 0 {
 		return nil, errcode.New(errcode.Usage, "the per-caller limits (--max-connections-per-caller, --max-streams-per-caller, --max-operations-per-caller) must be at least 1")
+	}
+	if cfg.MaxGuestMemory < 0 {
+		return nil, errcode.New(errcode.Usage, "--max-guest-memory %d: give a size in bytes, or 0 for this node's memory", cfg.MaxGuestMemory)
+	}
+	if cfg.MaxGuestMemory == 0 {
+		cfg.MaxGuestMemory = vmstate.DefaultMaxGuestMemory()
 	}
 	if cfg.RAMCacheMaxBytes < 0 {
 		return nil, errcode.New(errcode.Usage, "--ram-cache-max-bytes %d: give a size in bytes, or 0 for no bound", cfg.RAMCacheMaxBytes)
@@ -290,6 +302,10 @@ func (s *Server) watchOnce(ctx context.Context) (err error) {
 // every record of them: later requests about the VM get VM_NOT_FOUND.
 func (s *Server) forget(g Gone) {
 	why := errcode.New(errcode.VMNotFound, "the container %s of pod %s was deleted or replaced", g.Container, g.PodUID)
+	// The record first: once a VM's operations are gone, so is it.
+	if err := s.forgetParent(g); err != nil {
+		s.log.Error("removing the record of a VM that is gone", "pod", g.PodUID, "container", g.Container, "err", err)
+	}
 	for _, op := range s.ops.forVM(g) {
 		log := s.log.With("op", op.id, "pod", g.PodUID, "container", g.Container, "containerID", g.ContainerID)
 		if op.ended() {

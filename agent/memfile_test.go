@@ -34,6 +34,7 @@ const memfileTestRAM = 8 << 20
 // memory-backend-file) has an emptyDir at /run/vm in the kubelet's
 // directory of the pod, holding its QMP socket and its RAM file guest.ram.
 type ramPod struct {
+	c   *testcontainerd.Container
 	uid string
 	vol string // host path of the emptyDir
 	vm  *qmptest.FakeQEMU
@@ -62,7 +63,7 @@ func newRAMPod(t *testing.T, d *testcontainerd.Daemon, podsDir, namespace string
 	if err := os.Rename(p.vm.Path(), filepath.Join(p.vol, "qmp.sock")); err != nil {
 		t.Fatal(err)
 	}
-	d.Create(t, testcontainerd.PodContainer{PodUID: p.uid, PodNamespace: namespace, Name: "qemu", HostDir: p.vol, Mounts: mounts})
+	p.c = d.Create(t, testcontainerd.PodContainer{PodUID: p.uid, PodNamespace: namespace, Name: "qemu", HostDir: p.vol, Mounts: mounts})
 	return p
 }
 

@@ -89,7 +89,7 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 	}
 	res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
 		Image: req.Image, AllowTag: req.AllowTag, CacheDir: RAMCacheDir(s.cfg.StateDir, ns),
-		MaxCacheBytes: s.cfg.RAMCacheMaxBytes, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store,
+		MaxCacheBytes: s.cfg.RAMCacheMaxBytes, MaxGuestMemory: s.cfg.MaxGuestMemory, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store,
 	})
 	if err != nil {
 		if ctx.Err() != nil && context.Cause(ctx) != nil && errcode.Of(err) == errcode.Internal {

@@ -16,6 +16,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
+	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 // memoryFileImage checkpoints a fake QEMU whose RAM is a shared file of
@@ -177,5 +178,26 @@ func TestAgentPrepareOverHTTPEvicts(t *testing.T) {
 	}
 	if _, err := New(context.Background(), Config{StateDir: t.TempDir(), Resolver: newStaticResolver(), RAMCacheMaxBytes: -1}); errcode.Of(err) != errcode.Usage {
 		t.Errorf("a negative --ram-cache-max-bytes: %v, want USAGE", err)
+	}
+}
+
+// The agent's --max-guest-memory refuses a prepare of an image declaring
+// more, before a layer of it is fetched or a byte written to the cache; by
+// default it is the node's memory.
+func TestAgentPrepareRefusesMoreGuestMemoryThanTheNodeTakes(t *testing.T) {
+	root := t.TempDir()
+	img, _ := memoryFileImage(t, filepath.Join(root, "tenant-a", "vms"), 4<<20)
+	stateDir := t.TempDir()
+	ta := startAgentConfig(t, Config{StateDir: stateDir, Resolver: newStaticResolver(), LayoutRoot: root, MaxGuestMemory: 2 << 20})
+	_, err := ta.srv.Prepare(withCaller(context.Background(), callerA), api.PrepareRequest{Image: img})
+	if errcode.Of(err) != errcode.InvalidInput || !strings.Contains(err.Error(), "maxGuestMemory") {
+		t.Fatalf("a 4 MiB image under a 2 MiB bound: %v, want INVALID_INPUT naming maxGuestMemory", err)
+	}
+	if files, _ := filepath.Glob(filepath.Join(stateDir, "ram", "tenant-a", "*")); len(files) != 0 {
+		t.Fatalf("the refused prepare left %v in the cache", files)
+	}
+	def := startAgentConfig(t, Config{StateDir: t.TempDir(), Resolver: newStaticResolver(), LayoutRoot: root})
+	if got := def.srv.cfg.MaxGuestMemory; got != vmstate.DefaultMaxGuestMemory() || got <= 4<<20 {
+		t.Fatalf("the default bound is %d, want the node's memory", got)
 	}
 }

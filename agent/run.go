@@ -61,6 +61,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	// From here the operation uses the files the resolver opened, never the
 	// paths; the container's paths name them in messages and annotations.
 	spec.Handles = &vm.Handles
+	spec.Records = s.parentRecords(vm.Target)
 	if spec.Handles.OpenRAMFile == nil {
 		// Never the host path QEMU names: only a resolver that opens it
 		// within the VM's container may give a RAM file.

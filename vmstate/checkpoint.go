@@ -88,9 +88,15 @@ type CheckpointOptions struct {
 	// while the VM is stopped (default $TMPDIR).
 	StagingDir string
 	// Parent, for FormatMemoryFile, is the manifest (in the same
-	// repository) whose RAM file this checkpoint stores the changes to.
-	// Nil: the manifest the reference's tag names, if it can be one.
+	// repository) whose RAM file this checkpoint stores the changes to,
+	// checked against the VM's memory unless Records holds it. Nil: the
+	// checkpoint Records holds for this VM, if it can be one.
 	Parent *ocispec.Descriptor
+	// Records, for FormatMemoryFile, is where the node keeps each VM's
+	// last checkpoint, the parent of its next (parentrecord.go). Nil: no
+	// record is read or written, and without Parent every checkpoint is a
+	// base.
+	Records *ParentRecords
 	// MaxChain is how many deltas a chain may hold (DefaultMaxChain if 0):
 	// past it, the checkpoint is a fresh base.
 	MaxChain int
@@ -133,6 +139,15 @@ type CheckpointResult struct {
 	VMRunning bool // the source's state when Checkpoint returned
 	// RAMParentNote says, for a memory-file base, why it has no parent.
 	RAMParentNote string
+	// RAMParentTrust is, for a memory-file delta, how far its parent's
+	// page map was trusted: ParentRecorded or ParentVerified.
+	// RAMRefutedPages is how many pages a verified parent vouched for
+	// that the VM's memory did not hold (stored: a forged or corrupt
+	// parent). RAMRecordNote says why the checkpoint was not recorded as
+	// the VM's next parent, if it was not.
+	RAMParentTrust  string
+	RAMRefutedPages int
+	RAMRecordNote   string
 	// RAMCapture is how a memory-file checkpoint read the RAM file:
 	// CapturePrecopy or CaptureScan; RAMCaptureNote why it scanned when a
 	// pre-copy was tried.

@@ -191,83 +191,6 @@ func (c Config) checkRAM(layers []ocispec.Descriptor) (stream []ocispec.Descript
 	return stream, ram, nil
 }
 
-// parentImage is the checkpoint a delta builds on.
-type parentImage struct {
-	desc    ocispec.Descriptor
-	cfg     Config
-	ram     ramfile.Layers
-	pageMap *ramfile.PageMap
-}
-
-// findParent picks the parent of a memory-file checkpoint: opts.Parent,
-// else the manifest the reference's tag names now. A tag's image that
-// cannot be a parent (another format, another VM's memory size, a chain at
-// its bound) gives a base; a parent asked for that cannot is an error.
-func findParent(ctx context.Context, repo ociimage.Repository, opts CheckpointOptions, be *RAMBackend) (*parentImage, string, error) {
-	explicit := opts.Parent != nil
-	var desc ocispec.Descriptor
-	switch {
-	case explicit:
-		desc = *opts.Parent
-	case repo.Reference().Tag != "":
-		var err error
-		desc, err = repo.ResolveTag(ctx, repo.Reference().Tag)
-		if errors.Is(err, ociimage.ErrNotFound) {
-			return nil, "no earlier checkpoint under the tag", nil
-		} else if err != nil {
-			return nil, "", errcode.Ensure(errcode.RegistryError, err, "resolving the tag's previous checkpoint")
-		}
-	default:
-		return nil, "no tag to find a parent under", nil
-	}
-	refuse := func(why string) (*parentImage, string, error) {
-		if explicit {
-			return nil, "", errcode.New(errcode.Usage, "the parent %s cannot carry this checkpoint's delta: %s (leave %s out to take a base)", desc.Digest, why, errcode.Field("parent"))
-		}
-		return nil, why, nil
-	}
-	m, err := repo.Manifest(ctx, desc)
-	if err != nil {
-		if explicit {
-			return nil, "", err
-		}
-		return refuse(fmt.Sprintf("the tag's manifest could not be read (%v)", err))
-	}
-	if m.ArtifactType != ociimage.ArtifactTypeVMState {
-		return refuse("it is not a VM state image")
-	}
-	_, pm, cfg, err := LoadConfig(ctx, ociimage.Pinned(repo, desc))
-	if err != nil {
-		if explicit {
-			return nil, "", err
-		}
-		return refuse(fmt.Sprintf("it could not be loaded (%v)", err))
-	}
-	switch {
-	case cfg.Format != FormatMemoryFile:
-		return refuse(fmt.Sprintf("it is in the %s format", cfg.formatName()))
-	case cfg.RAM.Backend != be.ID || cfg.RAM.Bytes != be.Bytes:
-		return refuse(fmt.Sprintf("its RAM is backend %s of %d MiB, this VM's is %s of %d MiB", cfg.RAM.Backend, cfg.RAM.Bytes>>20, be.ID, be.Bytes>>20))
-	case len(cfg.RAM.Chain) > opts.maxChain():
-		if explicit {
-			return refuse(fmt.Sprintf("its chain already holds %d deltas, the most allowed (%s)", len(cfg.RAM.Chain)-1, errcode.Field("maxChain")))
-		}
-		return nil, fmt.Sprintf("the chain reached %d deltas: a fresh base", len(cfg.RAM.Chain)-1), nil
-	}
-	_, ram, err := cfg.checkRAM(pm.Layers)
-	var pageMap *ramfile.PageMap
-	if err == nil {
-		pageMap, err = ramfile.LoadPageMap(ctx, ram, repo, cfg.RAM.Bytes)
-	}
-	if err != nil {
-		if explicit {
-			return nil, "", err
-		}
-		return refuse(fmt.Sprintf("its page map could not be read (%v)", err))
-	}
-	return &parentImage{desc: desc, cfg: cfg, ram: ram, pageMap: pageMap}, "", nil
-}
-
 func (c Config) formatName() string {
 	if c.Format == "" {
 		return string(FormatStream)
@@ -316,14 +239,14 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		return nil, err
 	}
 	defer release()
-	parent, why, err := findParent(ctx, repo, opts, be)
+	parent, why, err := findParent(ctx, repo, opts, be, f)
 	if err != nil {
 		return nil, err
 	}
 	res.RAMParentNote = why
-	var parentMap *ramfile.PageMap
+	var parentMap *ramfile.Parent
 	if parent != nil {
-		parentMap = parent.pageMap
+		parentMap, res.RAMParentTrust = &parent.Parent, parent.trust
 	}
 
 	// No stoppedMemory: with x-ignore-shared QEMU sends only its few
@@ -414,11 +337,14 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 			// is stopped, so the file is the RAM of this checkpoint.
 			res.RAMParentNote = fmt.Sprintf("the chain would list %d region layers, more than %d: a fresh base", len(parent.ram.Regions)+capture.Regions(), ramfile.MaxRegionLayers)
 			capture.Close()
-			parent = nil
+			parent, res.RAMParentTrust = nil, ""
 			res.RAMCapture = CaptureScan // a pre-copy kept only the pages that changed
 			capture, err = ramfile.Scan(f, be.Bytes, nil, stagingDir(opts.StagingDir))
 		}
 		res.Durations.Save = time.Since(scanStart)
+		if err == nil {
+			res.RAMRefutedPages = capture.Refuted
+		}
 		return err
 	}
 	// storeDevices stores a pre-copy's device state, once the VM runs.
@@ -439,6 +365,7 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		res.Durations.Stream = time.Since(start)
 		return nil
 	}
+	var recorded *ramfile.PageMap // the page map of this checkpoint, stored
 	store := func(ctx context.Context) error {
 		if err := storeDevices(ctx); err != nil {
 			return err
@@ -473,12 +400,17 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		res.Stream.StoredBytes += stored.StoredBytes + layerBytes(parentRegions)
 		res.Stream.UploadedBytes += stored.UploadedBytes
 		res.Durations.Stream += time.Since(storeStart)
+		recorded = capture.Map
 		capture.Close()
 		capture = nil
 		return nil
 	}
 	if err = stopAndSave(ctx, mon, g, repo, opts, res, start, save, store); err != nil {
 		return nil, err
+	}
+	// Committed: the VM's next checkpoint builds on this one.
+	if err := opts.Records.save(f, be, repo, res.Manifest, recorded); err != nil {
+		res.RAMRecordNote = fmt.Sprintf("this checkpoint could not be recorded as the VM's next parent (%v): the next is a base", err)
 	}
 	return res, nil
 }
@@ -503,9 +435,17 @@ type PrepareOptions struct {
 	// file, which it maps shared (share=on): its RAM is then a shared file
 	// again, so that it can be checkpointed as a delta on this image. It
 	// costs a copy of the image's data; the copy is the caller's to remove.
-	CopyTo   string
-	Workers  int
-	Progress func(fetched int64)
+	CopyTo string
+	// Records, with CopyTo, is where the node records the image as the
+	// parent of the VM's next checkpoint, by its own copy's identity
+	// (ParentRecords): the copy is verified page by page against the
+	// image's map first.
+	Records *ParentRecords
+	// MaxGuestMemory, if above 0, refuses an image that declares more
+	// guest memory, before any of its layers is fetched.
+	MaxGuestMemory int64
+	Workers        int
+	Progress       func(fetched int64)
 }
 
 // PrepareResult is what Prepare made ready.
@@ -518,6 +458,9 @@ type PrepareResult struct {
 	Evicted      []ramfile.Entry
 	Duration     time.Duration
 	CopyDuration time.Duration // of the VM's own copy (CopyTo)
+	// RecordNote says why the VM's own copy was not recorded as its next
+	// checkpoint's parent, if it was not (its next checkpoint is a base).
+	RecordNote string
 }
 
 // Prepare readies a restore of a memory-file image on this node: it
@@ -533,6 +476,9 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 	}
 	if cfg.Format != FormatMemoryFile {
 		return nil, errcode.New(errcode.Usage, "%s holds its state in the %s format, which QEMU loads from the stream: it needs no prepare (restore it into a QEMU started with -incoming defer)", repo.Reference(), cfg.formatName())
+	}
+	if err := checkGuestMemory(cfg, opts.MaxGuestMemory); err != nil {
+		return nil, err
 	}
 	_, ram, err := cfg.checkRAM(m.Layers)
 	if err != nil {
@@ -550,22 +496,7 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 		if free, err := freeSpace(opts.Cache.Dir); err == nil && free < cfg.RAM.DataBytes {
 			return 0, errcode.New(errcode.Internal, "the RAM cache %s has %d MiB free, and this image's RAM file needs %d MiB: free space there or pick another directory with %s", opts.Cache.Dir, free>>20, cfg.RAM.DataBytes>>20, errcode.Field("cacheDir"))
 		}
-		// A delta's inherited pages are taken on its parent's page map's
-		// word at checkpoint: they are checked against the image's own
-		// map as they are written, before any QEMU maps the file. (A
-		// base's pages are all its own checkpoint's.)
-		mo := ramfile.MaterializeOptions{Workers: opts.Workers, Progress: opts.Progress,
-			// What the config declares, and a region's worth of rounding
-			// (a filesystem allocates whole blocks).
-			MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize}
-		if len(cfg.RAM.Chain) > 1 {
-			check, err := ramfile.LoadPageMap(ctx, ram, repo, cfg.RAM.Bytes)
-			if err != nil {
-				return 0, err
-			}
-			mo.Check, mo.Own = check, cfg.RAM.Chain[len(cfg.RAM.Chain)-1].Regions
-		}
-		return ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, mo)
+		return materializeVerified(ctx, repo, cfg, ram, f, opts)
 	})
 	if err != nil {
 		return nil, err
@@ -587,6 +518,10 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 		}
 		res.CopyDuration = time.Since(copyStart)
 		dir, shared = opts.CopyTo, true
+		if res.RecordNote, err = recordOwnCopy(ctx, repo, desc, cfg, ram, res.MemoryFile, opts.Records); err != nil {
+			os.Remove(res.MemoryFile)
+			return nil, err
+		}
 	}
 	res.QEMUArgs = QEMUArgs(cfg, path.Join(dir, path.Base(res.MemoryFile)), shared)
 	res.Duration = time.Since(start)

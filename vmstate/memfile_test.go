@@ -55,11 +55,13 @@ func materialized(t *testing.T, dir string, ref string) []byte {
 	return b
 }
 
-func TestMemoryFileCheckpointChainsDeltasUnderItsTag(t *testing.T) {
+// Each checkpoint of a VM builds on the last one the node recorded for it,
+// whatever tag each goes under (a controller's unique tags included).
+func TestMemoryFileCheckpointChainsDeltasOnItsRecord(t *testing.T) {
 	q, path := fakeFileVM(t)
 	dir := t.TempDir()
-	repo := openLayout(t, "oci:"+dir+":vm")
-	base, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: ModeSnapshot, StagingDir: t.TempDir()})
+	records := &ParentRecords{Dir: filepath.Join(t.TempDir(), "records")}
+	base, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm-1"), CheckpointOptions{Mode: ModeSnapshot, StagingDir: t.TempDir(), Records: records})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,13 +89,13 @@ func TestMemoryFileCheckpointChainsDeltasUnderItsTag(t *testing.T) {
 		f.WriteAt(p, page*ramfile.PageSize)
 	}
 	f.Close()
-	delta, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: ModePause, StagingDir: t.TempDir()})
+	delta, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm-2"), CheckpointOptions{Mode: ModePause, StagingDir: t.TempDir(), Records: records})
 	if err != nil {
 		t.Fatal(err)
 	}
 	r := delta.Config.RAM
-	if len(r.Chain) != 2 || r.Parent() != base.Manifest.Digest || r.Chain[1].ChangedPages != 3 {
-		t.Fatalf("second checkpoint is not a 3-page delta on the first: %+v", r)
+	if len(r.Chain) != 2 || r.Parent() != base.Manifest.Digest || r.Chain[1].ChangedPages != 3 || delta.RAMParentTrust != ParentRecorded {
+		t.Fatalf("second checkpoint is not a 3-page delta on the first, recorded: %+v (%s, %s)", r, delta.RAMParentTrust, delta.RAMParentNote)
 	}
 	if delta.Stream.UploadedBytes > 256<<10 || delta.Stream.StoredBytes < base.Stream.StoredBytes {
 		t.Fatalf("delta uploaded %d bytes, stores %d (base %d)", delta.Stream.UploadedBytes, delta.Stream.StoredBytes, base.Stream.StoredBytes)
@@ -105,7 +107,7 @@ func TestMemoryFileCheckpointChainsDeltasUnderItsTag(t *testing.T) {
 
 	// A chain at its bound starts a fresh base.
 	qq, _ := fakeFileVMAt(t, path)
-	third, err := Checkpoint(context.Background(), qq.Dial(t), repo, CheckpointOptions{Mode: ModeSnapshot, MaxChain: 1, StagingDir: t.TempDir()})
+	third, err := Checkpoint(context.Background(), qq.Dial(t), openLayout(t, "oci:"+dir+":vm-3"), CheckpointOptions{Mode: ModeSnapshot, MaxChain: 1, StagingDir: t.TempDir(), Records: records})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -214,11 +216,14 @@ func TestMemoryFileRestoreRefusesATargetNotMappingThePreparedFile(t *testing.T) 
 	}
 }
 
-// An attacker who can move the tag points it at a forged parent: its own
-// RAM's regions under the victim's page map. The victim's next checkpoint
-// finds no page changed and lists those regions; prepare of that pinned
-// digest must refuse the file (the pages do not match the victim's strong
-// hashes) rather than hand the victim's next VM the attacker's memory.
+// A parent named explicitly (not the node's record) whose layers are not
+// what its map says: its own RAM's regions under the victim's whole page
+// map, both hashes. The victim's memory agrees with the map, so the
+// checkpoint verifies every page it inherits and lists those regions;
+// prepare of that pinned digest must refuse the file (the pages do not
+// match the victim's hashes) rather than hand the victim's next VM the
+// attacker's memory. What naming such a parent can do is make the
+// checkpoint unusable, never restore other memory.
 func TestMemoryFilePrepareRefusesAForgedParentsPages(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
@@ -266,18 +271,14 @@ func TestMemoryFilePrepareRefusesAForgedParentsPages(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ociimage.TagManifest(ctx, repo, fdesc, "vm"); err != nil {
-		t.Fatal(err)
-	}
-
-	// The victim, unchanged, checkpoints again under its tag.
+	// The victim, unchanged, checkpoints again on that parent.
 	victim2, _ := fakeFileVMAt(t, victimRAM)
-	v2, err := Checkpoint(ctx, victim2.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{StagingDir: t.TempDir()})
+	v2, err := Checkpoint(ctx, victim2.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{StagingDir: t.TempDir(), Parent: &fdesc})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if v2.Config.RAM.Parent() != fdesc.Digest {
-		t.Fatalf("the victim's checkpoint did not build on the forged parent (%s): the test does not attack anything", v2.Config.RAM.Parent())
+	if v2.Config.RAM.Parent() != fdesc.Digest || v2.RAMParentTrust != ParentVerified {
+		t.Fatalf("the victim's checkpoint did not build on the forged parent (%s, %s): the test does not attack anything", v2.Config.RAM.Parent(), v2.RAMParentTrust)
 	}
 	_, err = Prepare(ctx, openLayout(t, "oci:"+dir+"@"+v2.Manifest.Digest.String()), PrepareOptions{Cache: ramfile.Cache{Dir: filepath.Join(t.TempDir(), "cache")}})
 	if errcode.Of(err) != errcode.DigestMismatch {

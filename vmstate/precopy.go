@@ -519,7 +519,7 @@ func (p *precopied) close() {
 // On an error the migration is over: cancelled with the VM running, or
 // completed with it stopped (QEMU then refuses another migration until it
 // runs again).
-func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f *os.File, parent *ramfile.PageMap, stagingDir string) (_ *precopied, err error) {
+func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f *os.File, parent *ramfile.Parent, stagingDir string) (_ *precopied, err error) {
 	if len(be.OtherShared) > 0 {
 		return nil, errcode.New(errcode.Usage, "the VM has other shared memory backends (%s), which an x-ignore-shared restore leaves out too", strings.Join(be.OtherShared, ", "))
 	}

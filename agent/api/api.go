@@ -63,6 +63,17 @@ type RAMResult struct {
 	// when a pre-copy fails, which CaptureNote then explains).
 	Capture     string `json:"capture"`
 	CaptureNote string `json:"captureNote,omitempty"`
+	// ParentTrust is, for a delta, how far its parent was trusted:
+	// "recorded" (the checkpoint this node recorded for the VM, its own
+	// map of the VM's memory) or "verified" (a parent named otherwise:
+	// every page it vouched for checked against the VM's memory).
+	// RefutedPages is how many pages a verified parent vouched for that
+	// the VM's memory did not hold (stored; a forged or corrupt parent).
+	ParentTrust  string `json:"parentTrust,omitempty"`
+	RefutedPages int    `json:"refutedPages,omitempty"`
+	// RecordNote says why this checkpoint was not recorded as the VM's
+	// next parent, if it was not (the next checkpoint is then a base).
+	RecordNote string `json:"recordNote,omitempty"`
 }
 
 // ChainLink is one checkpoint of a RAM file's chain.
@@ -104,6 +115,10 @@ type PrepareResult struct {
 	DataBytes    int64              `json:"dataBytes"`
 	Evicted      []string           `json:"evicted,omitempty"`
 	DurationsMs  map[string]float64 `json:"durationsMs"`
+	// RecordNote says, for a VM given its own copy (copyTo), why the node
+	// did not record the image as the parent of the VM's next checkpoint
+	// (which is then a base).
+	RecordNote string `json:"recordNote,omitempty"`
 }
 
 // DiskResult describes a captured disk overlay: stored as an image of its
@@ -316,9 +331,11 @@ type CheckpointRequest struct {
 	Keep int `json:"keep,omitempty"`
 	// Parent and MaxChain, for a VM whose RAM is a shared file (the
 	// memory-file format): the checkpoint (REF@sha256:..., in Image's
-	// repository) to store the changed pages of, and how many deltas a
-	// chain may hold. Empty and 0: the one Image's tag names, and the
-	// default bound.
+	// repository) to store the changed pages of, each page it vouches for
+	// checked against the VM's memory unless it is the VM's last checkpoint
+	// as the agent recorded it, and how many deltas a chain may hold.
+	// Empty and 0: the agent's record of the VM's last checkpoint (never
+	// what a tag names), and the default bound.
 	Parent   string `json:"parent,omitempty"`
 	MaxChain int    `json:"maxChain,omitempty"`
 }

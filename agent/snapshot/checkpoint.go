@@ -59,10 +59,15 @@ type CheckpointSpec struct {
 	StagingDir string
 	// Parent, for the memory-file format, is the checkpoint
 	// (REF@sha256:..., in the same repository as Image) this one stores
-	// the changed pages of; empty: the one Image's tag names, if it can
+	// the changed pages of, verified against the VM's memory unless
+	// Records holds it; empty: the one Records holds for the VM, if it can
 	// be. MaxChain bounds a chain's deltas (vmstate.DefaultMaxChain if 0).
 	Parent   string
 	MaxChain int
+	// Records is where the node keeps the VM's last memory-file
+	// checkpoint, the parent of its next (vmstate.ParentRecords). Nil: no
+	// record, and without Parent every such checkpoint is a base.
+	Records *vmstate.ParentRecords
 	// BeforeStop, if set, runs once everything has been checked and just
 	// before the VM is touched, with whether the VM runs now (the agent
 	// journals there).
@@ -199,7 +204,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 
 	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir,
-		MaxChain: s.MaxChain, OpenRAMFile: h.OpenRAMFile}
+		MaxChain: s.MaxChain, Records: s.Records, OpenRAMFile: h.OpenRAMFile}
 	opts.Annotations = previous
 	if s.Parent != "" {
 		if opts.Parent, err = state.parent(ctx, s.Parent, s.Store); err != nil {
@@ -346,7 +351,8 @@ func ramResult(res *vmstate.CheckpointResult) *api.RAMResult {
 		return nil
 	}
 	out := &api.RAMResult{Backend: r.Backend, Bytes: r.Bytes, DataBytes: r.DataBytes, Parent: string(r.Parent()), BaseNote: res.RAMParentNote,
-		Capture: res.RAMCapture, CaptureNote: res.RAMCaptureNote}
+		Capture: res.RAMCapture, CaptureNote: res.RAMCaptureNote,
+		ParentTrust: res.RAMParentTrust, RefutedPages: res.RAMRefutedPages, RecordNote: res.RAMRecordNote}
 	for _, l := range r.Chain {
 		out.Chain = append(out.Chain, api.ChainLink{Manifest: string(l.Manifest), Created: l.Created, Regions: l.Regions, StoredBytes: l.StoredBytes, ChangedPages: l.ChangedPages})
 	}

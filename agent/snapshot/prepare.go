@@ -38,16 +38,31 @@ type PrepareSpec struct {
 	// CopyTo gives the VM its own copy of the file in this directory,
 	// mapped shared, so that it can be checkpointed as a delta on this
 	// image (vmstate.PrepareOptions.CopyTo).
-	CopyTo   string
-	Workers  int
-	Store    []ociimage.Option
-	Progress Progress
+	CopyTo string
+	// Records, with CopyTo, records the image as the parent of the VM's
+	// next checkpoint (vmstate.ParentRecords; DefaultParentRecordsDir for
+	// the CLI).
+	Records *vmstate.ParentRecords
+	// MaxGuestMemory refuses an image that declares more guest memory,
+	// before a layer of it is fetched (0: no bound).
+	MaxGuestMemory int64
+	Workers        int
+	Store          []ociimage.Option
+	Progress       Progress
 }
 
 // DefaultCacheDir is where a local prepare keeps RAM files: tmpfs, whose
 // pages are memory a QEMU maps directly, in a directory of this user's.
 func DefaultCacheDir() string {
 	return filepath.Join("/dev/shm", fmt.Sprintf("vmsnap-%d", os.Geteuid()), "ram")
+}
+
+// DefaultParentRecordsDir is where the CLI keeps, per VM it checkpoints
+// in the memory-file format, the checkpoint the VM's next builds on
+// (vmstate.ParentRecords): beside the RAM cache, in a directory of this
+// user's.
+func DefaultParentRecordsDir() string {
+	return filepath.Join(filepath.Dir(DefaultCacheDir()), "parents")
 }
 
 // Prepare materializes a memory-file image's RAM file (or finds it in the
@@ -68,7 +83,7 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 	}
 	res, err := vmstate.Prepare(ctx, repo, vmstate.PrepareOptions{
 		Cache: ramfile.Cache{Dir: s.CacheDir, PrivateParent: s.PrivateParent}, MaxCacheBytes: s.MaxCacheBytes, QEMUDir: s.QEMUDir, CopyTo: s.CopyTo,
-		Workers: s.Workers, Progress: s.Progress.bytes("prepare"),
+		Records: s.Records, MaxGuestMemory: s.MaxGuestMemory, Workers: s.Workers, Progress: s.Progress.bytes("prepare"),
 	})
 	if err != nil {
 		return nil, err
@@ -76,7 +91,7 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 	out := &api.PrepareResult{
 		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
 		QEMUArgs: res.QEMUArgs, MemoryFile: res.MemoryFile, FetchedBytes: res.FetchedBytes,
-		MemoryBytes: res.Config.RAM.Bytes, DataBytes: res.Config.RAM.DataBytes,
+		MemoryBytes: res.Config.RAM.Bytes, DataBytes: res.Config.RAM.DataBytes, RecordNote: res.RecordNote,
 		DurationsMs: map[string]float64{"total": api.Ms(res.Duration), "copy": api.Ms(res.CopyDuration)},
 	}
 	for _, e := range res.Evicted {

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
+	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
@@ -24,6 +25,7 @@ func TestPruneKeepsTheLayersAKeptDeltaBuildsOn(t *testing.T) {
 	qmptest.MapFile(t, ram) // as QEMU would
 	store := t.TempDir()
 	var cps []string
+	records := &vmstate.ParentRecords{Dir: filepath.Join(t.TempDir(), "records")}
 	for i := range 3 {
 		if i > 0 { // a page changes between checkpoints
 			f, _ := os.OpenFile(ram, os.O_RDWR, 0)
@@ -33,7 +35,7 @@ func TestPruneKeepsTheLayersAKeptDeltaBuildsOn(t *testing.T) {
 		q := qmptest.NewFakeQEMU(t, "running", randomState(t, 64<<10))
 		q.Memory = memory
 		q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: ram, Share: true}
-		res, err := Checkpoint(ctx, CheckpointSpec{QMPPath: q.Path(), Image: "oci:" + store + ":vm", StagingDir: t.TempDir()})
+		res, err := Checkpoint(ctx, CheckpointSpec{QMPPath: q.Path(), Image: "oci:" + store + ":vm", StagingDir: t.TempDir(), Records: records})
 		if err != nil {
 			t.Fatal(err)
 		}

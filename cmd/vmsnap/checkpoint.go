@@ -59,6 +59,8 @@ type checkpointFlags struct {
 	qmp, image, disk, diskImage, mode string
 	rootfsImage                       string
 	format, stagingDir, parent        string
+	parentRecords                     string
+	parentRecordsSet                  bool
 	keep, maxChain                    int
 	timeout                           time.Duration
 	stream                            streamFlags
@@ -104,10 +106,15 @@ State formats (--format):
                before QEMU stopped the VM) QEMU sends only the device state
                (x-ignore-shared) and vmsnap reads FILE with the VM stopped.
                The result's ram.capture says which ("precopy", "scan"). The image
-               holds the RAM page by page: a delta on its parent's layers (the
-               checkpoint the tag names, or --parent), a fresh base past
-               --max-chain deltas. Restore it with vmsnap prepare (see its
-               --help), which maps the RAM file instead of loading it.
+               holds the RAM page by page: a delta on its parent's layers, a
+               fresh base past --max-chain deltas. The parent is the VM's
+               last checkpoint as this node recorded it (--parent-records:
+               its page map computed from the VM's memory, whatever tags
+               each went under), or --parent, whose every page the delta
+               inherits is checked against the VM's memory (SHA-256); never
+               what a tag names (ram.parentTrust: "recorded", "verified").
+               Restore it with vmsnap prepare (see its --help), which maps
+               the RAM file instead of loading it.
 
 Every image is stored by digest first; only once all of them are stored do
 their tags move, the VM state's last: a failed checkpoint never moves a tag.
@@ -136,6 +143,7 @@ prune --keep N does; the result's "pruned" says what went. A failed prune
 does not fail the checkpoint: "pruned.error" says why.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
+			f.parentRecordsSet = c.Flags().Changed("parent-records")
 			return coded(runCheckpoint(c.Context(), out, f))
 		},
 	}
@@ -146,7 +154,8 @@ does not fail the checkpoint: "pruned.error" says why.`,
 	c.Flags().StringVar(&f.rootfsImage, "rootfs-image", "", "with --agent: also capture the QEMU container's writable layer (its image plus one layer of changes) as an image here")
 	c.Flags().StringVar(&f.mode, "mode", string(vmstate.ModeSnapshot), "pause, snapshot or live (see above)")
 	c.Flags().StringVar(&f.format, "format", string(vmstate.FormatAuto), "auto, stream, mapped-ram or memory-file (see above)")
-	c.Flags().StringVar(&f.parent, "parent", "", "memory-file: store the pages that changed since this checkpoint, REF@sha256:... in the --image repository (default: the one --image's tag names, if it is a memory-file checkpoint of this VM)")
+	c.Flags().StringVar(&f.parent, "parent", "", "memory-file: store the pages that changed since this checkpoint, REF@sha256:... in the --image repository, each page it vouches for checked against the VM's memory unless this node recorded it (default: the VM's last checkpoint as --parent-records holds it)")
+	c.Flags().StringVar(&f.parentRecords, "parent-records", snapshot.DefaultParentRecordsDir(), "memory-file: the directory (yours, mode 0700) where this node records each VM's last checkpoint, the parent of its next; \"\" keeps none (every checkpoint a base, or on --parent)")
 	c.Flags().IntVar(&f.maxChain, "max-chain", vmstate.DefaultMaxChain, "memory-file: how many deltas a chain may hold before the next checkpoint is a fresh base (each delta adds layers that a cold restore fetches)")
 	c.Flags().StringVar(&f.stagingDir, "staging-dir", "", "where a mapped-ram checkpoint has QEMU write the state before it is stored (default $TMPDIR; sparse, about the guest's used memory)")
 	c.Flags().IntVar(&f.keep, "keep", 0, "after the checkpoint, keep the `N` newest checkpoints of the --image repository and delete the older ones (see vmsnap prune; 0: prune nothing, through --agent: the agent's --keep)")
@@ -192,8 +201,8 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		return err
 	}
 	encrypt = append(encrypt, decrypt...)
-	if f.agent.address != "" && (format != vmstate.FormatAuto || f.stagingDir != "") {
-		return errcode.New(errcode.Usage, "--format and --staging-dir apply to a local checkpoint: the node agent picks the format itself")
+	if f.agent.address != "" && (format != vmstate.FormatAuto || f.stagingDir != "" || f.parentRecordsSet) {
+		return errcode.New(errcode.Usage, "--format, --staging-dir and --parent-records apply to a local checkpoint: the node agent picks the format itself and keeps its own records")
 	}
 	if f.maxChain < 0 {
 		return errcode.New(errcode.Usage, "--max-chain %d: give how many deltas a chain may hold", f.maxChain)
@@ -218,6 +227,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 			QMPPath: f.qmp, DiskPath: f.disk, Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: mode,
 			Stream: f.stream.options(), Store: append(f.registry.options(), encrypt...), Progress: p.update,
 			Format: format, StagingDir: f.stagingDir, Keep: f.keep, Parent: f.parent, MaxChain: f.maxChain,
+			Records: &vmstate.ParentRecords{Dir: f.parentRecords},
 		})
 		p.finish()
 		if err != nil {
@@ -244,8 +254,17 @@ func printCheckpoint(w io.Writer, r *api.CheckpointResult) {
 		}
 		fmt.Fprintf(w, "  memory-file: %s of RAM, %s of data; this checkpoint stored %d changed pages in %d regions, %s; RAM read by %s\n",
 			humanBytes(ram.Bytes), humanBytes(ram.DataBytes), last.ChangedPages, last.Regions, kind, ram.Capture)
-		if ram.CaptureNote != "" {
-			fmt.Fprintf(w, "  %s\n", ram.CaptureNote)
+		if ram.ParentTrust != "" {
+			fmt.Fprintf(w, "  parent %s", ram.ParentTrust)
+			if ram.ParentTrust == vmstate.ParentVerified {
+				fmt.Fprintf(w, " against the VM's memory: %d pages it vouched for did not match and were stored", ram.RefutedPages)
+			}
+			fmt.Fprintln(w)
+		}
+		for _, note := range []string{ram.CaptureNote, ram.RecordNote} {
+			if note != "" {
+				fmt.Fprintf(w, "  %s\n", note)
+			}
 		}
 	}
 	if d := r.Disk; d != nil {

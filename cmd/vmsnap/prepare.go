@@ -13,6 +13,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 func newPrepareCmd(out *globalOutput) *cobra.Command {
@@ -25,6 +26,8 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 		maxCache int64
 		qemuDir  string
 		copyTo   string
+		records  string
+		maxMem   int64
 		allowTag bool
 		timeout  time.Duration
 		agentAt  string
@@ -60,14 +63,19 @@ leaves nothing, and concurrent prepares of one snapshot wait for each other.
 
 To pause and resume the same VM again and again, give it its own copy with
 --copy-to DIR: the copy (DIR/vm-RANDOM.sha256-HEX.ram, only the data copied)
-is mapped shared, so the restored VM's RAM is a shared file again and its next
-checkpoint under the same tag is a delta of the pages it changed. The copy
-costs time in proportion to the snapshot's data (durationsMs.copy); without
-it, a restored VM is checkpointed with the stream.
+is mapped shared, so the restored VM's RAM is a shared file again. The copy is
+checked page by page against the snapshot's page map and recorded in
+--parent-records as that file's last checkpoint: the VM's next checkpoint is a
+delta of the pages it changed. The copy costs time in proportion to the
+snapshot's data (durationsMs.copy); without it, a restored VM is checkpointed
+with the stream.
 
-Every page of the materialized file is checked against the image's page map
-(SHA-256): a snapshot built on a parent whose layers do not hold what its map
-says fails with DIGEST_MISMATCH before any QEMU maps it.
+Every page of a delta's materialized file is checked against the image's page
+map (xxhash64 and SHA-256, holes included) before any QEMU maps it: a snapshot
+built on a parent whose layers do not hold what its map says fails with
+DIGEST_MISMATCH. A snapshot that declares more guest memory than
+--max-guest-memory (default: this node's memory) is refused (INVALID_INPUT)
+before a layer of it is fetched.
 
 Trust: QEMU before 8.2 opens a share=off file read-write (its readonly=on
 would make the guest's RAM read-only), so a compromised QEMU could change
@@ -115,7 +123,7 @@ same path in the QEMU container (or give --qemu-dir).`,
 				return coded(errcode.New(errcode.Usage, "through --agent, the agent decrypts with the keys of its own --decryption-key-dir: drop --decryption-key"))
 			}
 			if agentAt != "" {
-				for _, f := range []string{"cache-dir", "max-cache-bytes"} {
+				for _, f := range []string{"cache-dir", "max-cache-bytes", "parent-records", "max-guest-memory"} {
 					if c.Flags().Changed(f) {
 						return coded(errcode.New(errcode.Usage, "--%s is the agent's with --agent (its --state-dir/ram/NAMESPACE and --ram-cache-max-bytes): leave it out", f))
 					}
@@ -150,6 +158,7 @@ same path in the QEMU container (or give --qemu-dir).`,
 			defer p.finish()
 			res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
 				Image: args[0], AllowTag: allowTag, CacheDir: cacheDir, PrivateParent: private, MaxCacheBytes: maxCache, QEMUDir: qemuDir, CopyTo: copyTo,
+				Records: &vmstate.ParentRecords{Dir: records}, MaxGuestMemory: maxMem,
 				Workers: stream.workers, Store: append(reg.options(), keys...), Progress: p.update,
 			})
 			p.finish()
@@ -170,6 +179,8 @@ same path in the QEMU container (or give --qemu-dir).`,
 	c.Flags().Int64Var(&maxCache, "max-cache-bytes", 0, "once the file is ready, remove the least recently used others past this many allocated bytes (0: no bound)")
 	c.Flags().StringVar(&qemuDir, "qemu-dir", "", "the cache directory as the target QEMU sees it (a container's mount), for the printed arguments (default --cache-dir)")
 	c.Flags().StringVar(&copyTo, "copy-to", "", "give the VM its own copy of the RAM file in this directory, mapped shared (share=on), so that it can be checkpointed again as a delta on this snapshot; costs a copy of the snapshot's data, and the copy is yours to remove with the VM")
+	c.Flags().StringVar(&records, "parent-records", snapshot.DefaultParentRecordsDir(), "with --copy-to: where to record the snapshot as the parent of the VM's next checkpoint (checkpoint's --parent-records)")
+	c.Flags().Int64Var(&maxMem, "max-guest-memory", vmstate.DefaultMaxGuestMemory(), "refuse a snapshot that declares more guest memory than this many bytes, before fetching it (default: this node's memory)")
 	c.Flags().BoolVar(&allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&timeout, "timeout", 30*time.Minute, "give up after this long")
 	c.Flags().StringVar(&stateDir, "state-dir", "", "where restore --to-dir staged this snapshot: record the result there (prepared.json) for vmsnap launch --state-dir")

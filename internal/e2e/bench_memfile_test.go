@@ -16,7 +16,8 @@ package e2e
 //     memory-file image cold (vmsnap prepare into an empty cache, then
 //     restore) and with the file already on the node (prepare finds it,
 //     fetchedBytes 0; the restore timed alone);
-//   - a chain under one tag: a base, the idle VM's second checkpoint after
+//   - a chain, each checkpoint under a tag of its own (its parent is the
+//     one the node recorded): a base, the idle VM's second checkpoint after
 //     it ran VMSNAP_BENCH_IDLE, one after 5% of the random data was
 //     rewritten from the host in 205 scattered 64 KiB pieces, one after a 5%
 //     contiguous rewrite, and a last one in pause mode with the disk; the
@@ -26,6 +27,10 @@ package e2e
 //     counter and disk marker;
 //   - 1 GiB only: 4 clones of that image on this node, mapping the one
 //     prepared file: the node's memory for 4 against for 1.
+//   - what trusting a parent only as far as the checkpoint verified it
+//     costs: pairs of deltas on a recorded parent and on one named with
+//     --parent (each page it vouches for checked with SHA-256), in
+//     snapshot and pause mode (bench_memfile_trust_test.go).
 //
 // Every restore checks the guest carries on (boot id, counter, memory
 // checksums, disk marker). The guests recompute their memory checksum every
@@ -105,6 +110,7 @@ type mfSize struct {
 	chainFetched                 int64
 	exact                        string // what the exactness check compared
 	clones                       *cloneMemory
+	trust                        *trustCost
 	rewriteSpan                  string
 }
 
@@ -238,7 +244,8 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 			bb.settled(src)
 		}
 		alloc := allocated(b, g.ram)
-		rss, _, _ := bb.peakRun(&mc, "checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:r%d", mfRepo, i), "--mode", "snapshot", "--format", "memory-file")
+		// No parent records: each a base.
+		rss, _, _ := bb.peakRun(&mc, "checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:r%d", mfRepo, i), "--mode", "snapshot", "--format", "memory-file", "--parent-records", "")
 		if mc.VMState.Format != string(vmstate.FormatMemoryFile) || !mc.VMRunning || mc.VMState.RAM == nil || len(mc.VMState.RAM.Chain) != 1 {
 			b.Fatalf("memory-file checkpoint: format %q, running %v, ram %+v: want a base", mc.VMState.Format, mc.VMRunning, mc.VMState.RAM)
 		}
@@ -317,24 +324,28 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 			tm.d.Round(time.Millisecond), rs.VMState.DurationsMs, ptm.d.Round(time.Millisecond))
 	}
 
-	bb.memoryFileChain(g, r)
+	records := filepath.Join(b.TempDir(), "records")
+	bb.memoryFileChain(g, r, records)
+	r.trust = bb.parentTrustCost(g, records)
 	return r
 }
 
-// memoryFileChain checkpoints g under one tag: a base, then deltas after
-// the guest idled, after a scattered and a contiguous rewrite from the
-// host, and in pause mode with the disk; then restores the last (base + 4
-// deltas) cold and checks the guest is exact; for the 1 GiB guest, 4 clones
-// of it share the prepared file.
-func (bb *bench) memoryFileChain(g *mfGuest, r *mfSize) {
+// memoryFileChain checkpoints g, each checkpoint under a tag of its own
+// (as a controller's ${TAG} has it: the parent is the checkpoint records
+// holds, not a tag): a base, then deltas after the guest idled, after a
+// scattered and a contiguous rewrite from the host, and in pause mode with
+// the disk; then restores the last (base + 4 deltas) cold and checks the
+// guest is exact; for the 1 GiB guest, 4 clones of it share the prepared
+// file.
+func (bb *bench) memoryFileChain(g *mfGuest, r *mfSize, records string) {
 	b := bb.b
 	src := g.vm
 	repo := bb.repo(fmt.Sprintf("mf-chain-%d", g.memMB))
-	image := repo + ":chain"
 	var prev api.CheckpointResult
 	step := func(name string, target float64, extra ...string) api.CheckpointResult {
 		var cp api.CheckpointResult
-		bb.runCLI(src, &cp, append([]string{"checkpoint", "--qmp", src.QMPPath(), "--image", image, "--format", "memory-file"}, extra...)...)
+		image := fmt.Sprintf("%s:chain-%d", repo, len(r.chain))
+		bb.runCLI(src, &cp, append([]string{"checkpoint", "--qmp", src.QMPPath(), "--image", image, "--format", "memory-file", "--parent-records", records}, extra...)...)
 		ram := cp.VMState.RAM
 		if ram == nil || len(ram.Chain) != len(r.chain)+1 || (prev.VMState.Digest != "" && ram.Parent != prev.VMState.Digest) {
 			b.Fatalf("%s: not a delta on the previous checkpoint: %+v", name, ram)
@@ -386,7 +397,7 @@ func (bb *bench) memoryFileChain(g *mfGuest, r *mfSize) {
 	// The last delta, in pause mode with the disk.
 	bb.settled(src)
 	diskRepo := bb.repo(fmt.Sprintf("mf-chain-disk-%d", g.memMB))
-	last := step("pause mode, with the disk", 0, "--mode", "pause", "--disk", g.overlay, "--disk-image", diskRepo+":chain")
+	last := step("pause mode, with the disk", 0, "--mode", "pause", "--disk", g.overlay, "--disk-image", diskRepo+":chain-4")
 	at, _ := src.LastStatus()
 	resume := src.ResumeCounter()
 
@@ -698,6 +709,7 @@ func (r *mfReport) print(w io.Writer, bb *bench) {
 	rowf("  their downtime (idle, scattered, contiguous)", func(s *mfSize) string {
 		return fmt.Sprintf("%.0f, %.0f, %.0f ms", s.chain[1].downtimeMs, s.chain[2].downtimeMs, s.chain[3].downtimeMs)
 	}, "", nil)
+	trustRows(rowf)
 	rowf("base + 4 deltas: cold prepare + restore", func(s *mfSize) string {
 		return fmt.Sprintf("%.0f ms (%s fetched)", float64(s.chainRestore)/1e6, humanBytes(s.chainFetched))
 	}, "exact", func(s *mfSize) bool { return s.exact != "" })
@@ -746,6 +758,8 @@ func (r *mfReport) metrics(b *testing.B) {
 		b.ReportMetric(sumMedian(s.coldPrepare, s.coldRestore)/medianDur(s.streamRestore), "cold/stream-"+g)
 		b.ReportMetric(medianF(s.mfDown)/medianF(s.streamDown), "downtime-share-"+g)
 		b.ReportMetric(float64(s.rssCkpt)/1024, "rss-ckpt-MiB-"+g)
+		b.ReportMetric(medianF(s.trust.snapDown), "verified/recorded-downtime-"+g)
+		b.ReportMetric(medianF(s.trust.scan), "verified/recorded-scan-"+g)
 	}
 	if c := r.sizes[0].clones; c != nil {
 		b.ReportMetric(float64(c.node4())/float64(c.node1()), "clones4/1")

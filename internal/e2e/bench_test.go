@@ -425,7 +425,7 @@ func qmpDo(b *testing.B, c *qmp.Client, cmd string, args, result any) {
 }
 
 // qmpOnce runs one command over a fresh connection.
-func qmpOnce(b *testing.B, path, cmd string, args any) {
+func qmpOnce(b testing.TB, path, cmd string, args any) {
 	b.Helper()
 	ctx, cancel := benchCtx(time.Minute)
 	defer cancel()

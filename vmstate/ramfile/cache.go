@@ -148,9 +148,21 @@ func (c Cache) walk(create bool) error {
 	if c.Dir == "" {
 		return errcode.New(errcode.Usage, "no cache directory: set %s", errcode.Field("cacheDir"))
 	}
-	dir, err := filepath.Abs(c.Dir)
+	return ownDir(c.Dir, c.PrivateParent, create, "RAM cache")
+}
+
+// OwnDir makes dir if needed (mode 0700) and checks it and the
+// directories above it as a cache directory is checked (Cache): for a
+// directory whose files only this user may put there. what names it in
+// messages.
+func OwnDir(dir, what string) error { return ownDir(dir, false, true, what) }
+
+// ownDir is walk's rule for any directory; without create, a missing
+// directory is an error that wraps fs.ErrNotExist.
+func ownDir(dir string, privateParent, create bool, what string) error {
+	dir, err := filepath.Abs(dir)
 	if err != nil {
-		return errcode.Wrap(errcode.Usage, err, "RAM cache %s", c.Dir)
+		return errcode.Wrap(errcode.Usage, err, "%s %s", what, dir)
 	}
 	// Make what is missing, one level at a time, checking each level
 	// before creating inside it.
@@ -161,17 +173,17 @@ func (c Cache) walk(create bool) error {
 		}
 		if errors.Is(err, fs.ErrNotExist) {
 			if err := os.Mkdir(d, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
-				return errcode.Wrap(errcode.Internal, err, "creating the RAM cache %s", d)
+				return errcode.Wrap(errcode.Internal, err, "creating the %s %s", what, d)
 			}
 			fi, err = os.Lstat(d)
 		}
 		if err != nil {
-			return errcode.Wrap(errcode.Internal, err, "RAM cache %s", d)
+			return errcode.Wrap(errcode.Internal, err, "%s %s", what, d)
 		}
-		if c.PrivateParent && d != dir {
+		if privateParent && d != dir {
 			continue
 		}
-		if err := safeDir(d, fi, d == dir); err != nil {
+		if err := safeDir(d, fi, d == dir, what); err != nil {
 			return err
 		}
 	}
@@ -192,7 +204,7 @@ func ancestors(dir string) []string {
 }
 
 // safeDir is open's rule for one directory.
-func safeDir(d string, fi fs.FileInfo, last bool) error {
+func safeDir(d string, fi fs.FileInfo, last bool, what string) error {
 	st, ok := fi.Sys().(*syscall.Stat_t)
 	me := uint32(os.Geteuid())
 	owner := ok && (st.Uid == me || st.Uid == 0)
@@ -200,13 +212,13 @@ func safeDir(d string, fi fs.FileInfo, last bool) error {
 	sticky := fi.Mode()&fs.ModeSticky != 0 && ok && st.Uid == 0
 	switch {
 	case fi.Mode()&fs.ModeSymlink != 0 || !fi.IsDir():
-		return errcode.New(errcode.Forbidden, "RAM cache: %s is not a directory (a link?): give a cache directory whose path has no links", d)
+		return errcode.New(errcode.Forbidden, "%s: %s is not a directory (a link?): give a directory whose path has no links", what, d)
 	case !owner:
-		return errcode.New(errcode.Forbidden, "RAM cache: %s belongs to uid %d, not to this user (uid %d) or root: someone else could swap the cache for files of theirs, which would become a VM's memory; pick another directory", d, st.Uid, me)
+		return errcode.New(errcode.Forbidden, "%s: %s belongs to uid %d, not to this user (uid %d) or root: someone else could swap its files for theirs, which would decide a VM's memory; pick another directory", what, d, st.Uid, me)
 	case last && (st.Uid != me || fi.Mode().Perm()&0o077 != 0):
-		return errcode.New(errcode.Forbidden, "RAM cache %s must be this user's (uid %d) with mode 0700: the files in it are guests' memory (chmod 700 it)", d, me)
+		return errcode.New(errcode.Forbidden, "%s %s must be this user's (uid %d) with mode 0700: its files decide guests' memory (chmod 700 it)", what, d, me)
 	case writable && !sticky:
-		return errcode.New(errcode.Forbidden, "RAM cache: %s may be written by others (chmod go-w it, or pick another directory): they could swap the cache for files of theirs", d)
+		return errcode.New(errcode.Forbidden, "%s: %s may be written by others (chmod go-w it, or pick another directory): they could swap its files for theirs", what, d)
 	}
 	return nil
 }

@@ -6,10 +6,8 @@ import (
 	"context"
 	"crypto/sha256"
 	"errors"
-
 	"math/bits"
 	"os"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -31,8 +29,14 @@ import (
 type Capture struct {
 	Size    int64
 	Map     *PageMap
-	parent  *PageMap // nil for a base
+	parent  *Parent  // nil for a base
 	changed []uint32 // pages whose entry differs from the parent's, ascending
+	// refuted has a bit per page whose fast hash matched a parent's that
+	// needed verifying but whose strong hash did not: stored, as changed.
+	refuted []uint64
+	// Refuted is how many such pages there are: a parent that says it
+	// holds what this VM's memory does not (forged, or corrupt).
+	Refuted int
 	staging *os.File // the changed non-zero pages, in order (Scan)
 	shadow  bool     // staging holds page i at i*PageSize instead (Shadow)
 	// StagedBytes is what the staging file holds; ScannedBytes what was
@@ -68,13 +72,13 @@ func (c *Capture) Close() {
 // write meanwhile (the VM is stopped), hashes every page, and copies each
 // page that differs from parent (nil: each non-zero page) into a staging
 // file in stagingDir. Only f's data extents are read: a hole is zero pages.
-func Scan(f *os.File, size int64, parent *PageMap, stagingDir string) (c *Capture, err error) {
+func Scan(f *os.File, size int64, parent *Parent, stagingDir string) (c *Capture, err error) {
 	if err := CheckSize(size); err != nil {
 		return nil, err
 	}
 	pages := Pages(size)
-	if parent != nil && parent.Len() != pages {
-		return nil, errcode.New(errcode.InvalidInput, "the parent's page map has %d pages, the RAM file %d", parent.Len(), pages)
+	if err := parent.check(pages); err != nil {
+		return nil, err
 	}
 	if fi, err := f.Stat(); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "reading the RAM file")
@@ -111,157 +115,83 @@ func (c *Capture) diff() {
 	for w := range c.Map.bits {
 		either := c.Map.bits[w]
 		if c.parent != nil {
-			either |= c.parent.bits[w]
+			either |= c.parent.Map.bits[w]
 		}
 		for either != 0 {
 			i := w*64 + bits.TrailingZeros64(either)
 			either &= either - 1
-			if c.parent == nil || c.parent.Fast(i) != c.Map.Fast(i) {
+			if c.parent == nil || c.parent.Map.Fast(i) != c.Map.Fast(i) || c.isRefuted(i) {
 				c.changed = append(c.changed, uint32(i))
 			}
 		}
 	}
 }
 
-// scanWindow is how much of the RAM file Scan maps (or reads) at a time.
-const scanWindow = 2 << 20
+// refute marks page i as one whose parent's strong hash did not match.
+func (c *Capture) refute(i int) {
+	if c.refuted == nil {
+		c.refuted = make([]uint64, (c.Map.Len()+63)/64)
+	}
+	c.refuted[i/64] |= 1 << (i % 64)
+	c.Refuted++
+}
 
-// window is a piece of the RAM file being scanned.
-type window struct {
-	off    int64
-	n      int
-	data   []byte
-	hashes []uint64 // the fast hash of each of its pages
-	unmap  func()
-	err    error
-	ready  chan struct{} // closed once data is hashed into the page map, or err set
+func (c *Capture) isRefuted(i int) bool {
+	return c.refuted != nil && c.refuted[i/64]&(1<<(i%64)) != 0
 }
 
 // scan hashes the file's data extents into c.Map and writes the pages that
-// differ from the parent to w, in file order.
-//
-// The pages are read where they are, through windows of the file mapped
-// read-only, not copied out by read(2): on tmpfs that copy was most of a
-// scan's time, and the VM is stopped meanwhile. Workers (one per CPU, up
-// to 4) map and hash windows in parallel; this goroutine stages the changed
-// pages of each window in order and unmaps it. At most two windows per
-// worker are mapped at once, so vmsnap's resident set holds a few MiB of
-// the file, whatever its size.
+// differ from the parent to w, in file order (hashFile).
 func (c *Capture) scan(f *os.File, w *bufio.Writer, stagingDir string) error {
-	var wins []*window
-	if err := dataExtents(f, c.Size, func(start, end int64) error {
-		for off := start; off < end; off += scanWindow {
-			wins = append(wins, &window{off: off, n: int(min(scanWindow, end-off)), ready: make(chan struct{})})
+	return hashFile(f, c.Size, c.verifyParent, func(win *window) error {
+		c.ScannedBytes += int64(win.n)
+		if err := c.stage(win, w); err != nil {
+			return stagingErr(stagingDir, err)
 		}
 		return nil
-	}); err != nil {
-		return err
-	}
-	workers := max(1, min(runtime.GOMAXPROCS(0), 4))
-	slots := make(chan struct{}, 2*workers)
-	jobs := make(chan *window)
-	done := make(chan struct{})
-	var wg sync.WaitGroup
-	go func() {
-		defer close(jobs)
-		for _, win := range wins {
-			select {
-			case slots <- struct{}{}:
-			case <-done:
-				return
-			}
-			select {
-			case jobs <- win:
-			case <-done:
-				return
-			}
-		}
-	}()
-	for range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for win := range jobs {
-				c.hashWindow(f, win)
-				close(win.ready)
-			}
-		}()
-	}
-	next := 0
-	defer func() {
-		// On an error: let the workers finish, and unmap what they mapped.
-		close(done)
-		wg.Wait()
-		for _, win := range wins[next:] {
-			select {
-			case <-win.ready:
-				if win.unmap != nil {
-					win.unmap()
-				}
-			default:
-			}
-		}
-	}()
-	for ; next < len(wins); next++ {
-		win := wins[next]
-		<-win.ready
-		err := win.err
-		if err == nil {
-			c.ScannedBytes += int64(win.n)
-			if err = c.stage(win, w); err != nil {
-				err = stagingErr(stagingDir, err)
-			}
-		}
-		if win.unmap != nil {
-			win.unmap()
-		}
-		<-slots
-		if err != nil {
-			next++
-			return err
-		}
-	}
-	return nil
+	})
 }
 
-// hashWindow maps (or, failing that, reads) win and hashes its pages.
-func (c *Capture) hashWindow(f *os.File, win *window) {
-	b, err := syscall.Mmap(int(f.Fd()), win.off, win.n, syscall.PROT_READ, syscall.MAP_SHARED|syscall.MAP_POPULATE)
-	if err == nil {
-		win.data, win.unmap = b, func() { _ = syscall.Munmap(b) }
-	} else {
-		win.data = make([]byte, win.n)
-		if _, err := f.ReadAt(win.data, win.off); err != nil {
-			win.err = errcode.Wrap(errcode.Internal, err, "reading the RAM file at %d", win.off)
-			return
-		}
+// verifyParent checks, for a parent that needs it, the window's pages
+// whose fast hash matches the parent's against its strong hash (the
+// workers of hashFile run it, in parallel).
+func (c *Capture) verifyParent(win *window) {
+	if c.parent == nil || !c.parent.Verify {
+		return
 	}
-	win.hashes = make([]uint64, win.n/PageSize)
-	for p := 0; p < win.n; p += PageSize {
-		win.hashes[p/PageSize] = fastHash(win.data[p : p+PageSize])
+	first := win.firstPage()
+	for k, h := range win.hashes {
+		if _, refuted := c.parent.unchanged(first+k, h, win.page(k)); refuted {
+			if win.refuted == nil {
+				win.refuted = make([]bool, len(win.hashes))
+			}
+			win.refuted[k] = true
+		}
 	}
 }
 
 // stage enters win's data pages in the page map, in file order, and
 // writes those that differ from the parent to w.
 func (c *Capture) stage(win *window, w *bufio.Writer) error {
-	first := int(win.off / PageSize)
-	for p := 0; p < win.n; p += PageSize {
-		i := first + p/PageSize
-		h := win.hashes[p/PageSize]
+	first := win.firstPage()
+	for k, h := range win.hashes {
 		if h == 0 {
 			continue
 		}
+		i := first + k
 		c.Map.add(i, h)
-		switch {
-		case c.parent != nil && c.parent.Fast(i) == h:
-			c.Map.strong[len(c.Map.strong)-1] = c.parent.Strong(i) // unchanged
-		default:
-			if _, err := w.Write(win.data[p : p+PageSize]); err != nil {
-				return err
-			}
-			c.StagedBytes += PageSize
+		refuted := win.refuted != nil && win.refuted[k]
+		if refuted {
+			c.refute(i)
 		}
+		if c.parent != nil && c.parent.Map.Fast(i) == h && !refuted {
+			c.Map.strong[len(c.Map.strong)-1] = c.parent.Map.Strong(i) // unchanged
+			continue
+		}
+		if _, err := w.Write(win.page(k)); err != nil {
+			return err
+		}
+		c.StagedBytes += PageSize
 	}
 	return nil
 }

@@ -1,17 +1,12 @@
 package ramfile
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/binary"
-	"io"
 	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
 
-	"github.com/klauspost/compress/zstd"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sys/unix"
 
@@ -19,59 +14,6 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
-
-// LoadPageMap fetches and verifies a RAM file's page map. Each piece is
-// decompressed as a stream: what is held is the compressed piece and the
-// entries of data pages.
-func LoadPageMap(ctx context.Context, layers Layers, src chunk.BlobSource, size int64) (*PageMap, error) {
-	pages := Pages(size)
-	m := newPageMap(pages)
-	next := 0
-	dec, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(8<<20), zstd.WithDecoderMaxMemory(64<<20))
-	if err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "zstd decoder")
-	}
-	defer dec.Close()
-	var e [entrySize]byte
-	for _, l := range layers.PageMap {
-		first, count, err := pageMapRange(l)
-		if err != nil {
-			return nil, err
-		}
-		if first != next || first+count > pages {
-			return nil, errcode.New(errcode.InvalidInput, "page map layer %s covers pages %d+%d, want the next from page %d of %d", l.Digest, first, count, next, pages)
-		}
-		data, err := src.Blob(ctx, l, l.Size)
-		if err != nil {
-			return nil, err
-		}
-		bad := func() error {
-			return errcode.New(errcode.InvalidInput, "page map layer %s does not decompress to its declared %d entries", l.Digest, count)
-		}
-		if err := dec.Reset(bytes.NewReader(data)); err != nil {
-			return nil, bad()
-		}
-		r := bufio.NewReaderSize(dec, 64<<10)
-		for i := first; i < first+count; i++ {
-			if _, err := io.ReadFull(r, e[:]); err != nil {
-				return nil, bad()
-			}
-			if fast := binary.LittleEndian.Uint64(e[:]); fast != 0 {
-				m.add(i, fast)
-				copy(m.strong[len(m.strong)-1][:], e[8:])
-			}
-		}
-		if _, err := r.ReadByte(); err != io.EOF {
-			return nil, bad()
-		}
-		next += count
-	}
-	if next != pages {
-		return nil, errcode.New(errcode.InvalidInput, "the page map covers %d of the RAM file's %d pages", next, pages)
-	}
-	m.finish()
-	return m, nil
-}
 
 // fetch gets a blob from src (which verifies its digest) and decompresses
 // it into exactly want bytes.
@@ -101,15 +43,6 @@ type MaterializeOptions struct {
 	// layers write more than it declares is refused part-way, instead of
 	// filling the disk.
 	MaxDataBytes int64
-	// Check, if set, is the image's own page map, and Own how many of the
-	// last region layers the image's own checkpoint stored. Every page a
-	// layer before those (a parent's, taken on its page map's word at
-	// checkpoint) writes is checked against Check's strong hash, and every
-	// page Check has data for must be written by some layer: a parent
-	// whose layers do not hold what its map said is refused
-	// (DIGEST_MISMATCH) before any QEMU maps the file.
-	Check *PageMap
-	Own   int
 }
 
 // Materialize writes the RAM file the region layers make into f, which
@@ -118,8 +51,8 @@ type MaterializeOptions struct {
 // written at its offset. Layers apply in manifest order, a delta's pages
 // replacing its parent's: they are processed newest first and each page is
 // written once, by the last layer that has it (a delta's zero page is left
-// a hole). With opts.Check, the pages of inherited layers are checked too.
-// It returns the compressed bytes fetched.
+// a hole). It returns the compressed bytes fetched. What the file holds is
+// then checked against the image's page map by Verify.
 func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os.File, size int64, opts MaterializeOptions) (int64, error) {
 	if err := CheckSize(size); err != nil {
 		return 0, err
@@ -129,9 +62,6 @@ func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os
 	}
 	if opts.Workers <= 0 {
 		opts.Workers = 4
-	}
-	if opts.Check != nil && opts.Check.Len() != Pages(size) {
-		return 0, errcode.New(errcode.InvalidInput, "the page map has %d pages, the RAM file %d", opts.Check.Len(), Pages(size))
 	}
 	m := &materializer{src: src, f: f, size: size, opts: opts, written: make([]byte, (Pages(size)+7)/8)}
 	// Runs of strictly increasing offsets hold each region at most once:
@@ -158,26 +88,14 @@ func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os
 		runs = append(runs, [2]int{start, end})
 		start = end
 	}
-	inherited := len(regions) - opts.Own
 	for k := len(runs) - 1; k >= 0; k-- {
 		r := runs[k]
 		// (Each region checks the file's allocation once written.)
-		if err := m.run(ctx, regions[r[0]:r[1]], r[0], inherited); err != nil {
+		if err := m.run(ctx, regions[r[0]:r[1]]); err != nil {
 			return m.fetched.Load(), err
 		}
 	}
-	if c := opts.Check; c != nil {
-		for i := range c.Len() {
-			if !c.IsZero(i) && m.written[i/8]&(1<<(i%8)) == 0 {
-				return m.fetched.Load(), pageMismatch(i, "no layer holds it")
-			}
-		}
-	}
 	return m.fetched.Load(), nil
-}
-
-func pageMismatch(page int, why string) error {
-	return errcode.New(errcode.DigestMismatch, "page %d of the RAM file does not match the image's page map (%s): a layer of a checkpoint this image builds on holds other pages than its map says (a forged or corrupt parent?); nothing was loaded", page, why)
 }
 
 // materializer is one Materialize.
@@ -193,16 +111,11 @@ type materializer struct {
 	written []byte
 }
 
-// run writes one run's regions (first is the index of run[0] among all
-// region layers; those before inherited are a parent's).
-func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor, first, inherited int) error {
+// run writes one run's regions.
+func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	type job struct {
-		l     ocispec.Descriptor
-		check bool
-	}
-	jobs := make(chan job)
+	jobs := make(chan ocispec.Descriptor)
 	var wg sync.WaitGroup
 	for range min(m.opts.Workers, len(run)) {
 		wg.Add(1)
@@ -215,16 +128,16 @@ func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor, first,
 			}
 			defer dec.Close()
 			buf := make([]byte, 0, maxRegionRaw)
-			for j := range jobs {
+			for l := range jobs {
 				if ctx.Err() != nil {
 					continue
 				}
 				// Safely: a region is what the store gave, untrusted.
-				if err := errcode.Safely(func() error { return m.region(ctx, j.l, dec, buf, j.check) }); err != nil {
+				if err := errcode.Safely(func() error { return m.region(ctx, l, dec, buf) }); err != nil {
 					cancel(err)
 					continue
 				}
-				n := m.fetched.Add(j.l.Size)
+				n := m.fetched.Add(l.Size)
 				if m.opts.Progress != nil {
 					m.opts.Progress(n)
 				}
@@ -234,9 +147,9 @@ func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor, first,
 			}
 		}()
 	}
-	for i, l := range run {
+	for _, l := range run {
 		select {
-		case jobs <- job{l: l, check: m.opts.Check != nil && first+i < inherited}:
+		case jobs <- l:
 		case <-ctx.Done():
 		}
 	}
@@ -247,10 +160,10 @@ func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor, first,
 
 // region fetches one region layer, checks it and writes the pages no newer
 // layer wrote: runs of data pages in one pwrite each, zero pages left as
-// holes. With check, each such page must match the page map.
+// holes.
 func (m *materializer) region(ctx context.Context, l ocispec.Descriptor, dec interface {
 	DecodeAll([]byte, []byte) ([]byte, error)
-}, buf []byte, check bool) error {
+}, buf []byte) error {
 	want, err := rawRegionSize(l)
 	if err != nil {
 		return err
@@ -297,16 +210,7 @@ func (m *materializer) region(ctx context.Context, l ocispec.Descriptor, dec int
 			continue
 		}
 		m.written[p/8] |= 1 << (p % 8)
-		zero := isZero(page)
-		if check {
-			switch {
-			case m.opts.Check.IsZero(p) && !zero:
-				return pageMismatch(p, "data where the map has zeros")
-			case !m.opts.Check.IsZero(p) && strongHashOf(page) != m.opts.Check.Strong(p):
-				return pageMismatch(p, "its hash differs")
-			}
-		}
-		if zero {
+		if isZero(page) {
 			if err := flush(); err != nil {
 				return err
 			}

@@ -18,9 +18,11 @@
 //
 // Which page changed is decided by the fast hash (xxhash64): a guest that
 // makes a page collide with the hash of what its parent held at that
-// address only loses its own write in its own snapshot. Every region layer
-// is verified by its sha256 digest before a byte of it is used, and the
-// materialized file, page by page, against the strong hashes.
+// address only loses its own write in its own snapshot. The parent's map
+// is trusted only as far as the checkpoint verified it (Parent). Every
+// region layer is verified by its sha256 digest before a byte of it is
+// used, and the materialized file, page by page, against the image's map
+// (Verify).
 package ramfile
 
 import (
@@ -78,10 +80,10 @@ const (
 //     runs again for the pages it stored, and taken over from the parent
 //     for the others (zeros for a page of zeros).
 //
-// A prepare checks every page of the file it materialized against the
-// strong hashes of the image's own map: a parent whose layers do not hold
-// what its map says (a forged image under the tag) gives a file that fails
-// that check, instead of a VM running someone else's memory.
+// A prepare checks every page of the file it materialized against both
+// hashes of the image's own map (Verify): a parent whose layers do not hold
+// what its map says gives a file that fails that check, instead of a VM
+// running someone else's memory.
 const entrySize = 8 + strongSize
 
 const strongSize = 16

@@ -74,7 +74,7 @@ func readAll(t *testing.T, f *os.File) []byte {
 
 // checkpoint scans f against parent and stores it, returning the layers a
 // manifest would list: the page map and the parent's regions then these.
-func checkpoint(t *testing.T, repo ociimage.Repository, f *os.File, parent *PageMap, parentRegions Layers) (Layers, *Capture, Stored) {
+func checkpoint(t *testing.T, repo ociimage.Repository, f *os.File, parent *Parent, parentRegions Layers) (Layers, *Capture, Stored) {
 	t.Helper()
 	c, err := Scan(f, testSize, parent, t.TempDir())
 	if err != nil {
@@ -87,6 +87,14 @@ func checkpoint(t *testing.T, repo ociimage.Repository, f *os.File, parent *Page
 	}
 	l := Layers{PageMap: st.PageMap, Regions: append(append([]ocispec.Descriptor(nil), parentRegions.Regions...), st.Regions...)}
 	return l, c, st
+}
+
+// trusted is m as a parent this node computed (nil for a base).
+func trusted(m *PageMap) *Parent {
+	if m == nil {
+		return nil
+	}
+	return &Parent{Map: m}
 }
 
 func materialize(t *testing.T, repo ociimage.Repository, l Layers) *os.File {
@@ -133,7 +141,7 @@ func TestBaseAndDeltasRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	writeRandom(t, rng, f, 30<<20, PageSize)
-	d1, c1, st1 := checkpoint(t, repo, f, parentMap, base)
+	d1, c1, st1 := checkpoint(t, repo, f, trusted(parentMap), base)
 	if want := 7*16 + 2; c1.Changed() != want {
 		t.Fatalf("delta changed %d pages, want %d", c1.Changed(), want)
 	}
@@ -146,7 +154,7 @@ func TestBaseAndDeltasRoundTrip(t *testing.T) {
 
 	// Delta 2 on delta 1: an unchanged file stores nothing but its map.
 	map1, _ := LoadPageMap(context.Background(), d1, repo, testSize)
-	d2, c2, st2 := checkpoint(t, repo, f, map1, d1)
+	d2, c2, st2 := checkpoint(t, repo, f, trusted(map1), d1)
 	if c2.Changed() != 0 || len(st2.Regions) != 0 {
 		t.Fatalf("an unchanged file gave a delta of %d pages in %d regions", c2.Changed(), len(st2.Regions))
 	}

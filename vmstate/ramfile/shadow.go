@@ -13,8 +13,9 @@ import (
 // wrote meanwhile again later, the last copy counting. It keeps, in an
 // unlinked staging file at each page's own offset, only the pages whose
 // latest copy differs from the parent's (every data page, for a base): an
-// idle VM's pre-copy writes next to nothing. Memory is three bits per page
-// and a hash per data page in a map (about 36 bytes each: it follows the
+// idle VM's pre-copy writes next to nothing. A parent to verify
+// (Parent.Verify) costs a SHA-256 of each copy whose fast hash matches its
+// map. Memory is a few bits per page and a hash per data page in a map (about 36 bytes each: it follows the
 // guest's data, as the page map does, not its size).
 //
 // Page and Zero are called from one goroutine, in stream order; Capture
@@ -22,13 +23,14 @@ import (
 type Shadow struct {
 	size   int64
 	pages  int
-	parent *PageMap
+	parent *Parent
 	dir    string
 	file   *os.File
 
-	seen []uint64          // QEMU sent the page at least once
-	kept []uint64          // the staging file holds the page's latest copy
-	hash map[uint32]uint64 // the fast hash of each data page's latest copy
+	seen    []uint64          // QEMU sent the page at least once
+	kept    []uint64          // the staging file holds the page's latest copy
+	refuted []uint64          // the latest copy matched the parent's fast hash, not its strong one
+	hash    map[uint32]uint64 // the fast hash of each data page's latest copy
 
 	run   []byte // consecutive kept pages not written yet
 	runAt int    // the first of them
@@ -39,15 +41,15 @@ type Shadow struct {
 // shadowRun is how much Shadow gathers before a write.
 const shadowRun = 1 << 20
 
-// NewShadow readies a Shadow for a RAM file of size bytes whose parent's
-// page map is parent (nil for a base), staging in stagingDir.
-func NewShadow(size int64, parent *PageMap, stagingDir string) (*Shadow, error) {
+// NewShadow readies a Shadow for a RAM file of size bytes whose parent is
+// parent (nil for a base), staging in stagingDir.
+func NewShadow(size int64, parent *Parent, stagingDir string) (*Shadow, error) {
 	if err := CheckSize(size); err != nil {
 		return nil, err
 	}
 	pages := Pages(size)
-	if parent != nil && parent.Len() != pages {
-		return nil, errcode.New(errcode.InvalidInput, "the parent's page map has %d pages, the RAM file %d", parent.Len(), pages)
+	if err := parent.check(pages); err != nil {
+		return nil, err
 	}
 	f, err := os.CreateTemp(stagingDir, ".vmsnap-ram-*.tmp")
 	if err != nil {
@@ -57,7 +59,7 @@ func NewShadow(size int64, parent *PageMap, stagingDir string) (*Shadow, error) 
 	words := (pages + 63) / 64
 	return &Shadow{
 		size: size, pages: pages, parent: parent, dir: stagingDir, file: f,
-		seen: make([]uint64, words), kept: make([]uint64, words), hash: map[uint32]uint64{},
+		seen: make([]uint64, words), kept: make([]uint64, words), refuted: make([]uint64, words), hash: map[uint32]uint64{},
 		run: make([]byte, 0, shadowRun),
 	}, nil
 }
@@ -91,7 +93,9 @@ func (s *Shadow) Page(i int, p []byte) error {
 		return nil
 	}
 	s.hash[uint32(i)] = h
-	if s.parent != nil && s.parent.Fast(i) == h {
+	same, refuted := s.parent.unchanged(i, h, p)
+	setBit(s.refuted, i, refuted)
+	if same {
 		s.kept[i/64] &^= 1 << (i % 64) // as the parent had it
 		return nil
 	}
@@ -121,6 +125,15 @@ func (s *Shadow) Zero(i int) error {
 func (s *Shadow) zero(i int) {
 	delete(s.hash, uint32(i))
 	s.kept[i/64] &^= 1 << (i % 64)
+	setBit(s.refuted, i, false)
+}
+
+func setBit(bits []uint64, i int, on bool) {
+	if on {
+		bits[i/64] |= 1 << (i % 64)
+	} else {
+		bits[i/64] &^= 1 << (i % 64)
+	}
 }
 
 // flush writes the run at its pages' offsets. A page in it that was
@@ -191,8 +204,11 @@ func (s *Shadow) Capture() (*Capture, error) {
 	slices.Sort(keys)
 	for _, i := range keys {
 		c.Map.add(int(i), s.hash[i])
-		if s.parent != nil && s.parent.Fast(int(i)) == s.hash[i] {
-			c.Map.strong[len(c.Map.strong)-1] = s.parent.Strong(int(i))
+		switch {
+		case s.refuted[i/64]&(1<<(i%64)) != 0:
+			c.refute(int(i))
+		case s.parent != nil && s.parent.Map.Fast(int(i)) == s.hash[i]:
+			c.Map.strong[len(c.Map.strong)-1] = s.parent.Map.Strong(int(i))
 		}
 	}
 	c.Map.finish()

@@ -79,11 +79,11 @@ func TestShadowCapturesWhatAScanOfTheFinalFileWould(t *testing.T) {
 			}
 		}
 		content := readAll(t, f)
-		scanned, err := Scan(f, testSize, parent, t.TempDir())
+		scanned, err := Scan(f, testSize, trusted(parent), t.TempDir())
 		must(t, err)
 		defer scanned.Close()
 
-		s, err := NewShadow(testSize, parent, t.TempDir())
+		s, err := NewShadow(testSize, trusted(parent), t.TempDir())
 		must(t, err)
 		defer s.Close()
 		feed(t, s, content, rng, round == 0)

@@ -1,0 +1,53 @@
+package ociimage
+
+import (
+	"slices"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+)
+
+// EncryptsFor lists, sorted, the KeyIDs of the recipients repo encrypts
+// the layers put through it for (Encrypt), or nil if it stores them in
+// the clear.
+func EncryptsFor(repo Repository) []string {
+	for {
+		if e, ok := repo.(*encrypting); ok {
+			ids := make([]string, 0, len(e.o.Recipients))
+			for _, r := range e.o.Recipients {
+				if !slices.Contains(ids, r.ID) {
+					ids = append(ids, r.ID)
+				}
+			}
+			slices.Sort(ids)
+			return ids
+		}
+		u, ok := repo.(Unwrapper)
+		if !ok {
+			return nil
+		}
+		repo = u.Unwrap()
+	}
+}
+
+// LayersEncryptedFor lists, sorted, the KeyIDs a manifest's stored layers
+// are encrypted for (EncryptedFor), or nil if every one is in the clear.
+// uniform is false when the layers do not all share one answer (some in
+// the clear, or encrypted for different keys): no one set of keys reads
+// exactly them.
+func LayersEncryptedFor(layers []ocispec.Descriptor) (ids []string, uniform bool) {
+	for i, l := range layers {
+		var these []string
+		if IsEncrypted(l) {
+			these = EncryptedFor(l)
+			if these == nil {
+				these = []string{} // encrypted, for no one named
+			}
+		}
+		if i == 0 {
+			ids = these
+		} else if !slices.Equal(ids, these) || (ids == nil) != (these == nil) {
+			return nil, false
+		}
+	}
+	return ids, true
+}
