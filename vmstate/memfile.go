@@ -229,6 +229,14 @@ func findParent(ctx context.Context, repo ociimage.Repository, opts CheckpointOp
 		}
 		return nil, why, nil
 	}
+	// The tag names the checkpoint's index; the parent is its state.
+	desc, err := ociimage.StateManifest(ctx, repo, desc)
+	if err != nil {
+		if explicit {
+			return nil, "", err
+		}
+		return refuse(fmt.Sprintf("the tag's checkpoint could not be read (%v)", err))
+	}
 	m, err := repo.Manifest(ctx, desc)
 	if err != nil {
 		if explicit {
