@@ -239,7 +239,7 @@ func TestReadCheckpointRefusesLinksOffTheRegistry(t *testing.T) {
 	state, disk := twoParts(t, repo)
 	for _, bad := range []string{"127.0.0.1:1/vms/disk", "Vms/Disk", "vms/../disk", "vms/disk:tag", "/vms/disk", ""} {
 		desc, err := repo.PutIndex(ctx, ocispec.Index{
-			Manifests: []ocispec.Descriptor{{MediaType: state.MediaType, Digest: state.Digest, Size: state.Size, Annotations: map[string]string{AnnotationPart: PartVMState}}},
+			Manifests:   []ocispec.Descriptor{{MediaType: state.MediaType, Digest: state.Digest, Size: state.Size, Annotations: map[string]string{AnnotationPart: PartVMState}}},
 			Annotations: map[string]string{AnnotationCheckpoint: ArtifactTypeCheckpoint, AnnotationDiskLink: bad + "@" + disk.Digest.String()},
 		})
 		if err != nil {
