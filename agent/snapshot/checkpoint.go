@@ -169,10 +169,11 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 	// Each image beside the state must be one the checkpoint index can
 	// list or link (parts.go): refused before the VM is touched.
-	for _, st := range []*store{diskStore, rootfsStore} {
-		if err := state.canLink(st); err != nil {
-			return nil, err
-		}
+	if err := state.canHold("disk", diskStore); err != nil {
+		return nil, err
+	}
+	if err := state.canHold("rootfs", rootfsStore); err != nil {
+		return nil, err
 	}
 	// The overlay rides in the rootfs image when it is in the writable layer
 	// that image captures.

@@ -7,6 +7,7 @@ import (
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate"
 )
@@ -54,15 +55,24 @@ func commitParts(parts []*part, state *store) func(context.Context, ocispec.Desc
 	}
 }
 
-// canLink refuses, before the VM is touched, an image store other that the
-// checkpoint index in st could neither list (the same repository) nor link
-// so that the link survives a copy (ociimage.RelativeLink). Nil passes.
-func (st *store) canLink(other *store) error {
-	if other == nil || ociimage.SameRepository(st.repo.Reference(), other.repo.Reference()) {
+// canHold refuses, before the VM is touched, an image store other for the
+// part what that the checkpoint index in st could neither list (the same
+// repository) nor link so that the link survives a copy
+// (ociimage.RelativeLink), and one in the same repository under the
+// checkpoint's own tag (it would move to the index). Nil passes.
+func (st *store) canHold(what string, other *store) error {
+	if other == nil {
 		return nil
 	}
-	_, err := ociimage.RelativeLink(st.repo.Reference(), other.repo.Reference().WithDigest(digest.FromString("")))
-	return err
+	from, to := st.repo.Reference(), other.repo.Reference()
+	if !ociimage.SameRepository(from, to) {
+		_, err := ociimage.RelativeLink(from, to.WithDigest(digest.FromString("")))
+		return err
+	}
+	if to.Tag != "" && to.Tag == from.Tag {
+		return errcode.New(errcode.Usage, "the %s image %s would have the checkpoint's own tag in its repository: give it a tag of its own, or none", what, to)
+	}
+	return nil
 }
 
 // join adds the manifest desc, stored in other as the checkpoint's part

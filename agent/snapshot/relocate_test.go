@@ -184,23 +184,30 @@ func TestCheckpointLinksADiskBesideIt(t *testing.T) {
 
 // TestCheckpointRefusesAnImageItCannotLink: a disk image that the index
 // could neither list nor link so that a copy keeps the link (a layout that
-// is not beside the checkpoint's) is refused before the VM is touched, and
-// nothing is stored.
+// is not beside the checkpoint's), or that would share the checkpoint's tag
+// in its repository, is refused before the VM is touched, and nothing is
+// stored.
 func TestCheckpointRefusesAnImageItCannotLink(t *testing.T) {
 	ctx := context.Background()
-	stateDir, diskDir := filepath.Join(t.TempDir(), "a", "state"), filepath.Join(t.TempDir(), "b", "disk")
-	vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20))
-	_, err := Checkpoint(ctx, CheckpointSpec{QMPPath: vm.Path(), DiskPath: testguest.NewDisk(t, t.TempDir()),
-		Image: "oci:" + stateDir + ":vm", DiskImage: "oci:" + diskDir + ":d"})
-	if errcode.Of(err) != errcode.Usage || !strings.Contains(err.Error(), "so that a copy keeps the link") {
-		t.Fatalf("a disk image the checkpoint cannot link: %v, want USAGE", err)
-	}
-	if slices.Contains(vm.Commands(), "stop") || vm.Status() != "running" {
-		t.Fatalf("the VM was touched: %v", vm.Commands())
-	}
-	for _, d := range []string{stateDir, diskDir} {
-		if _, err := os.Stat(filepath.Join(d, "index.json")); err == nil {
-			t.Fatalf("%s was written", d)
+	same := filepath.Join(t.TempDir(), "vm")
+	for _, c := range []struct{ state, disk, want string }{
+		{filepath.Join(t.TempDir(), "a", "state") + ":vm", filepath.Join(t.TempDir(), "b", "disk") + ":d", "so that a copy keeps the link"},
+		{same + ":vm", same + ":vm", "would have the checkpoint's own tag"},
+	} {
+		vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20))
+		_, err := Checkpoint(ctx, CheckpointSpec{QMPPath: vm.Path(), DiskPath: testguest.NewDisk(t, t.TempDir()),
+			Image: "oci:" + c.state, DiskImage: "oci:" + c.disk})
+		if errcode.Of(err) != errcode.Usage || !strings.Contains(err.Error(), c.want) {
+			t.Fatalf("disk image %s beside %s: %v, want USAGE saying %q", c.disk, c.state, err, c.want)
+		}
+		if slices.Contains(vm.Commands(), "stop") || vm.Status() != "running" {
+			t.Fatalf("the VM was touched: %v", vm.Commands())
+		}
+		for _, ref := range []string{c.state, c.disk} {
+			dir, _, _ := strings.Cut(ref, ":")
+			if _, err := os.Stat(filepath.Join(dir, "index.json")); err == nil {
+				t.Fatalf("%s was written", dir)
+			}
 		}
 	}
 }
