@@ -507,3 +507,59 @@ func TestPruneDeletesOnlyWhatTheLinksSayTheyAre(t *testing.T) {
 		t.Fatal("the old checkpoint is still there")
 	}
 }
+
+// TestPruneDeletesOnlyThePartsAnIndexSaysTheyAre: a removed checkpoint
+// whose index lists some other VM state image as its disk, and a tagged
+// disk image as its rootfs, gets neither deleted: an index, which anyone
+// who may push can write, cannot get images deleted by listing them.
+func TestPruneDeletesOnlyThePartsAnIndexSaysTheyAre(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	push := func(artifactType, cfgType string, config any) ocispec.Descriptor {
+		t.Helper()
+		desc, err := ociimage.PushArtifact(ctx, repo, ociimage.Artifact{ArtifactType: artifactType, ConfigMediaType: cfgType, Config: config})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return desc
+	}
+	index := func(parts map[string]ocispec.Descriptor, annotations map[string]string, tag string) ocispec.Descriptor {
+		t.Helper()
+		d, err := ociimage.PutCheckpoint(ctx, repo, ociimage.CheckpointIndex{Parts: parts, Annotations: annotations})
+		if err == nil {
+			err = ociimage.TagManifest(ctx, repo, d, tag)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	victim := push(ociimage.ArtifactTypeVMState, ociimage.MediaTypeVMStateConfig, map[string]string{"victim": "1"})
+	tagged := push(ociimage.ArtifactTypeDisk, ociimage.MediaTypeDiskConfig, map[string]string{"base": "1"})
+	if err := ociimage.TagManifest(ctx, repo, tagged, "base"); err != nil {
+		t.Fatal(err)
+	}
+	oldState := push(ociimage.ArtifactTypeVMState, ociimage.MediaTypeVMStateConfig, map[string]int{"n": 1})
+	old := index(map[string]ocispec.Descriptor{ociimage.PartVMState: oldState, ociimage.PartDisk: victim, ociimage.PartRootfs: tagged},
+		map[string]string{ociimage.AnnotationCreated: "2020-01-01T00:00:00Z"}, "vm")
+	index(map[string]ocispec.Descriptor{ociimage.PartVMState: push(ociimage.ArtifactTypeVMState, ociimage.MediaTypeVMStateConfig, map[string]int{"n": 2})},
+		map[string]string{ociimage.AnnotationCreated: "2021-01-01T00:00:00Z", ociimage.AnnotationPrevious: old.Digest.String()}, "vm")
+
+	res, err := Prune(ctx, PruneSpec{Repo: "oci:" + dir, Keep: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.RemovedImages) != 1 || res.RemovedImages[0].Image != "oci:"+dir+"@"+oldState.Digest.String() || len(res.LeftImages) != 2 {
+		t.Fatalf("removed %+v, left %+v; want the old state only, the other two left", res.RemovedImages, res.LeftImages)
+	}
+	if manifestGone(t, "oci:"+dir, victim.Digest.String(), nil) || manifestGone(t, "oci:"+dir, tagged.Digest.String(), nil) {
+		t.Fatal("an image a removed checkpoint merely listed was deleted")
+	}
+	if !manifestGone(t, "oci:"+dir, old.Digest.String(), nil) || !manifestGone(t, "oci:"+dir, oldState.Digest.String(), nil) {
+		t.Fatal("the old checkpoint is still there")
+	}
+}
