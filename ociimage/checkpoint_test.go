@@ -15,7 +15,7 @@ import (
 )
 
 // twoParts stores a VM state and a disk image in repo, untagged.
-func twoParts(t *testing.T, repo Repository) (state, disk ocispec.Descriptor) {
+func twoParts(t testing.TB, repo Repository) (state, disk ocispec.Descriptor) {
 	t.Helper()
 	descs, datas := testChunks(t, 2, 1<<10)
 	putChunks(t, repo, descs, datas)
