@@ -96,7 +96,7 @@ func TestBadReferenceIsInvalidInput(t *testing.T) {
 func TestTerminationLogGetsTheErrorToo(t *testing.T) {
 	log := filepath.Join(t.TempDir(), "termination-log")
 	var stdout, stderr bytes.Buffer
-	code := run(context.Background(), []string{"checkpoint", "--qmp", "/nonexistent.sock", "--image", "oci:"+filepath.Join(t.TempDir(), "x")+":t", "--termination-log", log}, &stdout, &stderr)
+	code := run(context.Background(), []string{"checkpoint", "--qmp", "/nonexistent.sock", "--image", "oci:" + filepath.Join(t.TempDir(), "x") + ":t", "--termination-log", log}, &stdout, &stderr)
 	if code != errcode.VMNotFound.ExitStatus() {
 		t.Fatalf("exit %d", code)
 	}
