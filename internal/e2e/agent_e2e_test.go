@@ -25,6 +25,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/ocischema"
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/ociimage"
@@ -470,6 +471,13 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 	if layoutTag(t, stateStore, "vm") != cp.Checkpoint.Digest || layoutTag(t, imageStore, "disk") != cp.Disk.Digest ||
 		layoutTag(t, imageStore, "rootfs") != cp.Rootfs.Digest {
 		t.Fatal("the tags do not name the checkpoint's images")
+	}
+	// Both layouts, the rootfs image's config from containerd's image
+	// included, pass the image spec's schemas.
+	for _, dir := range []string{stateStore, imageStore} {
+		if _, err := ocischema.Layout(context.Background(), dir); err != nil {
+			t.Fatalf("%s against the image spec's schemas: %v", dir, err)
+		}
 	}
 	for name := range testcontainerd.TopLayer(t, imageStore, rm) {
 		if strings.Contains(name, "overlay.qcow2") || strings.Contains(name, ".qmp") {
