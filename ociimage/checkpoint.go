@@ -223,6 +223,9 @@ func OpenPart(ctx context.Context, ref Reference, name string, opts ...Option) (
 	}
 	p, ok := c.Part(name)
 	if !ok {
+		if path := c.Annotations[AnnotationDiskRootfsPath]; name == PartDisk && path != "" {
+			return nil, nil, errcode.New(errcode.InvalidInput, "checkpoint %s has no disk image: its disk overlay is in its rootfs image, at %s; start the container from that image", c.Ref, path)
+		}
 		return nil, nil, errcode.New(errcode.InvalidInput, "checkpoint %s has no %s image", c.Ref, name)
 	}
 	part, err := c.Open(ctx, repo, p, opts...)

@@ -257,3 +257,18 @@ func TestReadCheckpointRefusesLinksOffTheRegistry(t *testing.T) {
 		}
 	}
 }
+
+// A checkpoint whose disk rides in its rootfs image says so when asked for
+// its disk image.
+func TestOpenPartSaysWhereADiskInTheRootfsIs(t *testing.T) {
+	dir := t.TempDir()
+	repo := openLayout(t, "oci:"+dir)
+	state, _ := twoParts(t, repo)
+	idx, err := PutCheckpoint(t.Context(), repo, CheckpointIndex{Parts: map[string]ocispec.Descriptor{PartVMState: state},
+		Annotations: map[string]string{AnnotationDiskRootfsPath: "/vm/disk/overlay.qcow2"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = OpenPart(t.Context(), Reference{Layout: dir, Digest: idx.Digest}, PartDisk)
+	wantCode(t, err, errcode.InvalidInput, "its disk overlay is in its rootfs image, at /vm/disk/overlay.qcow2")
+}

@@ -14,6 +14,7 @@ import (
 	"github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/ocischema"
 	"github.com/vmsnap/vmsnap/internal/testguest"
@@ -301,5 +302,37 @@ func TestCheckpointCopiedToAnotherRegistryRestoresFromTheCopyAlone(t *testing.T)
 	ins, err := Inspect(ctx, InspectSpec{Image: dst.Host + "/vms/state:vm", Store: registryOpts(dst)})
 	if err != nil || ins.Checkpoint.Image != index || ins.Checkpoint.Disk != rd.Image {
 		t.Fatalf("inspect of the copy: %+v, %v", ins.Checkpoint, err)
+	}
+}
+
+// TestParentByItsCheckpoint: a memory-file checkpoint's --parent may name
+// the parent's checkpoint (its index) as well as its state image: either
+// way the delta builds on the parent's state.
+func TestParentByItsCheckpoint(t *testing.T) {
+	ctx := context.Background()
+	const memory = 16 << 20
+	ram := filepath.Join(t.TempDir(), "ram")
+	if err := os.WriteFile(ram, randomState(t, memory), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	qmptest.MapFile(t, ram)
+	store := t.TempDir()
+	take := func(tag, parent string) *api.CheckpointResult {
+		t.Helper()
+		q := qmptest.NewFakeQEMU(t, "running", randomState(t, 64<<10))
+		q.Memory = memory
+		q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: ram, Share: true}
+		res, err := Checkpoint(ctx, CheckpointSpec{QMPPath: q.Path(), Image: "oci:" + store + ":" + tag, Parent: parent, StagingDir: t.TempDir()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	base := take("base", "")
+	for tag, parent := range map[string]string{"by-index": base.Checkpoint.Image, "by-state": base.VMState.Image} {
+		d := take(tag, parent)
+		if r := d.VMState.RAM; r == nil || r.Parent != base.VMState.Digest || len(r.Chain) != 2 {
+			t.Fatalf("--parent %s: %+v, want a delta on the state %s", parent, d.VMState.RAM, base.VMState.Digest)
+		}
 	}
 }
