@@ -86,32 +86,3 @@ func siblingLayout(base Reference, name string, d digest.Digest, link string) (R
 	return Reference{Layout: dir, Digest: d}, nil
 }
 
-// resolveLegacyLink resolves a link of a checkpoint from before the
-// checkpoint index, a full REF@DIGEST, against base the same way: a
-// registry's repository path on base's registry (the host it names is
-// ignored: a copy elsewhere must not lead back), a layout only if it is
-// base's own or one beside it.
-func resolveLegacyLink(base Reference, s string) (Reference, error) {
-	ref, err := ParseReference(s)
-	if err != nil {
-		return Reference{}, err
-	}
-	if !ref.IsDigest() {
-		return Reference{}, errcode.New(errcode.InvalidInput, "link %q is not pinned by digest", s)
-	}
-	switch {
-	case base.IsLayout() && ref.IsLayout():
-		if SameRepository(base, ref) {
-			return base.WithDigest(ref.Digest), nil
-		}
-		a, erra := filepath.Abs(base.Layout)
-		b, errb := filepath.Abs(ref.Layout)
-		if erra == nil && errb == nil && filepath.Dir(a) == filepath.Dir(b) {
-			return siblingLayout(base, filepath.Base(b), ref.Digest, s)
-		}
-		return Reference{}, errcode.New(errcode.InvalidInput, "link %q leads to a layout that is neither %s nor beside it: inspect it by its own reference", s, base.Layout)
-	case !base.IsLayout() && !ref.IsLayout():
-		return Reference{Registry: base.Registry, Repository: ref.Repository, Digest: ref.Digest}, nil
-	}
-	return Reference{}, errcode.New(errcode.InvalidInput, "link %q leads from %s to another kind of store", s, base.WithDigest(""))
-}
