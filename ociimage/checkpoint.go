@@ -112,4 +112,3 @@ func (c *Checkpoint) Part(name string) (Part, bool) {
 func IsCheckpointIndex(idx ocispec.Index) bool {
 	return idx.Annotations[AnnotationCheckpoint] == ArtifactTypeCheckpoint
 }
-

@@ -85,4 +85,3 @@ func siblingLayout(base Reference, name string, d digest.Digest, link string) (R
 	dir := filepath.Join(filepath.Dir(filepath.Clean(base.Layout)), name)
 	return Reference{Layout: dir, Digest: d}, nil
 }
-
