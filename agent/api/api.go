@@ -89,7 +89,7 @@ type ChainLink struct {
 // namespace's (STATE_DIR/ram/NAMESPACE): QEMU before 8.2 opens a
 // share=off file read-write, so files are shared within one tenant only.
 type PrepareRequest struct {
-	Image    string `json:"image"` // REF@sha256:...
+	Image    string `json:"image"` // REF@sha256:... of the VM state image or its checkpoint (index)
 	AllowTag bool   `json:"allowTag,omitempty"`
 	// Namespace whose cache to use: the caller's by default; an admin
 	// (--admin-namespace, or a process on the node) may name any.
@@ -312,10 +312,13 @@ type Target struct {
 
 // CheckpointRequest asks the agent to checkpoint a VM on its node.
 type CheckpointRequest struct {
-	VM    VMRef  `json:"vm"`
+	VM VMRef `json:"vm"`
+	// Image is where the VM state goes, and the checkpoint index that
+	// lists the checkpoint's images (its tag names the index).
 	Image string `json:"image"`
 	// DiskImage, with VM.DiskPath, is where the disk overlay goes as an
-	// image of its own. It may be left out when the overlay is in the
+	// image of its own: in Image's repository (listed by the index) or
+	// another of the same registry (linked). It may be left out when the overlay is in the
 	// container's writable layer and RootfsImage is set: the overlay then
 	// rides in the rootfs image.
 	DiskImage string `json:"diskImage,omitempty"`
@@ -343,7 +346,7 @@ type CheckpointRequest struct {
 // QEMU starts, by the restore init container).
 type RestoreRequest struct {
 	VM       VMRef  `json:"vm"`
-	Image    string `json:"image"` // REF@sha256:...
+	Image    string `json:"image"` // REF@sha256:... of the VM state image or its checkpoint (index)
 	AllowTag bool   `json:"allowTag,omitempty"`
 	Paused   bool   `json:"paused,omitempty"`
 	Workers  int    `json:"workers,omitempty"`
