@@ -4,7 +4,6 @@ import (
 	"context"
 
 	"github.com/opencontainers/go-digest"
-
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -66,6 +65,7 @@ func (st *store) canHold(what string, other *store) error {
 	}
 	from, to := st.repo.Reference(), other.repo.Reference()
 	if !ociimage.SameRepository(from, to) {
+		// Any digest: whether the repository can be linked is the question.
 		_, err := ociimage.RelativeLink(from, to.WithDigest(digest.FromString("")))
 		return err
 	}
