@@ -26,7 +26,7 @@ func TestPruneRegistry(t *testing.T) {
 	opts := registryOpts(reg)
 	image := reg.Host + "/vms/vm1"
 	overlay, cps := fourCheckpoints(t, image, opts)
-	tags := reg.Tags(t, "vms/vm1")
+	tags := slices.Sorted(slices.Values(reg.Tags(t, "vms/vm1")))
 	if !slices.Equal(tags, []string{"vm", "vm-disk"}) {
 		t.Fatalf("the repository's tags are %v, want the checkpoint's and the disk's only", tags)
 	}
@@ -35,7 +35,7 @@ func TestPruneRegistry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(dry.Removed) != 2 || manifestGone(t, image, cps[0].res.Checkpoint.Digest, opts) || !slices.Equal(reg.Tags(t, "vms/vm1"), tags) {
+	if len(dry.Removed) != 2 || manifestGone(t, image, cps[0].res.Checkpoint.Digest, opts) || !slices.Equal(slices.Sorted(slices.Values(reg.Tags(t, "vms/vm1"))), tags) {
 		t.Fatalf("the dry run removed something, or finds %d to remove", len(dry.Removed))
 	}
 
@@ -56,7 +56,7 @@ func TestPruneRegistry(t *testing.T) {
 	for _, cp := range cps[2:] {
 		restoresExactly(t, overlay, cp, opts)
 	}
-	if after := reg.Tags(t, "vms/vm1"); !slices.Equal(after, tags) {
+	if after := slices.Sorted(slices.Values(reg.Tags(t, "vms/vm1"))); !slices.Equal(after, tags) {
 		t.Fatalf("the tags of the kept checkpoint changed: %v", after)
 	}
 }
