@@ -12,7 +12,7 @@ DEBS := qemu-system-x86 qemu-utils busybox-static zstd cpio containerd runc dock
 export VMSNAP_TEST_CACHE ?= $(HOME)/.cache/vmsnap-test
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build test test-unit bench demo deps guest k8s vet clean print-debs
+.PHONY: all build test test-unit bench demo deps guest k8s tools vet clean print-debs
 
 all: build
 
@@ -44,13 +44,19 @@ vet:
 k8s:
 	$(GO) test -count=1 -timeout 40m -run '^TestBinaries$$' ./internal/testcluster
 
+# The copy tools of the interop tests (crane, oras), built from the Go module
+# proxy at pinned versions into $(VMSNAP_TEST_CACHE)/tools (about a minute
+# each), before the tests that measure time run beside the build.
+tools:
+	$(GO) test -count=1 -run '^TestToolsArePinned$$' ./internal/testtools
+
 # All tests, including the end-to-end ones on real QEMU guests (TCG) and on
 # a real single-node Kubernetes cluster. Installs what they need first. The
 # cluster's packages run after the rest, not beside it: a cluster with QEMU
 # guests in its pods is the heaviest load on the machine, and the other
 # end-to-end tests' guests would share two cores with it.
 CLUSTER_PKGS := ./internal/testcluster ./internal/k8se2e
-test: deps guest k8s vet
+test: deps guest k8s tools vet
 	$(GO) test -race -timeout 45m $$($(GO) list ./... | grep -v -e /internal/testcluster -e /internal/k8se2e)
 	$(GO) test -race -timeout 20m $(CLUSTER_PKGS)
 
@@ -86,7 +92,7 @@ clean:
 # package's testdata/fuzz/FuzzX/ directory; keep them as regression seeds.
 FUZZTIME ?= 10s
 FUZZ_TARGETS := \
-	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest \
+	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest ./ociimage:FuzzReadCheckpoint \
 	./vmstate/chunk:FuzzDecodeStream ./vmstate/chunk:FuzzValidateLayers ./vmstate:FuzzRecord \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \

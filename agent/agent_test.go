@@ -210,17 +210,23 @@ func TestAgentCheckpointAndRestore(t *testing.T) {
 		t.Fatalf("journal still holds %d entries after success", len(entries))
 	}
 
-	// Restore into a new pod's waiting QEMU: the result names the new endpoint.
+	// Restore into a new pod's waiting QEMU, named by the checkpoint (its
+	// index): the agent takes the state from it, and the result names the
+	// new endpoint.
 	const uid2 = "6f1c2a4e-2222-4c0e-9a51-0123456789ab"
 	target := qmptest.NewFakeQEMU(t, "inmigrate", state)
 	res.add(uid2, target.Path())
-	rop, err := a.client.Restore(ctx, api.RestoreRequest{VM: api.VMRef{PodUID: uid2, Container: "qemu", QMPPath: "/run/vm/qmp.sock"}, Image: final.Checkpoint.VMState.Image})
+	index := final.Checkpoint.Checkpoint.Image
+	rop, err := a.client.Restore(ctx, api.RestoreRequest{VM: api.VMRef{PodUID: uid2, Container: "qemu", QMPPath: "/run/vm/qmp.sock"}, Image: index})
 	if err != nil {
 		t.Fatal(err)
 	}
 	rfinal := waitOp(t, a.client, rop.ID)
 	if rfinal.State != api.StateSucceeded || rfinal.Restore == nil || rfinal.Restore.Endpoint == nil {
 		t.Fatalf("restore ended %+v", rfinal)
+	}
+	if rs := rfinal.Restore.VMState; rs.Image != final.Checkpoint.VMState.Image || rs.Checkpoint != index {
+		t.Fatalf("restored %s through %s, want the state %s through the checkpoint %s", rs.Image, rs.Checkpoint, final.Checkpoint.VMState.Image, index)
 	}
 	if ep := rfinal.Restore.Endpoint; ep.PodUID != uid2 || ep.Container != "qemu" || ep.QMPPath != "/run/vm/qmp.sock" {
 		t.Fatalf("endpoint %+v, want the new pod's", ep)

@@ -90,9 +90,12 @@ func TestAgentPrepare(t *testing.T) {
 	if res.FetchedBytes == 0 {
 		t.Error("the first prepare fetched nothing")
 	}
-	again, err := s.Prepare(ctx(callerA), api.PrepareRequest{Image: imgA, QEMUDir: "/vm/ram"})
-	if err != nil || again.FetchedBytes != 0 {
-		t.Errorf("the second prepare: %+v, %v; want the cached file, nothing fetched", again, err)
+	// Again, named by its checkpoint (the index the tag names): the same
+	// state image, so the cached file.
+	index := "oci:" + filepath.Join(root, "tenant-a", "vms") + ":vm"
+	again, err := s.Prepare(ctx(callerA), api.PrepareRequest{Image: index, AllowTag: true, QEMUDir: "/vm/ram"})
+	if err != nil || again.FetchedBytes != 0 || again.Image != imgA || !strings.HasPrefix(again.Checkpoint, "oci:"+filepath.Join(root, "tenant-a", "vms")+"@sha256:") {
+		t.Errorf("the second prepare, through the checkpoint: %+v, %v; want the cached file of %s, nothing fetched", again, err, imgA)
 	}
 	// The same image for tenant-b (an admin asks for it): its own copy,
 	// in its own cache, never tenant-a's file.

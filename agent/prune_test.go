@@ -43,7 +43,7 @@ func TestAgentCheckpointWithKeepPrunes(t *testing.T) {
 		}
 		done = append(done, final)
 	}
-	digest := func(i int) string { return done[i].Checkpoint.VMState.Digest }
+	digest := func(i int) string { return done[i].Checkpoint.Checkpoint.Digest }
 	// A negative keep is refused before anything runs.
 	resp, err := a.client.http.Post("http://agent/v1/checkpoints", "application/json",
 		strings.NewReader(`{"vm":{"podUID":"`+uid1+`","container":"qemu","qmp":"/run/vm/qmp.sock"},"image":"oci:`+store+`:vm","keep":-1}`))

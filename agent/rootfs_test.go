@@ -66,25 +66,32 @@ func TestAgentCheckpointWithRootfsLayer(t *testing.T) {
 	if cp.Rootfs.ContainerID != c.ID || cp.Rootfs.Compression == "" || cp.Rootfs.LayerBytes == 0 {
 		t.Errorf("rootfs result %+v", cp.Rootfs)
 	}
-	ref, err := ociimage.ParseReference(cp.VMState.Image)
+	// The checkpoint index, which the tag names, lists the three images.
+	ck := readCheckpoint(t, ctx, store, "vm")
+	for _, want := range []struct{ part, image string }{
+		{ociimage.PartVMState, cp.VMState.Image}, {ociimage.PartDisk, cp.Disk.Image}, {ociimage.PartRootfs, cp.Rootfs.Image},
+	} {
+		if p, ok := ck.Part(want.part); !ok || p.Linked || p.Ref.String() != want.image {
+			t.Errorf("the checkpoint lists %+v as its %s, want %s", p, want.part, want.image)
+		}
+	}
+	if ck.Ref.String() != cp.Checkpoint.Image {
+		t.Errorf("the tag names %s, the result %s", ck.Ref, cp.Checkpoint.Image)
+	}
+}
+
+// readCheckpoint reads the checkpoint tag names in the layout store.
+func readCheckpoint(t *testing.T, ctx context.Context, store, tag string) *ociimage.Checkpoint {
+	t.Helper()
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: store})
 	if err != nil {
 		t.Fatal(err)
 	}
-	repo, err := ociimage.Open(ctx, ref)
+	c, err := ociimage.ReadCheckpoint(ctx, repo, mustResolve(t, store, tag))
 	if err != nil {
 		t.Fatal(err)
 	}
-	desc, err := repo.Resolve(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := repo.Manifest(ctx, desc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m.Annotations[ociimage.AnnotationRootfsImage] != cp.Rootfs.Image || m.Annotations[ociimage.AnnotationDiskImage] != cp.Disk.Image {
-		t.Errorf("state manifest annotations %v do not name the rootfs %s and disk %s images", m.Annotations, cp.Rootfs.Image, cp.Disk.Image)
-	}
+	return c
 }
 
 // TestAgentRootfsNeedsContainerd: a resolver that cannot reach containers
@@ -183,17 +190,16 @@ func TestAgentCheckpointDiskInWritableLayer(t *testing.T) {
 		cp.Disk.RawBytes != int64(len(overlay)) || cp.Disk.VirtualSize != testguest.DiskSizeMB<<20 || cp.Disk.BackingFile != "base.qcow2" {
 		t.Fatalf("disk result %+v (in rootfs %+v), want it in the rootfs image at %s", cp.Disk, cp.Disk.InRootfs, want.Path)
 	}
+	ck := readCheckpoint(t, ctx, store, "vm")
+	if p, ok := ck.Part(ociimage.PartRootfs); !ok || p.Ref.String() != cp.Rootfs.Image || ck.Annotations[ociimage.AnnotationDiskRootfsPath] != want.Path {
+		t.Errorf("the checkpoint lists the rootfs %+v, annotations %v", p, ck.Annotations)
+	}
+	if _, ok := ck.Part(ociimage.PartDisk); ok {
+		t.Errorf("the checkpoint lists a disk image: %+v", ck.Parts)
+	}
 	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: store})
 	if err != nil {
 		t.Fatal(err)
-	}
-	m, err := repo.Manifest(ctx, mustResolve(t, store, "vm"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m.Annotations[ociimage.AnnotationRootfsImage] != cp.Rootfs.Image || m.Annotations[ociimage.AnnotationDiskRootfsPath] != want.Path ||
-		m.Annotations[ociimage.AnnotationDiskImage] != "" || m.Subject != nil {
-		t.Errorf("state manifest annotations %v, subject %v", m.Annotations, m.Subject)
 	}
 	rm, err := repo.Manifest(ctx, mustResolve(t, store, "rootfs"))
 	if err != nil {

@@ -60,12 +60,6 @@ func PushArtifact(ctx context.Context, repo Repository, a Artifact) (ocispec.Des
 	})
 }
 
-// AnnotationDiskRootfsPath, on a vmstate manifest, is the path of the disk
-// overlay inside the linked rootfs image (AnnotationRootfsImage), when the
-// overlay lived in the QEMU container's writable layer and so rides in that
-// image. (It belongs with the other keys in mediatypes.go.)
-const AnnotationDiskRootfsPath = "dev.vmsnap.disk.rootfs-path"
-
 // TagManifest points tag, in repo, at the manifest desc names, which repo
 // must already hold (PutManifest stores by digest only).
 // Nothing else moves: the tag's previous manifest stays, reachable by its
@@ -89,10 +83,22 @@ func checkTagging(ctx context.Context, ref Reference, desc ocispec.Descriptor, t
 	if err := checkTag(ref.WithDigest("").String()+":"+tag, tag); err != nil {
 		return err
 	}
-	if desc.MediaType != ocispec.MediaTypeImageManifest {
-		return errcode.New(errcode.InvalidInput, "cannot tag %s as %s: it is a %q, not an image manifest", desc.Digest, tag, desc.MediaType)
+	if desc.MediaType != ocispec.MediaTypeImageManifest && desc.MediaType != ocispec.MediaTypeImageIndex {
+		return errcode.New(errcode.InvalidInput, "cannot tag %s as %s: it is a %q, not an image manifest or index", desc.Digest, tag, desc.MediaType)
 	}
 	return checkFetch("manifest", desc, MaxManifestSize)
+}
+
+// checkMediaTypeOf refuses manifest bytes b whose own media type is not
+// the one desc gives them: a tag must not present a manifest as an index.
+func checkMediaTypeOf(b []byte, desc ocispec.Descriptor) error {
+	var head struct {
+		MediaType string `json:"mediaType"`
+	}
+	if err := json.Unmarshal(b, &head); err != nil || head.MediaType != desc.MediaType {
+		return errcode.New(errcode.InvalidInput, "cannot tag %s: it is not a %s", desc.Digest, desc.MediaType)
+	}
+	return nil
 }
 
 // TagManifest points tag at the manifest desc names, which the layout must
@@ -105,7 +111,11 @@ func (l *Layout) TagManifest(ctx context.Context, desc ocispec.Descriptor, tag s
 	if err := l.checkLayout(); err != nil {
 		return err
 	}
-	if _, err := l.readBlob(ctx, "manifest", desc, MaxManifestSize); err != nil {
+	b, err := l.readBlob(ctx, "manifest", desc, MaxManifestSize)
+	if err != nil {
+		return err
+	}
+	if err := checkMediaTypeOf(b, desc); err != nil {
 		return err
 	}
 	idx, unlock, err := l.lockedIndex(ctx)
@@ -127,6 +137,9 @@ func (r *Registry) TagManifest(ctx context.Context, desc ocispec.Descriptor, tag
 	}
 	b, err := r.fetch(ctx, "manifest", desc, MaxManifestSize)
 	if err != nil {
+		return err
+	}
+	if err := checkMediaTypeOf(b, desc); err != nil {
 		return err
 	}
 	raw := rawManifest{data: b, mediaType: types.MediaType(desc.MediaType)}

@@ -156,7 +156,9 @@ func TestLayoutTagManifest(t *testing.T) {
 	wantCode(t, TagManifest(ctx, byDigest, old, "v2"), errcode.DigestMismatch, "corrupt")
 	wantCode(t, TagManifest(ctx, byDigest, d, "-bad"), errcode.InvalidInput, "invalid tag")
 	wantCode(t, TagManifest(ctx, byDigest, ocispec.Descriptor{MediaType: ocispec.MediaTypeImageIndex, Digest: d.Digest, Size: d.Size}, "v2"),
-		errcode.InvalidInput, "not an image manifest")
+		errcode.InvalidInput, "is not a application/vnd.oci.image.index.v1+json")
+	wantCode(t, TagManifest(ctx, byDigest, ocispec.Descriptor{MediaType: "application/vnd.oci.image.config.v1+json", Digest: d.Digest, Size: d.Size}, "v2"),
+		errcode.InvalidInput, "not an image manifest or index")
 	if tags, _ := byDigest.Tags(ctx); len(tags) != 2 {
 		t.Fatalf("tags after refused taggings: %v", tags)
 	}

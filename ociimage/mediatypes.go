@@ -36,22 +36,22 @@ const (
 	// AnnotationRAMFirstPage on a page map layer: the first page it covers.
 	AnnotationRAMFirstPage = "dev.vmsnap.ram.first-page"
 
-	// Manifest annotations for people and for linking the images of one checkpoint.
+	// Manifest annotations for people.
 	AnnotationMode        = "dev.vmsnap.mode"
 	AnnotationQEMUVersion = "dev.vmsnap.qemu.version"
 	AnnotationMachine     = "dev.vmsnap.qemu.machine"
 	AnnotationMemory      = "dev.vmsnap.vm.memory"
 	AnnotationRawBytes    = "dev.vmsnap.stream.raw-bytes"
-	AnnotationDiskImage   = "dev.vmsnap.disk.image"   // on a vmstate manifest: the disk image REF@DIGEST
-	AnnotationDiskPath    = "dev.vmsnap.disk.path"    // on a disk manifest: the overlay's path as QEMU's container saw it (never a host path)
-	AnnotationRootfsImage = "dev.vmsnap.rootfs.image" // on a vmstate manifest: the container image REF@DIGEST
-	// AnnotationPrevious, on a vmstate manifest: the digest of the manifest
-	// the state's tag named before this checkpoint moved it, if it named
-	// one. It chains the checkpoints stored under one tag, newest first, so
-	// that retention (vmsnap prune) finds those no tag names any more.
+	AnnotationDiskPath    = "dev.vmsnap.disk.path" // on a disk manifest: the overlay's path as QEMU's container saw it (never a host path)
+
+	// AnnotationPrevious, on a checkpoint index (on the state manifest of a
+	// checkpoint from before the index): the digest of what the checkpoint's
+	// tag named before this checkpoint moved it, if it named anything. It
+	// chains the checkpoints stored under one tag, newest first, so that
+	// retention (vmsnap prune) finds those no tag names any more.
 	AnnotationPrevious = "dev.vmsnap.previous"
-	// AnnotationCreated, on a vmstate manifest: when the checkpoint was
-	// taken (RFC 3339); retention orders checkpoints by it.
+	// AnnotationCreated, on a checkpoint index and a vmstate manifest: when
+	// the checkpoint was taken (RFC 3339); retention orders checkpoints by it.
 	AnnotationCreated     = "org.opencontainers.image.created"
 	AnnotationRefName     = "org.opencontainers.image.ref.name"
 	AnnotationTitle       = "org.opencontainers.image.title"
@@ -67,6 +67,56 @@ const (
 	MaxIndexSize    = 16 << 20 // bytes of a layout's index.json (tens of thousands of entries)
 	MaxTags         = 100000   // tags of one repository that vmsnap lists (retention)
 )
+
+// The checkpoint index (checkpoint.go): an OCI image index in the state's
+// repository that lists the images of one checkpoint, and whose digest names
+// the checkpoint. It has no artifactType and its entries none: Debian's
+// skopeo (1.9) rewrites an index that has, and the copy would get another
+// digest. These annotations say what it is instead.
+const (
+	// ArtifactTypeCheckpoint is the value of AnnotationCheckpoint on a
+	// checkpoint index: what its artifactType would be.
+	ArtifactTypeCheckpoint = "application/vnd.vmsnap.checkpoint.v1"
+	// AnnotationCheckpoint marks an image index as a checkpoint index.
+	AnnotationCheckpoint = "dev.vmsnap.checkpoint"
+	// AnnotationPart, on each entry of a checkpoint index: which part of the
+	// checkpoint the manifest is (PartVMState, PartDisk, PartRootfs).
+	AnnotationPart = "dev.vmsnap.part"
+	// AnnotationDiskLink and AnnotationRootfsLink, on a checkpoint index:
+	// the disk or rootfs image when it is in another repository than the
+	// index, as REPOSITORY@sha256:HEX: a repository of the registry the
+	// index is read from (for a layout, a directory beside the index's
+	// layout), never a host (link.go).
+	AnnotationDiskLink   = "dev.vmsnap.disk.link"
+	AnnotationRootfsLink = "dev.vmsnap.rootfs.link"
+	// AnnotationDiskRootfsPath, on a checkpoint index (on the state manifest
+	// of a checkpoint from before the index): the path of the disk overlay
+	// inside the rootfs image, when the overlay lived in the QEMU
+	// container's writable layer and so rides in that image.
+	AnnotationDiskRootfsPath = "dev.vmsnap.disk.rootfs-path"
+
+	// AnnotationDiskImage and AnnotationRootfsImage are how a state
+	// manifest linked its disk and rootfs images before the checkpoint
+	// index: REF@DIGEST with the registry's host, the state manifest's
+	// subject being the disk manifest. vmsnap reads them (legacy.go),
+	// resolving the repository against the registry the state is read
+	// from; it no longer writes them.
+	AnnotationDiskImage   = "dev.vmsnap.disk.image"
+	AnnotationRootfsImage = "dev.vmsnap.rootfs.image"
+)
+
+// The parts of a checkpoint, as AnnotationPart names them.
+const (
+	PartVMState = "vmstate" // the VM state image, always there
+	PartDisk    = "disk"    // the disk overlay image
+	PartRootfs  = "rootfs"  // the QEMU container's image with its writable layer
+)
+
+// Parts are the parts of a checkpoint in the order its index lists them.
+var Parts = []string{PartVMState, PartDisk, PartRootfs}
+
+// MaxCheckpointParts bounds the entries of a checkpoint index a reader accepts.
+const MaxCheckpointParts = 16
 
 // configMediaType is the config media type a manifest of artifactType must
 // carry, or "" for an artifact type vmsnap does not write.

@@ -36,8 +36,11 @@ type Repository interface {
 	// every manifest of a snapshot is stored, so that a failed snapshot is
 	// never tagged. Call it once every blob the manifest names is stored.
 	PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.Descriptor, error)
-	// TagManifest points tag at the manifest desc names, which the
-	// repository must hold already (see the package's TagManifest).
+	// PutIndex stores an image index by its digest, once every manifest
+	// it lists is stored; like PutManifest it tags nothing.
+	PutIndex(ctx context.Context, idx ocispec.Index) (ocispec.Descriptor, error)
+	// TagManifest points tag at the manifest or index desc names, which
+	// the repository must hold already (see the package's TagManifest).
 	TagManifest(ctx context.Context, desc ocispec.Descriptor, tag string) error
 
 	// Resolve returns the descriptor of the manifest the reference names, by
@@ -50,6 +53,9 @@ type Repository interface {
 	// Manifest fetches and verifies a manifest (digest, size, media type,
 	// MaxManifestSize, MaxLayers) and returns it parsed.
 	Manifest(ctx context.Context, desc ocispec.Descriptor) (ocispec.Manifest, error)
+	// Index fetches and verifies an image index (digest, size, media type,
+	// MaxManifestSize) and returns it parsed.
+	Index(ctx context.Context, desc ocispec.Descriptor) (ocispec.Index, error)
 	// Blob fetches a whole blob, refusing one larger than limit before a
 	// byte is read, and verifies its digest (DIGEST_MISMATCH) and size.
 	Blob(ctx context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error)

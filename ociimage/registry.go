@@ -576,7 +576,7 @@ func (r *Registry) fetchChecked(ctx context.Context, what string, desc ocispec.D
 		return nil, err
 	}
 	kind, accept := "blobs", ""
-	if what == "manifest" {
+	if what == "manifest" || what == "index" {
 		kind, accept = "manifests", manifestAccept
 	}
 	var out []byte

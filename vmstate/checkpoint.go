@@ -66,20 +66,21 @@ type CheckpointOptions struct {
 	Stream chunk.StreamOptions
 	// WhileStopped runs once the memory stream is complete and before the
 	// VM runs again, so that what it reads (the disk overlay) agrees with
-	// memory. What it returns links the state manifest to what it stored.
-	// Live mode does not stop the VM and refuses a WhileStopped hook.
+	// memory. What it returns goes into the checkpoint index beside the
+	// state manifest: the images it stored. Live mode does not stop the VM
+	// and refuses a WhileStopped hook.
 	WhileStopped func(ctx context.Context) (Link, error)
-	// Annotations are added to the state manifest.
+	// Annotations are added to the checkpoint index.
 	Annotations map[string]string
-	// Commit runs once the state manifest is stored, as the last step of a
-	// checkpoint that has stored everything: it moves the tags of the
-	// checkpoint's images (ociimage.TagManifest), the state's last. Every
-	// manifest is stored by digest (PutManifest never tags), so a failure
-	// before Commit leaves every tag where it was. Without Commit, the tag
-	// of the reference Checkpoint's repository was opened from, if any,
-	// moves to the state manifest. A Commit error fails the checkpoint like
-	// any other.
-	Commit func(ctx context.Context, state ocispec.Descriptor) error
+	// Commit runs once the state manifest and the checkpoint index are
+	// stored, as the last step of a checkpoint that has stored everything:
+	// it moves the tags of the checkpoint's images (ociimage.TagManifest),
+	// the checkpoint index's last. Every manifest is stored by digest
+	// (PutManifest never tags), so a failure before Commit leaves every tag
+	// where it was. Without Commit, the tag of the reference Checkpoint's
+	// repository was opened from, if any, moves to the checkpoint index. A
+	// Commit error fails the checkpoint like any other.
+	Commit func(ctx context.Context, checkpoint ocispec.Descriptor) error
 	// Format is how the state is captured: FormatAuto (the zero value),
 	// FormatStream or FormatMappedRAM (see mappedram.go).
 	Format Format
@@ -106,13 +107,11 @@ type CheckpointOptions struct {
 	OpenRAMFile func(memPath string) (*os.File, error)
 }
 
-// Link ties the state manifest to an image stored beside it (the disk
-// overlay): annotations that name it, and the manifest as the state
-// manifest's subject, so that either image finds the other.
-type Link struct {
-	Annotations map[string]string
-	Subject     *ocispec.Descriptor
-}
+// Link is what the images stored beside the state (the disk overlay, the
+// rootfs) add to the checkpoint index: their manifests in the state's
+// repository, links to those in another, annotations. Its VM state part is
+// the state manifest's, set by Checkpoint.
+type Link = ociimage.CheckpointIndex
 
 // Durations of a checkpoint's phases.
 type Durations struct {
@@ -127,10 +126,15 @@ type Durations struct {
 
 // CheckpointResult is what a checkpoint produced.
 type CheckpointResult struct {
-	Manifest ocispec.Descriptor
-	Image    ociimage.Reference // pinned by digest
-	Config   Config
-	Stream   chunk.StreamResult
+	Manifest ocispec.Descriptor // the VM state manifest
+	Image    ociimage.Reference // the VM state manifest, pinned by digest
+	// Checkpoint is the checkpoint index, listing the state manifest and
+	// the images stored beside it (its digest names the checkpoint), and
+	// CheckpointImage that index, pinned.
+	Checkpoint      ocispec.Descriptor
+	CheckpointImage ociimage.Reference
+	Config          Config
+	Stream          chunk.StreamResult
 	// Downtime is how long the guest did not run: QEMU's figure in live
 	// mode, stop to continue in snapshot mode, stop to stored in pause mode
 	// (where the guest stays stopped).

@@ -13,8 +13,9 @@ import (
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
-// Commit runs once the state manifest is stored (by digest, into an
-// untagged repository) and moves the tag; without Commit nothing is tagged.
+// Commit runs once the state manifest and the checkpoint index listing it
+// are stored (by digest, into an untagged repository) and moves the tag;
+// without Commit nothing is tagged.
 func TestCheckpointCommitMovesTheTagLast(t *testing.T) {
 	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
 	dir := t.TempDir()
@@ -22,25 +23,30 @@ func TestCheckpointCommitMovesTheTagLast(t *testing.T) {
 	var committed ocispec.Descriptor
 	res, err := Checkpoint(context.Background(), q.Dial(t), untagged, CheckpointOptions{
 		Mode: ModePause,
-		Commit: func(ctx context.Context, state ocispec.Descriptor) error {
-			// The manifest is stored whole, and not tagged yet.
-			if _, _, _, err := LoadConfig(ctx, openLayout(t, "oci:"+dir+"@"+state.Digest.String())); err != nil {
+		Commit: func(ctx context.Context, checkpoint ocispec.Descriptor) error {
+			// The index and the manifest it lists are stored whole, and
+			// not tagged yet.
+			state, _, err := ociimage.OpenPart(ctx, ociimage.Reference{Layout: dir, Digest: checkpoint.Digest}, ociimage.PartVMState)
+			if err != nil {
+				return err
+			}
+			if _, _, _, err := LoadConfig(ctx, state); err != nil {
 				return err
 			}
 			if _, err := openLayout(t, "oci:"+dir+":vm").Resolve(ctx); err == nil {
-				t.Error("the state was tagged before Commit")
+				t.Error("the checkpoint was tagged before Commit")
 			}
-			committed = state
-			return ociimage.TagManifest(ctx, untagged, state, "vm")
+			committed = checkpoint
+			return ociimage.TagManifest(ctx, untagged, checkpoint, "vm")
 		},
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if committed.Digest != res.Manifest.Digest || !res.Image.IsDigest() || res.Image.Tag != "" {
-		t.Fatalf("committed %s, result %s (%s)", committed.Digest, res.Manifest.Digest, res.Image)
+	if committed.Digest != res.Checkpoint.Digest || !res.Image.IsDigest() || res.Image.Digest != res.Manifest.Digest || res.CheckpointImage.Digest != committed.Digest {
+		t.Fatalf("committed %s, result %s (%s, checkpoint %s)", committed.Digest, res.Manifest.Digest, res.Image, res.CheckpointImage)
 	}
-	if d, err := openLayout(t, "oci:"+dir+":vm").Resolve(context.Background()); err != nil || d.Digest != res.Manifest.Digest {
+	if d, err := openLayout(t, "oci:"+dir+":vm").Resolve(context.Background()); err != nil || d.Digest != res.Checkpoint.Digest {
 		t.Fatalf("the tag names %v, %v", d.Digest, err)
 	}
 }

@@ -62,11 +62,18 @@ func TestCheckpointModes(t *testing.T) {
 			if q.Bandwidth != 128<<20 {
 				t.Fatalf("max-bandwidth left at %d, want it put back", q.Bandwidth)
 			}
-			// The tag names the stored manifest, and the stream reads back.
-			tagged := openLayout(t, "oci:"+dir+":vm")
-			desc, err := tagged.Resolve(context.Background())
-			if err != nil || desc.Digest != res.Manifest.Digest {
-				t.Fatalf("tag resolves to %v, %v", desc.Digest, err)
+			// The tag names the checkpoint index, which lists the state
+			// manifest, and the stream reads back.
+			desc, err := openLayout(t, "oci:"+dir+":vm").Resolve(context.Background())
+			if err != nil || desc.Digest != res.Checkpoint.Digest || desc.MediaType != ocispec.MediaTypeImageIndex {
+				t.Fatalf("tag resolves to %v, %v; want the checkpoint index %s", desc.Digest, err, res.Checkpoint.Digest)
+			}
+			tagged, cp, err := ociimage.OpenPart(context.Background(), ociimage.Reference{Layout: dir, Tag: "vm"}, ociimage.PartVMState)
+			if err != nil || cp == nil || cp.Ref != res.CheckpointImage {
+				t.Fatalf("opening the state through the tag: %v (checkpoint %+v)", err, cp)
+			}
+			if desc, _ := tagged.Resolve(context.Background()); desc.Digest != res.Manifest.Digest {
+				t.Fatalf("the checkpoint lists the state %s, want %s", desc.Digest, res.Manifest.Digest)
 			}
 			_, m, cfg, err := LoadConfig(context.Background(), tagged)
 			if err != nil || cfg.Mode != tc.mode {

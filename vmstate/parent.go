@@ -72,7 +72,7 @@ func findParent(ctx context.Context, repo ociimage.Repository, opts CheckpointOp
 	case why != "":
 		return refuse(why)
 	}
-	if rec != nil && rec.image.Digest == desc.Digest {
+	if rec != nil && rec.image.Digest == p.desc.Digest {
 		p.trust, p.Parent = ParentRecorded, ramfile.Parent{Map: rec.pageMap}
 		return p, "", nil
 	}
@@ -86,9 +86,14 @@ func findParent(ctx context.Context, repo ociimage.Repository, opts CheckpointOp
 	return p, "", nil
 }
 
-// loadParent reads the checkpoint desc names as a parent for a delta of
-// backend be: an error if it cannot be read, why not if it cannot be one.
+// loadParent reads the checkpoint desc names (its index or its VM state
+// manifest) as a parent for a delta of backend be: an error if it cannot
+// be read, why not if it cannot be one.
 func loadParent(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor, be *RAMBackend, maxChain int) (*parentImage, string, error) {
+	desc, err := ociimage.StateManifest(ctx, repo, desc)
+	if err != nil {
+		return nil, "", err
+	}
 	m, err := repo.Manifest(ctx, desc)
 	if err != nil {
 		return nil, "", err

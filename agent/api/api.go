@@ -15,16 +15,26 @@ import (
 
 // CheckpointResult is what a checkpoint produced.
 type CheckpointResult struct {
-	VMState    VMStateResult `json:"vmstate"`
-	Disk       *DiskResult   `json:"disk,omitempty"`
-	Rootfs     *RootfsResult `json:"rootfs,omitempty"`
-	Mode       string        `json:"mode"`
-	DowntimeMs float64       `json:"downtimeMs"`
-	VMRunning  bool          `json:"vmRunning"`
-	TotalMs    float64       `json:"totalMs"`
+	// Checkpoint is the checkpoint index: the one reference that names
+	// every image of the checkpoint (README "Image layout").
+	Checkpoint *CheckpointRef `json:"checkpoint,omitempty"`
+	VMState    VMStateResult  `json:"vmstate"`
+	Disk       *DiskResult    `json:"disk,omitempty"`
+	Rootfs     *RootfsResult  `json:"rootfs,omitempty"`
+	Mode       string         `json:"mode"`
+	DowntimeMs float64        `json:"downtimeMs"`
+	VMRunning  bool           `json:"vmRunning"`
+	TotalMs    float64        `json:"totalMs"`
 	// Pruned is what the prune after the checkpoint (CheckpointRequest.Keep)
 	// kept and removed.
 	Pruned *PruneResult `json:"pruned,omitempty"`
+}
+
+// CheckpointRef names a checkpoint by its index: what restore, prepare and
+// inspect accept in place of each image's own reference.
+type CheckpointRef struct {
+	Image  string `json:"image"` // REF@sha256:... of the checkpoint index
+	Digest string `json:"digest"`
 }
 
 // VMStateResult describes a stored VM state image.
@@ -90,7 +100,7 @@ type ChainLink struct {
 // namespace's (STATE_DIR/ram/NAMESPACE): QEMU before 8.2 opens a
 // share=off file read-write, so files are shared within one tenant only.
 type PrepareRequest struct {
-	Image    string `json:"image"` // REF@sha256:...
+	Image    string `json:"image"` // REF@sha256:... of the VM state image or its checkpoint (index)
 	AllowTag bool   `json:"allowTag,omitempty"`
 	// Namespace whose cache to use: the caller's by default; an admin
 	// (--admin-namespace, or a process on the node) may name any.
@@ -106,8 +116,11 @@ type PrepareRequest struct {
 // memory-file image on this node, and what the target QEMU adds to its
 // arguments to map it (then -incoming defer, then restore --qmp).
 type PrepareResult struct {
-	Image        string             `json:"image"`
-	Digest       string             `json:"digest"`
+	Image  string `json:"image"`
+	Digest string `json:"digest"`
+	// Checkpoint is the checkpoint index the image was found through,
+	// when the reference given named a checkpoint rather than the image.
+	Checkpoint   string             `json:"checkpoint,omitempty"`
 	QEMUArgs     []string           `json:"qemuArgs"`
 	MemoryFile   string             `json:"memoryFile"`
 	FetchedBytes int64              `json:"fetchedBytes"` // 0: the cache held it
@@ -179,10 +192,13 @@ type RestoreResult struct {
 
 // RestoredState describes VM state loaded into a waiting QEMU.
 type RestoredState struct {
-	Image     string `json:"image"`
-	Digest    string `json:"digest"`
-	RawBytes  int64  `json:"rawBytes"`
-	VMRunning bool   `json:"vmRunning"`
+	Image  string `json:"image"`
+	Digest string `json:"digest"`
+	// Checkpoint is the checkpoint index the image was found through,
+	// when the reference given named a checkpoint rather than the image.
+	Checkpoint string `json:"checkpoint,omitempty"`
+	RawBytes   int64  `json:"rawBytes"`
+	VMRunning  bool   `json:"vmRunning"`
 	// FromNode says the state was read from what vmsnap prepare kept on
 	// this node beside the RAM file the QEMU maps, not from the registry.
 	FromNode    bool               `json:"fromNode,omitempty"`
@@ -191,8 +207,11 @@ type RestoredState struct {
 
 // RestoredDisk describes a disk overlay put in place.
 type RestoredDisk struct {
-	Image       string             `json:"image"`
-	Digest      string             `json:"digest"`
+	Image  string `json:"image"`
+	Digest string `json:"digest"`
+	// Checkpoint is the checkpoint index the image was found through,
+	// when the reference given named a checkpoint rather than the image.
+	Checkpoint  string             `json:"checkpoint,omitempty"`
 	Path        string             `json:"path"`
 	Bytes       int64              `json:"bytes"`
 	DurationsMs map[string]float64 `json:"durationsMs"`
@@ -203,8 +222,11 @@ type RestoredDisk struct {
 type StagedState struct {
 	Image  string `json:"image"`
 	Digest string `json:"digest"`
-	Dir    string `json:"dir"`
-	Bytes  int64  `json:"bytes"`
+	// Checkpoint is the checkpoint index the image was found through,
+	// when the reference given named a checkpoint rather than the image.
+	Checkpoint string `json:"checkpoint,omitempty"`
+	Dir        string `json:"dir"`
+	Bytes      int64  `json:"bytes"`
 	// Format is the image's state format; "memory-file": only its device
 	// state was staged, its RAM file is prepared apart (vmsnap prepare).
 	Format string `json:"format,omitempty"`
@@ -312,10 +334,13 @@ type Target struct {
 
 // CheckpointRequest asks the agent to checkpoint a VM on its node.
 type CheckpointRequest struct {
-	VM    VMRef  `json:"vm"`
+	VM VMRef `json:"vm"`
+	// Image is where the VM state goes, and the checkpoint index that
+	// lists the checkpoint's images (its tag names the index).
 	Image string `json:"image"`
 	// DiskImage, with VM.DiskPath, is where the disk overlay goes as an
-	// image of its own. It may be left out when the overlay is in the
+	// image of its own: in Image's repository (listed by the index) or
+	// another of the same registry (linked). It may be left out when the overlay is in the
 	// container's writable layer and RootfsImage is set: the overlay then
 	// rides in the rootfs image.
 	DiskImage string `json:"diskImage,omitempty"`
@@ -345,7 +370,7 @@ type CheckpointRequest struct {
 // QEMU starts, by the restore init container).
 type RestoreRequest struct {
 	VM       VMRef  `json:"vm"`
-	Image    string `json:"image"` // REF@sha256:...
+	Image    string `json:"image"` // REF@sha256:... of the VM state image or its checkpoint (index)
 	AllowTag bool   `json:"allowTag,omitempty"`
 	Paused   bool   `json:"paused,omitempty"`
 	Workers  int    `json:"workers,omitempty"`

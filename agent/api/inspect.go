@@ -36,6 +36,10 @@ type InspectResult struct {
 
 // CheckpointImages is what one checkpoint stored, each image pinned.
 type CheckpointImages struct {
+	// Image and Digest name the checkpoint index, when the checkpoint has
+	// one (not before vmsnap wrote indexes).
+	Image   string `json:"image,omitempty"`
+	Digest  string `json:"digest,omitempty"`
 	VMState string `json:"vmstate"`
 	Disk    string `json:"disk,omitempty"` // the disk overlay's own image
 	// DiskInRootfs is where the disk overlay is in the rootfs image, when

@@ -172,6 +172,14 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			return nil, err
 		}
 	}
+	// Each image beside the state must be one the checkpoint index can
+	// list or link (parts.go): refused before the VM is touched.
+	if err := state.canHold("disk", diskStore); err != nil {
+		return nil, err
+	}
+	if err := state.canHold("rootfs", rootfsStore); err != nil {
+		return nil, err
+	}
 	// The overlay rides in the rootfs image when it is in the writable layer
 	// that image captures.
 	diskInRootfs := s.DiskPath != "" && s.DiskInRootfs && rootfsStore != nil
@@ -229,9 +237,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			if disk, err = overlay.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream)); err != nil {
 				return ocispec.Descriptor{}, err
 			}
-			link.Annotations[ociimage.AnnotationDiskImage] = disk.Image.String()
-			link.Subject = &disk.Manifest
-			return disk.Manifest, nil
+			return disk.Manifest, state.join(link, ociimage.PartDisk, diskStore, disk.Manifest)
 		}})
 	}
 	if rootfsStore != nil {
@@ -248,11 +254,10 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			if layer, err = s.CaptureRootfs(ctx, rootfsStore.repo, s.Progress.bytes("rootfs")); err != nil {
 				return ocispec.Descriptor{}, err
 			}
-			link.Annotations[ociimage.AnnotationRootfsImage] = layer.Image.String()
 			if diskInRootfs {
 				link.Annotations[ociimage.AnnotationDiskRootfsPath] = s.DiskRootfsPath
 			}
-			return layer.Manifest, nil
+			return layer.Manifest, state.join(link, ociimage.PartRootfs, rootfsStore, layer.Manifest)
 		}})
 	}
 	if len(parts) > 0 {
@@ -264,6 +269,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		return nil, err
 	}
 	out := &api.CheckpointResult{
+		Checkpoint: &api.CheckpointRef{Image: res.CheckpointImage.String(), Digest: res.Checkpoint.Digest.String()},
 		VMState: api.VMStateResult{
 			Image:         res.Image.String(),
 			Digest:        res.Manifest.Digest.String(),

@@ -60,7 +60,7 @@ func TestCheckpointTagsMoveOnlyOnceEverythingIsStored(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if resolveTag(t, stateDir, "vm") != first.VMState.Digest || resolveTag(t, diskDir, "vm-disk") != first.Disk.Digest {
+	if resolveTag(t, stateDir, "vm") != first.Checkpoint.Digest || resolveTag(t, diskDir, "vm-disk") != first.Disk.Digest {
 		t.Fatalf("after a checkpoint the tags do not name its images")
 	}
 
@@ -100,8 +100,8 @@ func TestCheckpointTagsMoveOnlyOnceEverythingIsStored(t *testing.T) {
 	if got := resolveTag(t, diskDir, "vm-disk"); got != first.Disk.Digest {
 		t.Fatalf("the disk tag moved to %s although the checkpoint failed (was %s)", got, first.Disk.Digest)
 	}
-	if got := resolveTag(t, stateDir, "vm"); got != first.VMState.Digest {
-		t.Fatalf("the state tag moved to %s although the checkpoint failed", got)
+	if got := resolveTag(t, stateDir, "vm"); got != first.Checkpoint.Digest {
+		t.Fatalf("the checkpoint tag moved to %s although the checkpoint failed", got)
 	}
 
 	// Once the store works again, a checkpoint moves both tags.
@@ -115,7 +115,7 @@ func TestCheckpointTagsMoveOnlyOnceEverythingIsStored(t *testing.T) {
 	if third.Disk.Digest == first.Disk.Digest || third.VMState.Digest == first.VMState.Digest {
 		t.Fatal("the third checkpoint stored the same images as the first")
 	}
-	if resolveTag(t, stateDir, "vm") != third.VMState.Digest || resolveTag(t, diskDir, "vm-disk") != third.Disk.Digest {
+	if resolveTag(t, stateDir, "vm") != third.Checkpoint.Digest || resolveTag(t, diskDir, "vm-disk") != third.Disk.Digest {
 		t.Fatalf("the tags did not move to the third checkpoint's images")
 	}
 }
@@ -213,7 +213,7 @@ func TestCheckpointMovesTheDiskTagBackWhenTheRootfsTagFails(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if resolveTag(t, stateDir, "vm") != first.VMState.Digest || resolveTag(t, diskDir, "vm-disk") != first.Disk.Digest ||
+	if resolveTag(t, stateDir, "vm") != first.Checkpoint.Digest || resolveTag(t, diskDir, "vm-disk") != first.Disk.Digest ||
 		resolveTag(t, rootfsDir, "vm-rootfs") != first.Rootfs.Digest {
 		t.Fatal("after a checkpoint the tags do not name its images")
 	}
@@ -236,8 +236,8 @@ func TestCheckpointMovesTheDiskTagBackWhenTheRootfsTagFails(t *testing.T) {
 	if got := resolveTag(t, rootfsDir, "vm-rootfs"); got != first.Rootfs.Digest {
 		t.Fatalf("the rootfs tag names %s after the failed checkpoint, not the first rootfs %s", got, first.Rootfs.Digest)
 	}
-	if got := resolveTag(t, stateDir, "vm"); got != first.VMState.Digest {
-		t.Fatalf("the state tag names %s after the failed checkpoint, not the first state %s", got, first.VMState.Digest)
+	if got := resolveTag(t, stateDir, "vm"); got != first.Checkpoint.Digest {
+		t.Fatalf("the checkpoint tag names %s after the failed checkpoint, not the first checkpoint %s", got, first.Checkpoint.Digest)
 	}
 }
 
@@ -295,10 +295,10 @@ func TestMoveTagsMovesBackWhenTheStateTagFails(t *testing.T) {
 	first := checkpoint(true)
 	appendToOverlay(t, overlay)
 	second := checkpoint(false) // stored by digest only: no tag moves
-	if resolveTag(t, stateDir, "vm") != first.VMState.Digest || resolveTag(t, diskDir, "vm-disk") != first.Disk.Digest {
+	if resolveTag(t, stateDir, "vm") != first.Checkpoint.Digest || resolveTag(t, diskDir, "vm-disk") != first.Disk.Digest {
 		t.Fatal("a checkpoint without tags moved the tags")
 	}
-	disk2, state2 := pinned(t, diskDir, second.Disk.Digest), pinned(t, stateDir, second.VMState.Digest)
+	disk2, state2 := pinned(t, diskDir, second.Disk.Digest), pinned(t, stateDir, second.Checkpoint.Digest)
 
 	for _, c := range []struct {
 		name, diskTag string
@@ -323,7 +323,7 @@ func TestMoveTagsMovesBackWhenTheStateTagFails(t *testing.T) {
 			}
 			disk.repo = &refuseTagging{Repository: disk.repo, ok: c.diskOK}
 			state.repo = &refuseTagging{Repository: state.repo, panics: c.statePanics}
-			err = moveTags(ctx, tagMove{what: "disk", st: disk, to: disk2}, tagMove{what: "VM state", st: state, to: state2})
+			err = moveTags(ctx, tagMove{what: "disk", st: disk, to: disk2}, tagMove{what: "checkpoint", st: state, to: state2})
 			wantCode, wantMsg := errcode.RegistryError, "tagging refused"
 			if c.statePanics {
 				wantCode, wantMsg = errcode.Internal, "a bug in tagging"
@@ -337,8 +337,8 @@ func TestMoveTagsMovesBackWhenTheStateTagFails(t *testing.T) {
 			if got := resolveTag(t, diskDir, c.diskTag); got != c.wantDisk {
 				t.Fatalf("the disk tag names %s, want %s", got, c.wantDisk)
 			}
-			if got := resolveTag(t, stateDir, "vm"); got != first.VMState.Digest {
-				t.Fatalf("the state tag names %s, not the first state %s", got, first.VMState.Digest)
+			if got := resolveTag(t, stateDir, "vm"); got != first.Checkpoint.Digest {
+				t.Fatalf("the checkpoint tag names %s, not the first checkpoint %s", got, first.Checkpoint.Digest)
 			}
 			if c.wantDisk != first.Disk.Digest {
 				// Put the tag back for the next case.

@@ -77,7 +77,7 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 	if s.CacheDir == "" {
 		s.CacheDir = DefaultCacheDir()
 	}
-	repo, err := openPinned(ctx, s.Image, "image", s.AllowTag, s.Store)
+	repo, cp, err := openPinned(ctx, s.Image, "image", ociimage.PartVMState, s.AllowTag, s.Store)
 	if err != nil {
 		return nil, err
 	}
@@ -89,7 +89,7 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 		return nil, err
 	}
 	out := &api.PrepareResult{
-		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
+		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(), Checkpoint: checkpointRef(cp),
 		QEMUArgs: res.QEMUArgs, MemoryFile: res.MemoryFile, FetchedBytes: res.FetchedBytes,
 		MemoryBytes: res.Config.RAM.Bytes, DataBytes: res.Config.RAM.DataBytes, RecordNote: res.RecordNote,
 		DurationsMs: map[string]float64{"total": api.Ms(res.Duration), "copy": api.Ms(res.CopyDuration)},

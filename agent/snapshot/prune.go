@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"context"
 	"errors"
-	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -19,15 +18,16 @@ import (
 
 // Retention: a repository keeps its N newest checkpoints.
 //
-// A checkpoint is a VM state manifest. Prune finds those the repository's
-// tags name, and from each follows its dev.vmsnap.previous annotation (the
-// manifest its tag named before the checkpoint moved it) to the checkpoints
-// no tag names any more. It orders them newest first by their
-// org.opencontainers.image.created annotation, keeps N and deletes the
-// rest, each with its tags, the disk and rootfs images only it needed (in
-// the same repository), and the referrers fallback tags (sha256-HEX) of
-// what it deleted. A layout then removes the blobs no remaining manifest
-// needs; a registry does that in its own garbage collection.
+// A checkpoint is a checkpoint index (or, from before indexes, a VM state
+// manifest). Prune finds those the repository's tags name, and from each
+// follows its dev.vmsnap.previous annotation (what its tag named before the
+// checkpoint moved it) to the checkpoints no tag names any more. It orders
+// them newest first by their org.opencontainers.image.created annotation,
+// keeps N and deletes the rest, each with its tags, the images it lists
+// that nothing kept needs (in the same repository: VM state, disk,
+// rootfs), and the referrers fallback tags (sha256-HEX) of what it deleted.
+// A layout then removes the blobs no remaining manifest needs; a registry
+// does that in its own garbage collection.
 
 // PruneSpec is one prune of a repository.
 type PruneSpec struct {
@@ -117,16 +117,16 @@ func step(what string) error {
 	return nil
 }
 
-// checkpoint is one VM state manifest prune found.
+// checkpoint is one checkpoint prune found: an index, or a legacy VM
+// state manifest.
 type checkpoint struct {
 	digest   digest.Digest
 	created  time.Time
 	dated    bool
 	previous digest.Digest
-	images   []ociimage.Reference // disk and rootfs images, pinned: what prune may delete with it
-	kinds    []string             // the annotation that named each image
-	subject  digest.Digest        // kept with it, never deleted through it
-	older    int                  // checkpoints found behind it through previous links
+	images   []ociimage.Part // its images but the manifest at digest, pinned: what prune may delete with it
+	subject  digest.Digest   // kept with it, never deleted through it (legacy)
+	older    int             // checkpoints found behind it through previous links
 }
 
 // inventory is what a repository holds, as far as prune is concerned.
@@ -158,20 +158,20 @@ func findCheckpoints(ctx context.Context, repo pruneRepo) (*inventory, error) {
 	for len(todo) > 0 {
 		desc := todo[0]
 		todo = todo[1:]
-		if _, seen := inv.checkpoints[desc.Digest]; seen || (desc.MediaType != ocispec.MediaTypeImageManifest && desc.MediaType != "") {
+		if _, seen := inv.checkpoints[desc.Digest]; seen || !slices.Contains([]string{ocispec.MediaTypeImageIndex, ocispec.MediaTypeImageManifest, ""}, desc.MediaType) {
 			continue
 		}
-		m, err := repo.Manifest(ctx, desc)
+		c, err := ociimage.ReadCheckpoint(ctx, repo, desc)
+		if errors.Is(err, ociimage.ErrNotCheckpoint) {
+			continue
+		}
 		if err != nil {
 			return nil, err
-		}
-		if m.ArtifactType != ociimage.ArtifactTypeVMState {
-			continue
 		}
 		if len(inv.checkpoints) >= maxCheckpoints {
 			return nil, errcode.New(errcode.InvalidInput, "%s holds more than %d checkpoints, more than one prune reads", inv.repo, maxCheckpoints)
 		}
-		cp := inv.parse(desc.Digest, m)
+		cp := inv.parse(desc.Digest, c)
 		inv.checkpoints[desc.Digest] = cp
 		if cp.previous == "" {
 			continue
@@ -194,25 +194,22 @@ func findCheckpoints(ctx context.Context, repo pruneRepo) (*inventory, error) {
 	return inv, nil
 }
 
-// parse reads what prune needs from a state manifest's annotations. Links
-// that do not parse are ignored: they name nothing prune could delete.
-func (inv *inventory) parse(d digest.Digest, m ocispec.Manifest) *checkpoint {
-	cp := &checkpoint{digest: d}
-	a := m.Annotations
+// parse reads what prune needs from a checkpoint: its annotations and its
+// parts (ReadCheckpoint leaves out legacy links that do not resolve: they
+// name nothing prune could delete).
+func (inv *inventory) parse(d digest.Digest, c *ociimage.Checkpoint) *checkpoint {
+	cp := &checkpoint{digest: d, subject: c.Subject}
+	a := c.Annotations
 	if t, err := time.Parse(time.RFC3339, a[ociimage.AnnotationCreated]); err == nil {
 		cp.created, cp.dated = t, true
 	}
 	if p, err := digest.Parse(a[ociimage.AnnotationPrevious]); err == nil && p != d {
 		cp.previous = p
 	}
-	for _, k := range []string{ociimage.AnnotationDiskImage, ociimage.AnnotationRootfsImage} {
-		if ref, err := ociimage.ParseReference(a[k]); err == nil && ref.IsDigest() {
-			cp.images = append(cp.images, ref)
-			cp.kinds = append(cp.kinds, k)
+	for _, p := range c.Parts {
+		if p.Ref.Digest != d {
+			cp.images = append(cp.images, p)
 		}
-	}
-	if m.Subject != nil {
-		cp.subject = m.Subject.Digest
 	}
 	return cp
 }
@@ -231,13 +228,7 @@ func (inv *inventory) countOlder(cp *checkpoint) int {
 
 // sameRepo says whether ref is in the repository prune works on.
 func (inv *inventory) sameRepo(ref ociimage.Reference) bool {
-	a, b := inv.repo, ref
-	if a.Layout != "" || b.Layout != "" {
-		x, errx := filepath.Abs(a.Layout)
-		y, erry := filepath.Abs(b.Layout)
-		return a.Layout != "" && b.Layout != "" && errx == nil && erry == nil && x == y
-	}
-	return strings.EqualFold(a.Registry, b.Registry) && a.Repository == b.Repository
+	return ociimage.SameRepository(inv.repo, ref)
 }
 
 // prunePlan is what to delete, in order.
@@ -246,7 +237,7 @@ type prunePlan struct {
 	// images to delete with each removed checkpoint (by its digest), and
 	// those left, with why.
 	images map[digest.Digest][]digest.Digest
-	kinds  map[digest.Digest]string // the annotation that named each of those
+	kinds  map[digest.Digest]string // the part each of those is listed as
 	left   []api.PrunedImage
 	// fallback is the referrers index to delete after a manifest, by the
 	// manifest's digest.
@@ -288,7 +279,8 @@ func planPrune(inv *inventory, keep int) *prunePlan {
 	deleted := map[digest.Digest]bool{}
 	for _, cp := range slices.Backward(p.removed) {
 		deleted[cp.digest] = true
-		for i, ref := range cp.images {
+		for _, part := range cp.images {
+			ref := part.Ref
 			switch {
 			case !inv.sameRepo(ref):
 				p.left = append(p.left, api.PrunedImage{Image: ref.String(), Reason: "in another repository: prune deletes only in " + inv.repo.String()})
@@ -300,7 +292,7 @@ func planPrune(inv *inventory, keep int) *prunePlan {
 			case !deleted[ref.Digest] && inv.checkpoints[ref.Digest] == nil:
 				deleted[ref.Digest] = true
 				p.images[cp.digest] = append(p.images[cp.digest], ref.Digest)
-				p.kinds[ref.Digest] = cp.kinds[i]
+				p.kinds[ref.Digest] = part.Name
 			}
 		}
 	}
@@ -320,9 +312,9 @@ func planPrune(inv *inventory, keep int) *prunePlan {
 // rootfs images and its subject.
 func (inv *inventory) linked(cp *checkpoint) []digest.Digest {
 	var out []digest.Digest
-	for _, ref := range cp.images {
-		if inv.sameRepo(ref) {
-			out = append(out, ref.Digest)
+	for _, p := range cp.images {
+		if inv.sameRepo(p.Ref) {
+			out = append(out, p.Ref.Digest)
 		}
 	}
 	if cp.subject != "" {
@@ -331,10 +323,10 @@ func (inv *inventory) linked(cp *checkpoint) []digest.Digest {
 	return out
 }
 
-// checkKinds leaves out of the deletions an image that is not what the
-// annotation naming it says (a disk image, a container image): a state
-// manifest, which anyone who may push can write, must not be able to get
-// some other image deleted by naming it.
+// checkKinds leaves out of the deletions an image that is not the part its
+// checkpoint lists it as (a VM state image, a disk image, a container
+// image): a checkpoint, which anyone who may push can write, must not be
+// able to get some other image deleted by naming it.
 func (p *prunePlan) checkKinds(ctx context.Context, repo pruneRepo) error {
 	for cp, ds := range p.images {
 		var keep []digest.Digest
@@ -353,19 +345,21 @@ func (p *prunePlan) checkKinds(ctx context.Context, repo pruneRepo) error {
 				continue
 			}
 			p.left = append(p.left, api.PrunedImage{Image: repo.Reference().WithDigest(d).String(),
-				Reason: "not the kind of image its " + p.kinds[d] + " annotation says"})
+				Reason: "not the " + p.kinds[d] + " image its checkpoint lists it as"})
 		}
 		p.images[cp] = keep
 	}
 	return nil
 }
 
-// isKind says whether m is the image an annotation of that key names.
-func isKind(m ocispec.Manifest, key string) bool {
-	switch key {
-	case ociimage.AnnotationDiskImage:
+// isKind says whether m is the image a checkpoint's part of that name is.
+func isKind(m ocispec.Manifest, part string) bool {
+	switch part {
+	case ociimage.PartVMState:
+		return m.ArtifactType == ociimage.ArtifactTypeVMState
+	case ociimage.PartDisk:
 		return m.ArtifactType == ociimage.ArtifactTypeDisk
-	case ociimage.AnnotationRootfsImage:
+	case ociimage.PartRootfs:
 		return m.ArtifactType == "" && m.Config.MediaType == ocispec.MediaTypeImageConfig
 	}
 	return false
@@ -414,8 +408,8 @@ func (p *prunePlan) result(inv *inventory, repo string, s PruneSpec) *api.PruneR
 			t := cp.created
 			out.Created = &t
 		}
-		for _, ref := range cp.images {
-			out.Images = append(out.Images, ref.String())
+		for _, p := range cp.images {
+			out.Images = append(out.Images, p.Ref.String())
 		}
 		return out
 	}

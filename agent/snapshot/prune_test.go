@@ -131,6 +131,22 @@ func blobsOf(t *testing.T, dir, d string) []string {
 	return out
 }
 
+// checkpointBlobs lists the blobs of a checkpoint: its index, and the
+// manifests, configs and layers of its state and disk images.
+func checkpointBlobs(t *testing.T, dir string, cp taken) []string {
+	t.Helper()
+	return append(append([]string{cp.res.Checkpoint.Digest}, blobsOf(t, dir, cp.res.VMState.Digest)...), blobsOf(t, dir, cp.res.Disk.Digest)...)
+}
+
+// checkpointDigests are the digests of the checkpoints (their indexes).
+func checkpointDigests(cps ...taken) []string {
+	var out []string
+	for _, cp := range cps {
+		out = append(out, cp.res.Checkpoint.Digest)
+	}
+	return out
+}
+
 func blobExists(dir, d string) bool {
 	_, err := os.Stat(filepath.Join(dir, "blobs", "sha256", strings.TrimPrefix(d, "sha256:")))
 	return err == nil
@@ -146,10 +162,10 @@ func TestPruneLayoutKeepsTheNewestFindsTheUntaggedAndRemovesTheRest(t *testing.T
 	dir := t.TempDir()
 	overlay, cps := fourCheckpoints(t, "oci:"+dir, nil)
 	for i, cp := range cps {
-		m := readManifest(t, dir, cp.res.VMState.Digest)
+		m := readManifest(t, dir, cp.res.Checkpoint.Digest)
 		want := ""
 		if i > 0 {
-			want = cps[i-1].res.VMState.Digest
+			want = cps[i-1].res.Checkpoint.Digest
 		}
 		if got := m.Annotations[ociimage.AnnotationPrevious]; got != want {
 			t.Fatalf("checkpoint %d links to %q, want %q", i, got, want)
@@ -166,8 +182,8 @@ func TestPruneLayoutKeepsTheNewestFindsTheUntaggedAndRemovesTheRest(t *testing.T
 	if err != nil {
 		t.Fatal(err)
 	}
-	wantKept := []string{cps[3].res.VMState.Digest, cps[2].res.VMState.Digest}
-	wantRemoved := []string{cps[1].res.VMState.Digest, cps[0].res.VMState.Digest}
+	wantKept := checkpointDigests(cps[3], cps[2])
+	wantRemoved := checkpointDigests(cps[1], cps[0])
 	if !slices.Equal(digests(dry.Kept), wantKept) || !slices.Equal(digests(dry.Removed), wantRemoved) || !dry.DryRun {
 		t.Fatalf("dry run kept %v removed %v, want %v and %v", digests(dry.Kept), digests(dry.Removed), wantKept, wantRemoved)
 	}
@@ -180,7 +196,7 @@ func TestPruneLayoutKeepsTheNewestFindsTheUntaggedAndRemovesTheRest(t *testing.T
 	// Blobs only the removed checkpoints and their own disk image hold.
 	needed := map[string]bool{}
 	for _, cp := range cps[2:] {
-		for _, b := range append(blobsOf(t, dir, cp.res.VMState.Digest), blobsOf(t, dir, cp.res.Disk.Digest)...) {
+		for _, b := range checkpointBlobs(t, dir, cp) {
 			needed[b] = true
 		}
 	}
@@ -188,7 +204,7 @@ func TestPruneLayoutKeepsTheNewestFindsTheUntaggedAndRemovesTheRest(t *testing.T
 	// images' configs, a chunk), which goes once.
 	var doomed []string
 	for _, cp := range cps[:2] {
-		for _, b := range append(blobsOf(t, dir, cp.res.VMState.Digest), blobsOf(t, dir, cp.res.Disk.Digest)...) {
+		for _, b := range checkpointBlobs(t, dir, cp) {
 			if !needed[b] && !slices.Contains(doomed, b) {
 				doomed = append(doomed, b)
 			}
@@ -216,8 +232,9 @@ func TestPruneLayoutKeepsTheNewestFindsTheUntaggedAndRemovesTheRest(t *testing.T
 	for _, im := range res.RemovedImages {
 		removedImages = append(removedImages, im.Image)
 	}
-	if !slices.Equal(removedImages, []string{"oci:" + dir + "@" + cps[1].res.Disk.Digest, "oci:" + dir + "@" + cps[0].res.Disk.Digest}) || len(res.LeftImages) != 0 {
-		t.Fatalf("removed images %v, left %+v; want the first two disk images", removedImages, res.LeftImages)
+	wantImages := []string{cps[1].res.VMState.Image, cps[1].res.Disk.Image, cps[0].res.VMState.Image, cps[0].res.Disk.Image}
+	if !slices.Equal(removedImages, wantImages) || len(res.LeftImages) != 0 {
+		t.Fatalf("removed images %v, left %+v; want the first two state and disk images %v", removedImages, res.LeftImages, wantImages)
 	}
 	if res.RemovedBlobs != len(doomed) {
 		t.Fatalf("removed %d blobs, want %d", res.RemovedBlobs, len(doomed))
@@ -233,14 +250,13 @@ func TestPruneLayoutKeepsTheNewestFindsTheUntaggedAndRemovesTheRest(t *testing.T
 		}
 	}
 	for _, cp := range cps[:2] {
-		if !manifestGone(t, "oci:"+dir, cp.res.VMState.Digest, nil) {
-			t.Fatalf("removed checkpoint %s still resolves", cp.res.VMState.Digest)
+		for _, d := range []string{cp.res.Checkpoint.Digest, cp.res.VMState.Digest, cp.res.Disk.Digest} {
+			if !manifestGone(t, "oci:"+dir, d, nil) {
+				t.Fatalf("%s of removed checkpoint %s still resolves", d, cp.res.Checkpoint.Digest)
+			}
 		}
 	}
-	if !manifestGone(t, "oci:"+dir, cps[0].res.Disk.Digest, nil) || !manifestGone(t, "oci:"+dir, cps[1].res.Disk.Digest, nil) {
-		t.Fatal("the removed checkpoints' disk images are still there")
-	}
-	if resolveTag(t, dir, "vm") != cps[3].res.VMState.Digest || resolveTag(t, dir, "vm-disk") != cps[3].res.Disk.Digest {
+	if resolveTag(t, dir, "vm") != cps[3].res.Checkpoint.Digest || resolveTag(t, dir, "vm-disk") != cps[3].res.Disk.Digest {
 		t.Fatal("the tags moved")
 	}
 	for _, cp := range cps[2:] {
@@ -304,12 +320,14 @@ func TestPruneInterruptedAtEveryStepLeavesTheKeptRestorable(t *testing.T) {
 		if err != nil {
 			t.Fatalf("prune after an interruption at step %d (%s): %v", stop, steps[stop-1], err)
 		}
-		if !slices.Equal(digests(res.Kept), []string{cps[3].res.VMState.Digest, cps[2].res.VMState.Digest}) {
+		if !slices.Equal(digests(res.Kept), checkpointDigests(cps[3], cps[2])) {
 			t.Fatalf("after an interruption at %s, kept %v", steps[stop-1], digests(res.Kept))
 		}
 		for _, cp := range cps[:2] {
-			if !manifestGone(t, "oci:"+dir, cp.res.VMState.Digest, nil) {
-				t.Fatalf("after an interruption at %s and a second prune, %s is still there", steps[stop-1], cp.res.VMState.Digest)
+			for _, d := range []string{cp.res.Checkpoint.Digest, cp.res.VMState.Digest} {
+				if !manifestGone(t, "oci:"+dir, d, nil) {
+					t.Fatalf("after an interruption at %s and a second prune, %s is still there", steps[stop-1], d)
+				}
 			}
 		}
 		if !manifestGone(t, "oci:"+dir, cps[0].res.Disk.Digest, nil) {
@@ -486,6 +504,62 @@ func TestPruneDeletesOnlyWhatTheLinksSayTheyAre(t *testing.T) {
 		t.Fatal("an image a removed checkpoint merely named was deleted")
 	}
 	if !manifestGone(t, "oci:"+dir, old.Digest.String(), nil) {
+		t.Fatal("the old checkpoint is still there")
+	}
+}
+
+// TestPruneDeletesOnlyThePartsAnIndexSaysTheyAre: a removed checkpoint
+// whose index lists some other VM state image as its disk, and a tagged
+// disk image as its rootfs, gets neither deleted: an index, which anyone
+// who may push can write, cannot get images deleted by listing them.
+func TestPruneDeletesOnlyThePartsAnIndexSaysTheyAre(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	push := func(artifactType, cfgType string, config any) ocispec.Descriptor {
+		t.Helper()
+		desc, err := ociimage.PushArtifact(ctx, repo, ociimage.Artifact{ArtifactType: artifactType, ConfigMediaType: cfgType, Config: config})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return desc
+	}
+	index := func(parts map[string]ocispec.Descriptor, annotations map[string]string, tag string) ocispec.Descriptor {
+		t.Helper()
+		d, err := ociimage.PutCheckpoint(ctx, repo, ociimage.CheckpointIndex{Parts: parts, Annotations: annotations})
+		if err == nil {
+			err = ociimage.TagManifest(ctx, repo, d, tag)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	victim := push(ociimage.ArtifactTypeVMState, ociimage.MediaTypeVMStateConfig, map[string]string{"victim": "1"})
+	tagged := push(ociimage.ArtifactTypeDisk, ociimage.MediaTypeDiskConfig, map[string]string{"base": "1"})
+	if err := ociimage.TagManifest(ctx, repo, tagged, "base"); err != nil {
+		t.Fatal(err)
+	}
+	oldState := push(ociimage.ArtifactTypeVMState, ociimage.MediaTypeVMStateConfig, map[string]int{"n": 1})
+	old := index(map[string]ocispec.Descriptor{ociimage.PartVMState: oldState, ociimage.PartDisk: victim, ociimage.PartRootfs: tagged},
+		map[string]string{ociimage.AnnotationCreated: "2020-01-01T00:00:00Z"}, "vm")
+	index(map[string]ocispec.Descriptor{ociimage.PartVMState: push(ociimage.ArtifactTypeVMState, ociimage.MediaTypeVMStateConfig, map[string]int{"n": 2})},
+		map[string]string{ociimage.AnnotationCreated: "2021-01-01T00:00:00Z", ociimage.AnnotationPrevious: old.Digest.String()}, "vm")
+
+	res, err := Prune(ctx, PruneSpec{Repo: "oci:" + dir, Keep: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.RemovedImages) != 1 || res.RemovedImages[0].Image != "oci:"+dir+"@"+oldState.Digest.String() || len(res.LeftImages) != 2 {
+		t.Fatalf("removed %+v, left %+v; want the old state only, the other two left", res.RemovedImages, res.LeftImages)
+	}
+	if manifestGone(t, "oci:"+dir, victim.Digest.String(), nil) || manifestGone(t, "oci:"+dir, tagged.Digest.String(), nil) {
+		t.Fatal("an image a removed checkpoint merely listed was deleted")
+	}
+	if !manifestGone(t, "oci:"+dir, old.Digest.String(), nil) || !manifestGone(t, "oci:"+dir, oldState.Digest.String(), nil) {
 		t.Fatal("the old checkpoint is still there")
 	}
 }

@@ -42,7 +42,7 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 	if s.QMPPath == "" || s.Image == "" {
 		return nil, errcode.New(errcode.Usage, "restoring VM state needs a QMP socket and an image reference")
 	}
-	repo, err := openPinned(ctx, s.Image, "image", s.AllowTag, s.Store)
+	repo, cp, err := openPinned(ctx, s.Image, "image", ociimage.PartVMState, s.AllowTag, s.Store)
 	if err != nil {
 		return nil, err
 	}
@@ -69,7 +69,7 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 		return nil, err
 	}
 	return &api.RestoreResult{VMState: &api.RestoredState{
-		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
+		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(), Checkpoint: checkpointRef(cp),
 		RawBytes: res.RawBytes, VMRunning: res.VMRunning, FromNode: res.FromNode,
 		DurationsMs: map[string]float64{"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream), "total": api.Ms(res.Durations.Total)},
 	}}, nil
@@ -90,7 +90,7 @@ func RestoreDisk(ctx context.Context, s DiskRestoreSpec) (*api.RestoredDisk, err
 	if s.Image == "" || s.Path == "" {
 		return nil, errcode.New(errcode.Usage, "restoring a disk overlay needs an image reference and a path")
 	}
-	repo, err := openPinned(ctx, s.Image, "disk image", s.AllowTag, s.Store)
+	repo, cp, err := openPinned(ctx, s.Image, "disk image", ociimage.PartDisk, s.AllowTag, s.Store)
 	if err != nil {
 		return nil, err
 	}
@@ -99,7 +99,15 @@ func RestoreDisk(ctx context.Context, s DiskRestoreSpec) (*api.RestoredDisk, err
 		return nil, err
 	}
 	return &api.RestoredDisk{
-		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(),
+		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(), Checkpoint: checkpointRef(cp),
 		Path: s.Path, Bytes: res.Bytes, DurationsMs: map[string]float64{"total": api.Ms(res.Duration)},
 	}, nil
+}
+
+// checkpointRef is the checkpoint a result names, "" for none.
+func checkpointRef(c *ociimage.Checkpoint) string {
+	if c == nil {
+		return ""
+	}
+	return c.Ref.String()
 }

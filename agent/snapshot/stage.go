@@ -36,7 +36,7 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if s.Image == "" || s.Dir == "" {
 		return nil, errcode.New(errcode.Usage, "staging needs an image reference and a directory")
 	}
-	src, err := openPinned(ctx, s.Image, "image", s.AllowTag, s.Store)
+	src, cp, err := openPinned(ctx, s.Image, "image", ociimage.PartVMState, s.AllowTag, s.Store)
 	if err != nil {
 		return nil, err
 	}
@@ -74,7 +74,7 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if err := ociimage.TagManifest(ctx, dst, copied, StagedTag); err != nil {
 		return nil, err
 	}
-	st := &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Dir: dir, Bytes: sizeOf(m, keep), Format: string(cfg.Format)}
+	st := &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Checkpoint: checkpointRef(cp), Dir: dir, Bytes: sizeOf(m, keep), Format: string(cfg.Format)}
 	return st, nil
 }
 

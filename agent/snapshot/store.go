@@ -121,17 +121,20 @@ func rollbackTags(ctx context.Context, moved []tagMove, failed tagMove, err erro
 		Msg: fmt.Sprintf("the checkpoint is not committed: its images are stored by digest, but the %s tag did not move", failed.what)}
 }
 
-// openPinned opens a reference for restore: by digest only, unless allowTag.
-func openPinned(ctx context.Context, s, what string, allowTag bool, opts []ociimage.Option) (ociimage.Repository, error) {
+// openPinned opens the part of a checkpoint a restore needs (vmstate or
+// disk), pinned to its manifest: s names the checkpoint (its index) or the
+// part's own manifest, by digest only, unless allowTag. The checkpoint is
+// returned too, nil when s named the manifest.
+func openPinned(ctx context.Context, s, what, part string, allowTag bool, opts []ociimage.Option) (ociimage.Repository, *ociimage.Checkpoint, error) {
 	ref, err := ociimage.ParseReference(s)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if !ref.IsDigest() && !allowTag {
-		return nil, errcode.New(errcode.TagNotAllowed,
+		return nil, nil, errcode.New(errcode.TagNotAllowed,
 			"%s %s names a tag, which can move: give the digest that checkpoint printed (REF@sha256:...), or allow tags explicitly (%s)", what, s, errcode.Field("allowTag"))
 	}
-	return ociimage.Open(ctx, ref, opts...)
+	return ociimage.OpenPart(ctx, ref, part, opts...)
 }
 
 // previousLink is the annotation that links a new checkpoint to the one
@@ -149,7 +152,7 @@ func (st *store) previousLink(ctx context.Context) (map[string]string, error) {
 	if err != nil {
 		return nil, errcode.Ensure(errcode.RegistryError, err, "reading where the tag %s points before the checkpoint", st.repo.Reference())
 	}
-	if desc.MediaType != ocispec.MediaTypeImageManifest {
+	if desc.MediaType != ocispec.MediaTypeImageIndex && desc.MediaType != ocispec.MediaTypeImageManifest {
 		return nil, nil
 	}
 	return map[string]string{ociimage.AnnotationPrevious: desc.Digest.String()}, nil
@@ -176,6 +179,10 @@ func (st *store) parent(ctx context.Context, s string, opts []ociimage.Option) (
 	}
 	desc, err := repo.Resolve(ctx)
 	if err != nil {
+		return nil, err
+	}
+	// A checkpoint's digest names its index: the parent is its state.
+	if desc, err = ociimage.StateManifest(ctx, repo, desc); err != nil {
 		return nil, err
 	}
 	return &desc, nil

@@ -78,7 +78,12 @@ func newCheckpointCmd(out *globalOutput) *cobra.Command {
 		Long: `Capture the VM behind a QMP socket: record what the VM is, migrate its memory,
 vCPU and device state through a pipe into zstd-compressed chunks, and store
 them as an OCI image. With --disk, the VM's writable qcow2 overlay is captured
-too, while the VM is stopped, as a second image linked from the first.
+too, while the VM is stopped, as a second image. An image index in the --image
+repository, the checkpoint index, lists them all: its digest (checkpoint.image)
+names the whole checkpoint, and the --image tag names it. Give --disk-image
+the same repository (with a tag of its own, or none) for a checkpoint that any
+OCI copy tool copies whole; another repository of the same registry is linked
+by its path, never by the registry's host (see "Image layout" in the README).
 
 Modes:
   snapshot  stop the VM, capture, continue it (the default)
@@ -116,8 +121,9 @@ State formats (--format):
                Restore it with vmsnap prepare (see its --help), which maps
                the RAM file instead of loading it.
 
-Every image is stored by digest first; only once all of them are stored do
-their tags move, the VM state's last: a failed checkpoint never moves a tag.
+Every image is stored by digest first; only once all of them and the checkpoint
+index are stored do their tags move, the checkpoint's last: a failed checkpoint
+never moves a tag.
 Chunks are uploaded while QEMU still produces the stream; blobs the store
 already has are skipped, so a repeated checkpoint uploads only what changed.
 
@@ -239,6 +245,9 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 }
 
 func printCheckpoint(w io.Writer, r *api.CheckpointResult) {
+	if r.Checkpoint != nil {
+		fmt.Fprintf(w, "checkpoint: %s\n", r.Checkpoint.Image)
+	}
 	fmt.Fprintf(w, "vmstate: %s\n", r.VMState.Image)
 	fmt.Fprintf(w, "  %s of state stored as %s in %d chunks (%s new) in %.2fs; guest downtime %.0f ms\n",
 		humanBytes(r.VMState.RawBytes), humanBytes(r.VMState.StoredBytes), r.VMState.Chunks,

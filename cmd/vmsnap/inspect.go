@@ -21,15 +21,18 @@ func newInspectCmd(out *globalOutput) *cobra.Command {
 	c := &cobra.Command{
 		Use:   "inspect REF",
 		Short: "Show what a snapshot image holds, and the images of its checkpoint",
-		Long: `Show a VM state or disk overlay image: its digest, the recorded VM (QEMU
-version, machine, CPUs, memory, devices, disks), sizes and chunks.
+		Long: `Show a checkpoint, or a VM state or disk overlay image: its digest, the
+recorded VM (QEMU version, machine, CPUs, memory, devices, disks), sizes and
+chunks.
 
-For a VM state image, the images of its checkpoint are listed together, pinned
-by digest: the VM state, the disk overlay (an image of its own, or "in the
-rootfs image" at its path when it lived in the QEMU container's writable
-layer) and the rootfs image (the container's image plus its writable layer),
-followed by the linked disk image's details. For a disk image, the VM state
-images that refer to it (their manifest's subject) in the same repository.
+REF may name a checkpoint (the tag checkpoint moved, or its checkpoint
+digest): then its VM state image is shown, and the images of the checkpoint
+are listed together, pinned by digest: the VM state, the disk overlay (an
+image of its own, or "in the rootfs image" at its path when it lived in the
+QEMU container's writable layer) and the rootfs image (the container's image
+plus its writable layer), followed by the disk image's details. For a disk
+image of a checkpoint from before checkpoint indexes, the VM state images
+that refer to it (their manifest's subject) in the same repository.
 
 Nothing is restored; every byte read is verified against its digest. Registry
 access works as for checkpoint (--registry-config, --ca-file,
@@ -58,6 +61,9 @@ func runInspect(ctx context.Context, out *globalOutput, s string, opts []ociimag
 
 func printInspect(w io.Writer, d *api.InspectResult, indent string) {
 	if c := d.Checkpoint; c != nil {
+		if c.Image != "" {
+			fmt.Fprintf(w, "%scheckpoint: %s\n", indent, c.Image)
+		}
 		fmt.Fprintf(w, "%scheckpoint images:\n", indent)
 		fmt.Fprintf(w, "%s  vmstate: %s\n", indent, c.VMState)
 		if c.Disk != "" {

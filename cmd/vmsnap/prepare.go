@@ -39,7 +39,8 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 		Short: "Ready a memory-file snapshot's RAM file on this node and print the QEMU arguments that map it",
 		Long: `Ready the restore of a snapshot in the memory-file format (checkpoint
 --format memory-file, which auto picks for a VM whose RAM is a shared
-memory-backend-file) on this node:
+memory-backend-file) on this node. REF names the VM state image or its
+checkpoint (the checkpoint index's digest):
 
   1. vmsnap prepare REF@sha256:... --json
      materializes the snapshot's RAM file in the cache directory, every region

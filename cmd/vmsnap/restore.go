@@ -69,6 +69,10 @@ state (which checks compatibility first):
 Its result carries the VM's new endpoint (pod UID, container, QMP path).
 
 Images are taken by digest only (as printed by checkpoint), unless --allow-tag.
+Each of --image and --disk-image may name the image itself (vmstate.image,
+disk.image) or the whole checkpoint (checkpoint.image, the digest of its
+index): restore then takes the part it needs from the checkpoint, a disk image
+in another repository from the registry the checkpoint is read from.
 From a registry, several chunks are fetched at once and each is verified
 before its bytes are used; registry credentials and TLS work as for
 checkpoint (--registry-config, --ca-file, --insecure-registry).`,
@@ -78,8 +82,8 @@ checkpoint (--registry-config, --ca-file, --insecure-registry).`,
 		},
 	}
 	c.Flags().StringVar(&f.qmp, "qmp", "", "monitor socket of a QEMU started with -incoming defer")
-	c.Flags().StringVar(&f.image, "image", "", "the VM state image, REF@sha256:... (with --qmp or --to-dir)")
-	c.Flags().StringVar(&f.diskImage, "disk-image", "", "the disk overlay image, REF@sha256:... (with --disk)")
+	c.Flags().StringVar(&f.image, "image", "", "the VM state image or its checkpoint, REF@sha256:... (with --qmp or --to-dir)")
+	c.Flags().StringVar(&f.diskImage, "disk-image", "", "the disk overlay image or its checkpoint, REF@sha256:... (with --disk)")
 	c.Flags().StringVar(&f.disk, "disk", "", "where to put the restored qcow2 overlay (with --disk-image)")
 	c.Flags().StringVar(&f.toDir, "to-dir", "", "stage the VM state image, verified, in this directory for `vmsnap stream --dir`")
 	c.Flags().Int64Var(&f.maxBytes, "max-bytes", 0, "with --to-dir: refuse an image larger than this many bytes (0: no limit)")

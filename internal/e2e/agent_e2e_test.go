@@ -25,6 +25,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/ocischema"
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/ociimage"
@@ -377,6 +378,29 @@ func layoutTag(t *testing.T, dir, tag string) string {
 	return d.Digest.String()
 }
 
+// checkpointIndex reads the checkpoint index a checkpoint's result names,
+// verified.
+func checkpointIndex(t *testing.T, cp api.CheckpointResult) ocispec.Index {
+	t.Helper()
+	ref, err := ociimage.ParseReference(cp.Checkpoint.Image)
+	if err != nil || !ref.IsDigest() || ref.Digest.String() != cp.Checkpoint.Digest {
+		t.Fatalf("%s is not pinned to %s (%v)", cp.Checkpoint.Image, cp.Checkpoint.Digest, err)
+	}
+	repo, err := ociimage.Open(context.Background(), ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, err := repo.Resolve(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	idx, err := repo.Index(context.Background(), desc)
+	if err != nil {
+		t.Fatalf("%s: %v", cp.Checkpoint.Image, err)
+	}
+	return idx
+}
+
 // pinnedManifest resolves a REF@sha256 reference in its store and returns
 // the manifest, verified.
 func pinnedManifest(t *testing.T, image, digest string) (ocispec.Descriptor, ocispec.Manifest) {
@@ -412,9 +436,11 @@ func fileDigest(t *testing.T, path string) string {
 // TestAgentE2ECheckpointWithRootfsAndDisk: one checkpoint through the
 // agent of a VM whose disk is on a volume stores three images (VM state,
 // disk, rootfs) and returns their digests, each resolving in its store; the
-// rootfs image holds nothing of the volume. When the state's store then
-// refuses a manifest, the checkpoint fails after the disk and rootfs images
-// of that attempt were stored, and no tag has moved.
+// checkpoint's index, beside the state, links the disk and rootfs images in
+// the layout beside its own by that layout's name; the rootfs image holds
+// nothing of the volume. When the state's store then refuses a manifest,
+// the checkpoint fails after the disk and rootfs images of that attempt
+// were stored, and no tag has moved.
 func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 	ctrd := testcontainerd.Start(t)
 	testguest.Assets(t)
@@ -425,7 +451,8 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
 	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
-	stateStore, imageStore := filepath.Join(t.TempDir(), "state"), filepath.Join(t.TempDir(), "images")
+	stores := t.TempDir()
+	stateStore, imageStore := filepath.Join(stores, "state"), filepath.Join(stores, "images")
 	args := []string{"checkpoint", "--agent", "unix://" + sock, "--pod-uid", src.uid, "--container", "qemu",
 		"--qmp", src.qmpInPod(), "--disk", testcontainerd.DefaultMountPath + "/overlay.qcow2",
 		"--image", "oci:" + stateStore + ":vm", "--disk-image", "oci:" + imageStore + ":disk",
@@ -434,28 +461,36 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 	if cp.Disk == nil || cp.Rootfs == nil || cp.Disk.InRootfs != nil || !cp.VMRunning {
 		t.Fatalf("checkpoint: %+v (disk %+v, rootfs %+v)", cp, cp.Disk, cp.Rootfs)
 	}
-	_, sm := pinnedManifest(t, cp.VMState.Image, cp.VMState.Digest)
+	pinnedManifest(t, cp.VMState.Image, cp.VMState.Digest)
 	pinnedManifest(t, cp.Disk.Image, cp.Disk.Digest)
 	_, rm := pinnedManifest(t, cp.Rootfs.Image, cp.Rootfs.Digest)
-	if sm.Annotations[ociimage.AnnotationDiskImage] != cp.Disk.Image || sm.Annotations[ociimage.AnnotationRootfsImage] != cp.Rootfs.Image ||
-		sm.Annotations[ociimage.AnnotationDiskRootfsPath] != "" {
-		t.Errorf("the state manifest links %v", sm.Annotations)
+	idx := checkpointIndex(t, cp)
+	if a := idx.Annotations; len(idx.Manifests) != 1 || a[ociimage.AnnotationDiskLink] != "images@"+cp.Disk.Digest ||
+		a[ociimage.AnnotationRootfsLink] != "images@"+cp.Rootfs.Digest || a[ociimage.AnnotationDiskRootfsPath] != "" {
+		t.Errorf("the checkpoint index lists %d images and links %v", len(idx.Manifests), a)
 	}
-	if layoutTag(t, stateStore, "vm") != cp.VMState.Digest || layoutTag(t, imageStore, "disk") != cp.Disk.Digest ||
+	if layoutTag(t, stateStore, "vm") != cp.Checkpoint.Digest || layoutTag(t, imageStore, "disk") != cp.Disk.Digest ||
 		layoutTag(t, imageStore, "rootfs") != cp.Rootfs.Digest {
 		t.Fatal("the tags do not name the checkpoint's images")
+	}
+	// Both layouts, the rootfs image's config from containerd's image
+	// included, pass the image spec's schemas.
+	for _, dir := range []string{stateStore, imageStore} {
+		if _, err := ocischema.Layout(context.Background(), dir); err != nil {
+			t.Fatalf("%s against the image spec's schemas: %v", dir, err)
+		}
 	}
 	for name := range testcontainerd.TopLayer(t, imageStore, rm) {
 		if strings.Contains(name, "overlay.qcow2") || strings.Contains(name, ".qmp") {
 			t.Errorf("the rootfs layer holds %s, from the volume", name)
 		}
 	}
-	ins := cliJSON[api.InspectResult](t, "inspect", cp.VMState.Image)
+	ins := cliJSON[api.InspectResult](t, "inspect", cp.Checkpoint.Image)
 	if c := ins.Checkpoint; c == nil || c.VMState != cp.VMState.Image || c.Disk != cp.Disk.Image || c.Rootfs != cp.Rootfs.Image || c.DiskInRootfs != nil ||
 		ins.LinkedDisk == nil || ins.LinkedRootfs == nil || ins.LinkedRootfs.Layer != cp.Rootfs.Layer {
 		t.Fatalf("inspect does not show the checkpoint's images: %+v (linked rootfs %+v)", ins.Checkpoint, ins.LinkedRootfs)
 	}
-	if out, code := cli(t, "inspect", cp.VMState.Image); code != 0 || !strings.Contains(string(out), "disk:    "+cp.Disk.Image) ||
+	if out, code := cli(t, "inspect", cp.Checkpoint.Image); code != 0 || !strings.Contains(string(out), "disk:    "+cp.Disk.Image) ||
 		!strings.Contains(string(out), "rootfs:  "+cp.Rootfs.Image) {
 		t.Fatalf("inspect's text does not show the checkpoint's images:\n%s", out)
 	}
@@ -476,7 +511,7 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 	if m := layoutManifests(t, imageStore); len(m) < 3 {
 		t.Fatalf("the failed checkpoint stored no new rootfs image, so the test proves nothing: %v", m)
 	}
-	if layoutTag(t, stateStore, "vm") != cp.VMState.Digest || layoutTag(t, imageStore, "disk") != cp.Disk.Digest ||
+	if layoutTag(t, stateStore, "vm") != cp.Checkpoint.Digest || layoutTag(t, imageStore, "disk") != cp.Disk.Digest ||
 		layoutTag(t, imageStore, "rootfs") != cp.Rootfs.Digest {
 		t.Fatal("a failed checkpoint moved a tag")
 	}
@@ -500,7 +535,8 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 	}
 	sock := filepath.Join(testguest.FreeShortDir(t), "agent.sock")
 	startAgentProc(t, ctrd, t.TempDir(), sock, "--layout-root", tempRoot(t))
-	stateStore, imageStore := filepath.Join(t.TempDir(), "state"), filepath.Join(t.TempDir(), "images")
+	stores := t.TempDir()
+	stateStore, imageStore := filepath.Join(stores, "state"), filepath.Join(stores, "images")
 	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--agent", "unix://"+sock, "--pod-uid", src.uid, "--container", "qemu",
 		"--qmp", src.qmpInPod(), "--disk", inPod, "--image", "oci:"+stateStore+":vm",
 		"--rootfs-image", "oci:"+imageStore+":rootfs", "--mode", "pause")
@@ -511,18 +547,18 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 	if cp.Disk.Image != "" || cp.Disk.InRootfs == nil || *cp.Disk.InRootfs != want || cp.Disk.VirtualSize != testguest.DiskSizeMB<<20 {
 		t.Fatalf("disk result %+v (in rootfs %+v), want it in the rootfs image at %s", cp.Disk, cp.Disk.InRootfs, inPod)
 	}
-	// Two images, each resolving, and tagged.
-	_, sm := pinnedManifest(t, cp.VMState.Image, cp.VMState.Digest)
+	// Two images, each resolving, and tagged, and the checkpoint's index.
+	pinnedManifest(t, cp.VMState.Image, cp.VMState.Digest)
 	rdesc, rm := pinnedManifest(t, cp.Rootfs.Image, cp.Rootfs.Digest)
-	if n, m := layoutManifests(t, stateStore), layoutManifests(t, imageStore); len(n) != 1 || len(m) != 1 {
-		t.Fatalf("the stores hold %v and %v, want the state and the rootfs image only", n, m)
+	if n, m := layoutManifests(t, stateStore), layoutManifests(t, imageStore); len(n) != 2 || len(m) != 1 {
+		t.Fatalf("the stores hold %v and %v, want the state and its index, and the rootfs image only", n, m)
 	}
-	if layoutTag(t, stateStore, "vm") != cp.VMState.Digest || layoutTag(t, imageStore, "rootfs") != cp.Rootfs.Digest {
+	if layoutTag(t, stateStore, "vm") != cp.Checkpoint.Digest || layoutTag(t, imageStore, "rootfs") != cp.Rootfs.Digest {
 		t.Fatal("the tags do not name the checkpoint's images")
 	}
-	if sm.Annotations[ociimage.AnnotationDiskImage] != "" || sm.Annotations[ociimage.AnnotationRootfsImage] != cp.Rootfs.Image ||
-		sm.Annotations[ociimage.AnnotationDiskRootfsPath] != inPod {
-		t.Errorf("the state manifest links %v", sm.Annotations)
+	if a := checkpointIndex(t, cp).Annotations; a[ociimage.AnnotationDiskLink] != "" || a[ociimage.AnnotationRootfsLink] != "images@"+cp.Rootfs.Digest ||
+		a[ociimage.AnnotationDiskRootfsPath] != inPod {
+		t.Errorf("the checkpoint index links %v", a)
 	}
 	// The overlay in the image is the one QEMU has (the VM is stopped).
 	entries := testcontainerd.TopLayer(t, imageStore, rm)
@@ -532,11 +568,11 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 	if _, ok := entries["vm/disk/base.qcow2"]; !ok {
 		t.Fatal("the rootfs layer does not hold the overlay's base")
 	}
-	ins := cliJSON[api.InspectResult](t, "inspect", cp.VMState.Image)
+	ins := cliJSON[api.InspectResult](t, "inspect", "oci:"+stateStore+":vm")
 	if c := ins.Checkpoint; c == nil || c.Disk != "" || c.DiskInRootfs == nil || *c.DiskInRootfs != want || c.Rootfs != cp.Rootfs.Image || ins.LinkedDisk != nil {
 		t.Fatalf("inspect does not show the disk in the rootfs image: %+v", ins.Checkpoint)
 	}
-	if out, code := cli(t, "inspect", cp.VMState.Image); code != 0 || !strings.Contains(string(out), "disk:    in the rootfs image, at "+inPod) ||
+	if out, code := cli(t, "inspect", cp.Checkpoint.Image); code != 0 || !strings.Contains(string(out), "disk:    in the rootfs image, at "+inPod) ||
 		!strings.Contains(string(out), "rootfs:  "+cp.Rootfs.Image) {
 		t.Fatalf("inspect's text does not show the checkpoint's images:\n%s", out)
 	}

@@ -14,9 +14,12 @@ import (
 	"testing"
 	"time"
 
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
 	"github.com/vmsnap/vmsnap/agent/api"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/ocischema"
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
@@ -166,10 +169,14 @@ func TestE2EPauseModeRoundTrip(t *testing.T) {
 	resume := src.ResumeCounter()
 	src.Kill()
 
-	// inspect shows both images of the checkpoint together.
-	ins := cliJSON[api.InspectResult](t, "inspect", cp.VMState.Image)
+	// inspect of the checkpoint shows both images together; the layout
+	// passes the image spec's schemas.
+	ins := cliJSON[api.InspectResult](t, "inspect", cp.Checkpoint.Image)
 	if ins.VMState == nil || ins.LinkedDisk == nil || ins.LinkedDisk.Digest != cp.Disk.Digest {
 		t.Fatalf("inspect does not link the disk image: %+v", ins)
+	}
+	if checked, err := ocischema.Layout(context.Background(), store); err != nil || checked[ocispec.MediaTypeImageIndex] != 1 || checked[ocispec.MediaTypeImageManifest] != 2 {
+		t.Fatalf("the layout against the image spec's schemas: %v, %v", checked, err)
 	}
 
 	tdir := targetDir(t, dir)

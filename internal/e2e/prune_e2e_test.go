@@ -43,9 +43,9 @@ func TestE2EPruneKeepsRestorableCheckpoints(t *testing.T) {
 	third := checkpoint("--keep", "2")
 
 	p := third.Pruned
-	if p == nil || p.Error != nil || len(p.Kept) != 2 || len(p.Removed) != 1 || p.Removed[0].Digest != first.VMState.Digest ||
-		p.Kept[0].Digest != third.VMState.Digest || p.Kept[1].Digest != second.VMState.Digest || p.Kept[0].Previous != second.VMState.Digest ||
-		len(p.RemovedImages) != 1 || !strings.HasSuffix(p.RemovedImages[0].Image, first.Disk.Digest) || p.RemovedBlobs == 0 {
+	if p == nil || p.Error != nil || len(p.Kept) != 2 || len(p.Removed) != 1 || p.Removed[0].Digest != first.Checkpoint.Digest ||
+		p.Kept[0].Digest != third.Checkpoint.Digest || p.Kept[1].Digest != second.Checkpoint.Digest || p.Kept[0].Previous != second.Checkpoint.Digest ||
+		len(p.RemovedImages) != 2 || p.RemovedImages[0].Image != first.VMState.Image || p.RemovedImages[1].Image != first.Disk.Image || p.RemovedBlobs == 0 {
 		t.Fatalf("the third checkpoint's prune: %+v", p)
 	}
 	if doc := cliError(t, errcode.RegistryError, "inspect", first.VMState.Image); !strings.Contains(doc.Error.Message, first.VMState.Digest) {
@@ -54,7 +54,7 @@ func TestE2EPruneKeepsRestorableCheckpoints(t *testing.T) {
 
 	// A dry run with --keep 1 would remove the second; it stays.
 	dry := cliJSON[api.PruneResult](t, "prune", store, "--keep", "1", "--dry-run")
-	if !dry.DryRun || len(dry.Removed) != 1 || dry.Removed[0].Digest != second.VMState.Digest || dry.Removed[0].Tags != nil {
+	if !dry.DryRun || len(dry.Removed) != 1 || dry.Removed[0].Digest != second.Checkpoint.Digest || dry.Removed[0].Tags != nil {
 		t.Fatalf("dry run: %+v", dry)
 	}
 
@@ -139,11 +139,11 @@ func TestPruneKilledMidwayLeavesTheKeptRestorable(t *testing.T) {
 	}
 
 	res := cliJSON[api.PruneResult](t, append([]string{"prune", image, "--keep", "2"}, proxy.args()...)...)
-	if len(res.Kept) != 2 || res.Kept[0].Digest != cps[3].cp.VMState.Digest || res.Kept[1].Digest != cps[2].cp.VMState.Digest {
+	if len(res.Kept) != 2 || res.Kept[0].Digest != cps[3].cp.Checkpoint.Digest || res.Kept[1].Digest != cps[2].cp.Checkpoint.Digest {
 		t.Fatalf("the second prune kept %+v", res.Kept)
 	}
 	for _, c := range cps[:2] {
-		for _, ref := range []string{c.cp.VMState.Image, c.cp.Disk.Image} {
+		for _, ref := range []string{c.cp.Checkpoint.Image, c.cp.VMState.Image, c.cp.Disk.Image} {
 			if doc := cliError(t, errcode.RegistryError, append([]string{"inspect", ref}, proxy.args()...)...); !strings.Contains(doc.Error.Message, "no manifest") {
 				t.Fatalf("inspect of pruned %s: %s", ref, doc.Error.Message)
 			}

@@ -49,6 +49,7 @@ type scenario struct {
 	source                  *corev1.Pod
 	sourceLast              testguest.Status // the source guest's last status before the checkpoint
 	stateDigest, diskDigest string
+	checkpointDigest        string // the checkpoint's index, in vms/state: it links the disk in vms/disk
 	restored                *corev1.Pod
 	viaAgent                *corev1.Pod
 }
@@ -320,6 +321,9 @@ func tailStatuses(sts []testguest.Status) string {
 // checkpointOutput is the part of the checkpoint Job's result JSON (its
 // termination message) the restore needs.
 type checkpointOutput struct {
+	Checkpoint *struct {
+		Image, Digest string
+	} `json:"checkpoint"`
 	VMState struct {
 		Image, Digest string
 	} `json:"vmstate"`
@@ -360,16 +364,16 @@ func (s *scenario) checkpoint(t *testing.T) {
 	if err := json.Unmarshal([]byte(msg), &out); err != nil || out.Disk == nil {
 		t.Fatalf("termination message %q: %v", msg, err)
 	}
-	if !isDigest(out.VMState.Digest) || !isDigest(out.Disk.Digest) {
+	if out.Checkpoint == nil || !isDigest(out.Checkpoint.Digest) || !isDigest(out.VMState.Digest) || !isDigest(out.Disk.Digest) {
 		t.Fatalf("termination message without digests: %q", msg)
 	}
-	s.stateDigest, s.diskDigest = out.VMState.Digest, out.Disk.Digest
+	s.checkpointDigest, s.stateDigest, s.diskDigest = out.Checkpoint.Digest, out.VMState.Digest, out.Disk.Digest
 	sts, err := s.statuses(ctx, s.source, false)
 	if err != nil || len(sts) == 0 {
 		t.Fatalf("source guest's statuses: %v", err)
 	}
 	s.sourceLast = sts[len(sts)-1]
-	t.Logf("checkpoint: state %s, disk %s; source guest at %s", s.stateDigest, s.diskDigest, s.sourceLast)
+	t.Logf("checkpoint %s: state %s, disk %s; source guest at %s", s.checkpointDigest, s.stateDigest, s.diskDigest, s.sourceLast)
 
 	// The source goes away before its restore, as on a node drain.
 	if err := c.Client.CoreV1().Pods(s.vmNS).Delete(ctx, s.source.Name, metav1.DeleteOptions{}); err != nil {
@@ -435,11 +439,14 @@ func (s *scenario) applyRestorePod(t *testing.T, ctx context.Context, name strin
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Both named by the checkpoint, as a controller that keeps only its
+	// digest would: the init container takes the state from its index,
+	// and the disk from the repository the index links.
 	yaml := fill(t, s.manifests(t, "restore", extra...), map[string]string{
 		"POD_NAME": name, "NAMESPACE": s.vmNS, "QEMU_IMAGE": s.qemuImage, "QEMU_ARGS": string(args),
 		"BACKING_FILE": backingFile,
-		"STATE_REPO":   s.reg.Host + "/vms/state", "STATE_DIGEST": s.stateDigest,
-		"DISK_REPO": s.reg.Host + "/vms/disk", "DISK_DIGEST": s.diskDigest,
+		"STATE_REPO":   s.reg.Host + "/vms/state", "STATE_DIGEST": s.checkpointDigest,
+		"DISK_REPO": s.reg.Host + "/vms/state", "DISK_DIGEST": s.checkpointDigest,
 	})
 	s.apply(t, yaml)
 	return s.c.WaitPodReady(t, ctx, s.vmNS, name)
@@ -563,7 +570,7 @@ func (s *scenario) restoreViaAgent(t *testing.T) {
 	job.Spec.Template.Spec.Containers[0].Command = []string{
 		"vmsnap", "restore", "--agent", "unix://" + manifests.AgentSocket(s.opts), "--json",
 		"--termination-log", manifests.TerminationLog, "--pod-uid", "$(" + manifests.EnvSourcePodUID + ")",
-		"--container", "qemu", "--qmp", qmpSocket, "--image", s.reg.Host + "/vms/state@" + s.stateDigest,
+		"--container", "qemu", "--qmp", qmpSocket, "--image", s.reg.Host + "/vms/state@" + s.checkpointDigest,
 	}
 	if _, err := s.c.Client.BatchV1().Jobs(job.Namespace).Create(ctx, job, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)

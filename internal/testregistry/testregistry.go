@@ -42,6 +42,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+
 	"github.com/vmsnap/vmsnap/internal/testguest"
 )
 
@@ -491,4 +494,13 @@ func (r *Registry) Pid() int {
 		return 0
 	}
 	return r.cmd.Process.Pid
+}
+
+// Remote is what go-containerregistry's client needs to read from the
+// registry: its CA and the right credentials.
+func (r *Registry) Remote() []remote.Option {
+	return []remote.Option{
+		remote.WithAuth(&authn.Basic{Username: r.User, Password: r.Password}),
+		remote.WithTransport(r.client(30 * time.Second).Transport),
+	}
 }
