@@ -64,6 +64,12 @@ type Config struct {
 	// LayoutRoot is the directory a request's oci: layouts must be under;
 	// "": every layout is refused.
 	LayoutRoot string
+	// VerifyKeys: every image a restore or prepare reads must be signed by
+	// one of them (signatures.go). RequireSignatures,
+	// HOST[:PORT]/PREFIX=KEYFILE, add a key for the repositories under
+	// PREFIX.
+	VerifyKeys        []ociimage.VerifyKey
+	RequireSignatures []string
 
 	// Bounds on one operation.
 
@@ -113,6 +119,8 @@ type Server struct {
 	journal *journal
 	slots   chan struct{}
 	policy  *imagePolicy
+	// signatures are the signatures restores require (signatures.go).
+	signatures *signaturePolicy
 
 	ready   chan struct{} // closed once the resolver's watch runs
 	readyMu sync.Once
@@ -154,6 +162,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	signatures, err := newSignaturePolicy(cfg.VerifyKeys, cfg.RequireSignatures)
+	if err != nil {
+		return nil, err
+	}
 	s := &Server{
 		cfg:     cfg,
 		log:     cfg.Logger,
@@ -165,6 +177,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		policy:  policy,
 		ready:   make(chan struct{}),
 	}
+	s.signatures = signatures
 	s.recover(ctx)
 	return s, nil
 }

@@ -59,6 +59,10 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 	if err := s.checkImages(ctx, req.Image); err != nil {
 		return nil, err
 	}
+	store, err := s.readStore(ctx, req.Image)
+	if err != nil {
+		return nil, err
+	}
 	ctx, cancel := context.WithTimeoutCause(ctx, s.cfg.OperationTimeout, errcode.New(errcode.Busy, "the prepare did not finish within the agent's --operation-timeout (%s)", s.cfg.OperationTimeout))
 	defer cancel()
 	select {
@@ -69,7 +73,7 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 	}
 	res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
 		Image: req.Image, AllowTag: req.AllowTag, CacheDir: RAMCacheDir(s.cfg.StateDir, ns),
-		MaxCacheBytes: s.cfg.RAMCacheMaxBytes, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: s.cfg.Store,
+		MaxCacheBytes: s.cfg.RAMCacheMaxBytes, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store,
 	})
 	if err != nil {
 		if ctx.Err() != nil && context.Cause(ctx) != nil && errcode.Of(err) == errcode.Internal {

@@ -120,6 +120,10 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if err := s.checkImages(ctx, req.Image); err != nil {
 		return api.Operation{}, err
 	}
+	store, err := s.readStore(ctx, req.Image)
+	if err != nil {
+		return api.Operation{}, err
+	}
 	vm, err := s.resolve(ctx, req.VM)
 	if err != nil {
 		return api.Operation{}, err
@@ -134,7 +138,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 		}
 		res, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{
 			QMPPath: req.VM.QMPPath, QMP: vm.QMP, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
-			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: s.cfg.Store, Progress: s.progress(o),
+			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.
 			StagingDir: s.cfg.StateDir,

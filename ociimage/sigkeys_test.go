@@ -27,7 +27,7 @@ func writeCosignKey(t *testing.T, path string, k any, password string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sealed, err := encrypted.Encrypt(der, []byte(password))
+	sealed, err := encrypted.EncryptWithCustomKDFParameters(der, []byte(password), encrypted.Legacy)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -121,6 +121,9 @@ func rollbackTags(ctx context.Context, moved []tagMove, failed tagMove, err erro
 }
 
 // openPinned opens a reference for restore: by digest only, unless allowTag.
+// With verification keys among opts (ociimage.WithVerifyKeys), the
+// manifest's signature is verified here, before anything else is read,
+// and the repository returned is pinned to the manifest verified.
 func openPinned(ctx context.Context, s, what string, allowTag bool, opts []ociimage.Option) (ociimage.Repository, error) {
 	ref, err := ociimage.ParseReference(s)
 	if err != nil {
@@ -130,7 +133,11 @@ func openPinned(ctx context.Context, s, what string, allowTag bool, opts []ociim
 		return nil, errcode.New(errcode.TagNotAllowed,
 			"%s %s names a tag, which can move: give the digest that checkpoint printed (REF@sha256:...), or allow tags explicitly (%s)", what, s, errcode.Field("allowTag"))
 	}
-	return ociimage.Open(ctx, ref, opts...)
+	repo, err := ociimage.Open(ctx, ref, opts...)
+	if err != nil {
+		return nil, err
+	}
+	return ociimage.PinVerified(ctx, repo)
 }
 
 // previousLink is the annotation that links a new checkpoint to the one
