@@ -1,0 +1,170 @@
+package snapshot
+
+import (
+	"bytes"
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"encoding/pem"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
+)
+
+// signingKeys makes an ECDSA P-256 key pair in files and loads it: the
+// option that signs and the one that verifies.
+func signingKeys(t *testing.T) (sign, verify ociimage.Option) {
+	t.Helper()
+	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	der, _ := x509.MarshalPKCS8PrivateKey(k)
+	pub, _ := x509.MarshalPKIXPublicKey(&k.PublicKey)
+	dir := t.TempDir()
+	priv, pubPath := filepath.Join(dir, "k.pem"), filepath.Join(dir, "k.pub")
+	if err := os.WriteFile(priv, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(pubPath, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub}), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sk, err := ociimage.LoadSignKey(priv, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vk, err := ociimage.LoadVerifyKey(pubPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ociimage.WithSigner(sk), ociimage.WithVerifyKeys(vk)
+}
+
+// checkpointFake checkpoints a fake VM (state and disk overlay) into the
+// layout dir with opts and returns its images, the state it streamed
+// and the directory of the overlay (with its backing file).
+func checkpointFake(t *testing.T, dir, tag string, opts ...ociimage.Option) (img, diskImg, diskDir string, state []byte) {
+	t.Helper()
+	state = randomState(t, 256<<10)
+	overlay := testguest.NewDisk(t, t.TempDir())
+	res, err := Checkpoint(context.Background(), CheckpointSpec{
+		QMPPath: qmptest.NewFakeQEMU(t, "running", state).Path(), DiskPath: overlay,
+		Image: "oci:" + dir + ":" + tag, DiskImage: "oci:" + dir + ":" + tag + "-disk", Store: opts,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res.VMState.Image, res.Disk.Image, filepath.Dir(overlay), state
+}
+
+// With verification keys, every restore verifies its image's signature
+// before anything else: an unsigned image reaches neither QEMU nor the
+// disk nor the staging directory (AUTH_FAILED), a signed one restores.
+func TestRestoresVerifySignaturesFirst(t *testing.T) {
+	sign, verify := signingKeys(t)
+	dir := t.TempDir()
+	signed, signedDisk, diskDir, state := checkpointFake(t, dir, "signed", sign)
+	unsigned, unsignedDisk, _, _ := checkpointFake(t, dir, "unsigned")
+	ctx := context.Background()
+	store := []ociimage.Option{verify}
+
+	target := qmptest.NewFakeQEMU(t, "inmigrate", state)
+	_, err := RestoreState(ctx, RestoreSpec{QMPPath: target.Path(), Image: unsigned, Store: store})
+	wantAuthFailed(t, err)
+	if got := received(target); len(got) != 0 || len(target.Commands()) != 0 {
+		t.Fatalf("the refused image reached QEMU: %d bytes, commands %v", len(got), target.Commands())
+	}
+	if _, err := RestoreState(ctx, RestoreSpec{QMPPath: target.Path(), Image: signed, Store: store}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(received(target), state) {
+		t.Fatal("the signed image's state was not loaded whole")
+	}
+
+	disk := filepath.Join(diskDir, "restored.qcow2")
+	_, err = RestoreDisk(ctx, DiskRestoreSpec{Image: unsignedDisk, Path: disk, Store: store})
+	wantAuthFailed(t, err)
+	if _, err := os.Lstat(disk); err == nil {
+		t.Fatal("the unsigned disk image was written")
+	}
+	if _, err := RestoreDisk(ctx, DiskRestoreSpec{Image: signedDisk, Path: disk, Store: store}); err != nil {
+		t.Fatal(err)
+	}
+
+	staged := t.TempDir()
+	_, err = Stage(ctx, StageSpec{Image: unsigned, Dir: staged, Store: store})
+	wantAuthFailed(t, err)
+	if entries, _ := os.ReadDir(staged); len(entries) != 0 {
+		t.Fatalf("the unsigned image was staged: %v", entries)
+	}
+	if _, err := Stage(ctx, StageSpec{Image: signed, Dir: staged, Store: store}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func wantAuthFailed(t *testing.T, err error) {
+	t.Helper()
+	if errcode.Of(err) != errcode.AuthFailed {
+		t.Fatalf("got %v (%s), want AUTH_FAILED", err, errcode.Of(err))
+	}
+}
+
+// A memory-file image prepared on this node is restored from the device
+// state kept beside its RAM file, without reading the store: its
+// signature is read from the store all the same, so a prepare without
+// keys does not let an unsigned image past a restore with them.
+func TestRestoreFromNodeStillVerifies(t *testing.T) {
+	_, verify := signingKeys(t)
+	dir := t.TempDir()
+	size := 4 << 20
+	ram := make([]byte, size)
+	rand.Read(ram[:size/4])
+	ramPath := filepath.Join(t.TempDir(), "guest.ram")
+	if err := os.WriteFile(ramPath, ram, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	qmptest.MapFile(t, ramPath)
+	state := randomState(t, 32<<10)
+	src := qmptest.NewFakeQEMU(t, "running", state)
+	src.Memory = int64(size)
+	src.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: ramPath, Share: true}
+	src.Caps["x-ignore-shared"] = false
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cp, err := Checkpoint(ctx, CheckpointSpec{QMPPath: src.Path(), Image: "oci:" + dir + ":vm", Mode: "snapshot"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prep, err := Prepare(ctx, PrepareSpec{Image: cp.VMState.Image, CacheDir: filepath.Join(t.TempDir(), "ram")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := func() *qmptest.FakeQEMU {
+		vm := qmptest.NewFakeQEMU(t, "inmigrate", state)
+		vm.Memory = int64(size)
+		vm.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: prep.MemoryFile}
+		vm.Caps["x-ignore-shared"] = false
+		return vm
+	}
+	// Without keys the restore takes the node's copy: the path exists.
+	res, err := RestoreState(ctx, RestoreSpec{QMPPath: target().Path(), Image: cp.VMState.Image})
+	if err != nil || !res.VMState.FromNode {
+		t.Fatalf("restore without keys: %+v, %v; want it from the node", res, err)
+	}
+	vm := target()
+	_, err = RestoreState(ctx, RestoreSpec{QMPPath: vm.Path(), Image: cp.VMState.Image, Store: []ociimage.Option{verify}})
+	wantAuthFailed(t, err)
+	if len(received(vm)) != 0 {
+		t.Fatal("the unsigned image's device state reached QEMU")
+	}
+	_, err = Prepare(ctx, PrepareSpec{Image: cp.VMState.Image, CacheDir: filepath.Join(t.TempDir(), "ram2"), Store: []ociimage.Option{verify}})
+	wantAuthFailed(t, err)
+}
