@@ -10,8 +10,11 @@ import (
 	"encoding/pem"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
+
+	"github.com/opencontainers/go-digest"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testguest"
@@ -167,4 +170,64 @@ func TestRestoreFromNodeStillVerifies(t *testing.T) {
 	}
 	_, err = Prepare(ctx, PrepareSpec{Image: cp.VMState.Image, CacheDir: filepath.Join(t.TempDir(), "ram2"), Store: []ociimage.Option{verify}})
 	wantAuthFailed(t, err)
+}
+
+// Prune deletes a removed checkpoint's signatures with it (the
+// sha256-HEX.sig tags of its state and disk manifests), and the kept
+// checkpoints still restore with their signatures verified.
+func TestPruneDeletesSignatures(t *testing.T) {
+	sign, verify := signingKeys(t)
+	dir := t.TempDir()
+	image := "oci:" + dir
+	overlay, cps := fourCheckpoints(t, image, []ociimage.Option{sign})
+	tags := func() []string {
+		repo, err := ociimage.Open(context.Background(), ociimage.Reference{Layout: dir})
+		if err != nil {
+			t.Fatal(err)
+		}
+		list, err := repo.(ociimage.TagLister).ListTags(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []string
+		for _, tg := range list {
+			out = append(out, tg.Tag)
+		}
+		return out
+	}
+	sigTags := func(cp taken) []string {
+		var out []string
+		for _, d := range []string{cp.res.VMState.Digest, cp.res.Disk.Digest} {
+			out = append(out, ociimage.SignatureTag(digest.Digest(d)))
+		}
+		return out
+	}
+	before := tags()
+	for _, cp := range cps {
+		for _, tg := range sigTags(cp) {
+			if !slices.Contains(before, tg) {
+				t.Fatalf("no signature tag %s before the prune: %v", tg, before)
+			}
+		}
+	}
+	res, err := Prune(context.Background(), PruneSpec{Repo: image, Keep: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := tags()
+	for _, cp := range cps[:2] {
+		for _, tg := range sigTags(cp) {
+			if slices.Contains(after, tg) || !slices.Contains(res.RemovedTags, tg) {
+				t.Fatalf("signature tag %s of a removed checkpoint: tags %v, removed %v", tg, after, res.RemovedTags)
+			}
+		}
+	}
+	for _, cp := range cps[2:] {
+		for _, tg := range sigTags(cp) {
+			if !slices.Contains(after, tg) {
+				t.Fatalf("signature tag %s of a kept checkpoint is gone: %v", tg, after)
+			}
+		}
+		restoresExactly(t, overlay, cp, []ociimage.Option{verify})
+	}
 }
