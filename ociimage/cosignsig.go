@@ -94,24 +94,15 @@ func signatureManifest(layers []ocispec.Descriptor) (ocispec.Manifest, []byte, e
 // and after it is fetched. found is false when there is none.
 func fetchSignatures(ctx context.Context, store Repository, d digest.Digest) (m ocispec.Manifest, found bool, err error) {
 	tag := SignatureTag(d)
-	desc, err := store.ResolveTag(ctx, tag)
+	_, m, err = fetchAtTag(ctx, store, tag, MaxSignatureManifestSize)
 	if errors.Is(err, ErrNotFound) {
 		return m, false, nil
 	}
 	if err != nil {
-		return m, false, err
-	}
-	if desc.MediaType != ocispec.MediaTypeImageManifest {
-		return m, true, errcode.New(errcode.InvalidInput, "its signature tag %s names a %q, not an OCI image manifest (cosign with COSIGN_DOCKER_MEDIA_TYPES writes Docker manifests, which vmsnap does not read)", tag, clip(desc.MediaType))
-	}
-	if desc.Size < 0 || desc.Size > MaxSignatureManifestSize {
-		return m, true, errcode.New(errcode.InvalidInput, "its signature manifest %s is said to be %d bytes, more than the %d vmsnap reads", desc.Digest, desc.Size, MaxSignatureManifestSize)
-	}
-	if m, err = store.Manifest(ctx, desc); err != nil {
 		return m, true, err
 	}
 	if len(m.Layers) > MaxSignatureLayers {
-		return m, true, errcode.New(errcode.InvalidInput, "its signature manifest %s lists %d signatures, more than the %d vmsnap reads", desc.Digest, len(m.Layers), MaxSignatureLayers)
+		return m, true, errcode.New(errcode.InvalidInput, "its signature manifest %s lists %d signatures, more than the %d vmsnap reads", tag, len(m.Layers), MaxSignatureLayers)
 	}
 	return m, true, nil
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
@@ -34,25 +35,36 @@ func Sign(ctx context.Context, repo Repository, desc ocispec.Descriptor, key Sig
 		MediaType: MediaTypeSimpleSigning, Digest: digest.FromBytes(p), Size: int64(len(p)),
 		Annotations: map[string]string{AnnotationCosignSignature: base64.StdEncoding.EncodeToString(sig)},
 	}
-	old, _, err := fetchSignatures(ctx, store, desc.Digest)
+	// The payload and the config of a first signature go up while the
+	// store is asked for the signatures already there (usually none: a
+	// checkpoint signs what it has just made); a later signature makes
+	// the config again.
+	m, cfg, err := signatureManifest([]ocispec.Descriptor{layer})
 	if err != nil {
+		return err
+	}
+	var old ocispec.Manifest
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		var err error
+		old, _, err = fetchSignatures(gctx, store, desc.Digest)
 		return errcode.Ensure(errcode.RegistryError, err, "reading the signatures of %s", desc.Digest)
-	}
-	m, cfg, err := signatureManifest(append(old.Layers, layer))
-	if err != nil {
+	})
+	g.Go(func() error { return store.PutBlob(gctx, layer, p) })
+	g.Go(func() error { return store.PutBlob(gctx, m.Config, cfg) })
+	if err := g.Wait(); err != nil {
 		return err
 	}
-	if err := store.PutBlob(ctx, layer, p); err != nil {
-		return err
+	if len(old.Layers) > 0 {
+		if m, cfg, err = signatureManifest(append(old.Layers, layer)); err != nil {
+			return err
+		}
+		if err := store.PutBlob(ctx, m.Config, cfg); err != nil {
+			return err
+		}
 	}
-	if err := store.PutBlob(ctx, m.Config, cfg); err != nil {
-		return err
-	}
-	sigDesc, err := store.PutManifest(ctx, m)
-	if err != nil {
-		return err
-	}
-	return store.TagManifest(ctx, sigDesc, SignatureTag(desc.Digest))
+	_, err = putAtTag(ctx, store, m, SignatureTag(desc.Digest))
+	return err
 }
 
 // WithSigner signs every manifest written (Sign), once it is stored and
@@ -71,13 +83,30 @@ type signing struct {
 // Unwrap returns the repository underneath.
 func (s *signing) Unwrap() Repository { return s.Repository }
 
+// PutManifest stores m and signs it at once: the digest is known before m
+// is stored, and a signature names only that digest, so the two go up
+// side by side. A signature of a manifest whose store then fails signs
+// nothing that exists.
 func (s *signing) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.Descriptor, error) {
-	desc, err := s.Repository.PutManifest(ctx, m)
+	_, _, want, err := encodeManifest(m)
 	if err != nil {
+		return s.Repository.PutManifest(ctx, m) // which refuses it, as it would unsigned
+	}
+	var desc ocispec.Descriptor
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		var err error
+		desc, err = s.Repository.PutManifest(gctx, m)
+		return err
+	})
+	g.Go(func() error {
+		return errcode.Ensure(errcode.RegistryError, Sign(gctx, s.Repository, want, s.key), "signing the manifest %s", want.Digest)
+	})
+	if err := g.Wait(); err != nil {
 		return desc, err
 	}
-	if err := Sign(ctx, s.Repository, desc, s.key); err != nil {
-		return desc, errcode.Ensure(errcode.RegistryError, err, "signing the manifest %s", desc.Digest)
+	if desc.Digest != want.Digest {
+		return desc, errcode.New(errcode.Internal, "the manifest was stored as %s but signed as %s", desc.Digest, want.Digest)
 	}
 	return desc, nil
 }
