@@ -27,6 +27,10 @@ package e2e
 //     restore with --decryption-key, interleaved with the plain runs (the
 //     restores taking turns going first); the ratios encrypted/plain are
 //     the encryption overhead (issue 16);
+//   - vmsnap signed: the same checkpoint with --sign-key beside the plain
+//     one, and its restore with --verify-key beside the plain restore
+//     (bench_sign_test.go); the ratios signed/plain are the signing
+//     overhead, with one signature and one verification timed apart;
 //   - vmsnap's peak RSS (a subprocess of the built binary) on a 1 GiB and a
 //     2 GiB guest, live mode's downtime, and incremental checkpoints: of an
 //     unchanged VM, after 5% of the guest's random data was rewritten (from
@@ -107,7 +111,9 @@ type bench struct {
 	main    *testguest.VM // the 1 GiB guest
 	encPriv string        // the recipient's private key, for the encrypted runs
 	encPub  string
-	rep     benchReport
+	// The signed runs' keys (bench_sign_test.go).
+	signKey, signPub, cosignKey string
+	rep                         benchReport
 	// mfQEMU is the QEMU of the memory-file section: the root of an
 	// unpacked tree, "" for the system's (mfQEMUName names it).
 	mfQEMU, mfQEMUName string
@@ -141,7 +147,8 @@ type benchReport struct {
 	ckptStored                int64
 	ckptDur                   map[string]float64
 	prof, encProf             profileSummary // of a plain and an encrypted checkpoint
-	rss1, rss2                int64          // KiB
+	signing                   signingReport
+	rss1, rss2                int64 // KiB
 	sub1, sub2                time.Duration
 	raw2                      int64
 	limit2                    time.Duration
@@ -229,10 +236,11 @@ func (bb *bench) run() {
 	bb.main = src
 	bb.rep.qemu = qemuVersion(b, src.QMPPath())
 	type stored struct {
-		base       baseImage
-		image, enc string
+		base               baseImage
+		image, enc, signed string
 	}
 	bb.encPriv, bb.encPub, _ = e2eKey(b, b.TempDir(), "bench", false)
+	bb.signingKeys()
 	var images []stored
 	for i := range bb.runs {
 		bb.rep.limit = append(bb.rep.limit, bb.limit(src, false))
@@ -243,21 +251,14 @@ func (bb *bench) run() {
 		base := bb.baselineCheckpoint(src)
 		// The plain and the encrypted checkpoint run back to back, taking
 		// turns going first: a pair, whose ratio is one sample of the
-		// encryption's overhead.
-		var cp, ecp api.CheckpointResult
-		var t, et timed
-		if i%2 == 0 {
-			cp, t = bb.checkpoint(src)
-			ecp, et = bb.encryptedCheckpoint(src)
-		} else {
-			ecp, et = bb.encryptedCheckpoint(src)
-			cp, t = bb.checkpoint(src)
-		}
+		// encryption's overhead; the signed one likewise beside the plain.
+		cp, ecp, scp, t, et, st := bb.checkpointTriple(src, i)
 		bb.rep.ckpt = append(bb.rep.ckpt, t)
 		bb.rep.encCkpt = append(bb.rep.encCkpt, et)
+		bb.rep.signing.ckpt = append(bb.rep.signing.ckpt, st)
 		bb.rep.layout = append(bb.rep.layout, bb.layoutCheckpoint(src))
 		bb.rep.raw, bb.rep.ckptStored, bb.rep.ckptDur = cp.VMState.RawBytes, cp.VMState.StoredBytes, cp.VMState.DurationsMs
-		images = append(images, stored{base, cp.VMState.Image, ecp.VMState.Image})
+		images = append(images, stored{base, cp.VMState.Image, ecp.VMState.Image, scp.VMState.Image})
 	}
 	bb.profileCheckpoint(src, false)
 	bb.profileCheckpoint(src, true)
@@ -284,11 +285,18 @@ func (bb *bench) run() {
 	// VMs whose balloon reports freed pages to their host): more than the
 	// encryption costs, and no part of it. Preallocated, the pairs time
 	// what differs, vmsnap's fetch, decryption and feed, and QEMU's load.
+	// The signed images' verified restores pair with the same plain ones.
 	for k := range bb.restorePairs() {
 		im := images[k%len(images)]
-		p, e := bb.restorePair(im.image, im.enc, boot, k%2 == 1, true)
+		p, e, v := bb.restoreTriple(im.image, im.enc, im.signed, boot, k)
 		bb.rep.restorePre, bb.rep.encRestorePre = append(bb.rep.restorePre, p), append(bb.rep.encRestorePre, e)
+		bb.rep.signing.restorePre, bb.rep.signing.restorePlain = append(bb.rep.signing.restorePre, v), append(bb.rep.signing.restorePlain, p)
 	}
+	var signed []string
+	for _, im := range images {
+		signed = append(signed, im.signed)
+	}
+	bb.signCosts(signed, 20)
 
 	// Incremental checkpoints, on a guest whose RAM is a shared file so
 	// that part of its random data can be rewritten from the host.
@@ -1394,6 +1402,7 @@ func (r *benchReport) print(w io.Writer, bb *bench) {
 	}
 	tw.Flush()
 	r.printEncryption(w)
+	r.signing.print(w, r.ckpt)
 
 	if len(r.incr) > 0 {
 		fmt.Fprintf(w, "\nincremental checkpoints into one repository:\n")
@@ -1460,6 +1469,9 @@ func (r *benchReport) metrics(b *testing.B) {
 	cc, cr := r.encryptionCPU()
 	b.ReportMetric(cc, "enc-ckpt-cpu/plain")
 	b.ReportMetric(cr, "enc-restore-cpu/plain")
+	sc, sr := r.signing.overhead(r.ckpt)
+	b.ReportMetric(sc, "signed-ckpt/plain")
+	b.ReportMetric(sr, "verified-restore/plain")
 	if inc >= 0 {
 		b.ReportMetric(100*inc, "incr-%")
 	}
