@@ -97,7 +97,7 @@ clean:
 # package's testdata/fuzz/FuzzX/ directory; keep them as regression seeds.
 FUZZTIME ?= 10s
 FUZZ_TARGETS := \
-	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest \
+	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest ./ociimage:FuzzVerifySignature \
 	./vmstate/chunk:FuzzDecodeStream ./vmstate/chunk:FuzzValidateLayers ./vmstate:FuzzRecord \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
