@@ -2,41 +2,22 @@ package agent
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"encoding/pem"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testkeys"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
-// keyFiles writes an ECDSA P-256 key pair: the private key (mode 0600)
-// and the public key, in PEM.
+// keyFiles writes an ECDSA P-256 key pair and returns the private and
+// public key files.
 func keyFiles(t *testing.T) (priv, pub string) {
 	t.Helper()
-	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	der, _ := x509.MarshalPKCS8PrivateKey(k)
-	pubDER, _ := x509.MarshalPKIXPublicKey(&k.PublicKey)
-	dir := t.TempDir()
-	priv, pub = filepath.Join(dir, "cosign.key"), filepath.Join(dir, "cosign.pub")
-	if err := os.WriteFile(priv, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(pub, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pubDER}), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	priv, pub, _ = testkeys.ECPair(t, t.TempDir(), "cosign")
 	return priv, pub
 }
 

@@ -55,27 +55,30 @@ func LoadSignKey(path string, password []byte) (SignKey, error) {
 		return SignKey{}, err
 	}
 	defer clear(data)
+	k, err := signKey(data, password)
+	k.Path = path
+	return k, errcode.Wrap(errcode.Usage, err, "signing key %s", path)
+}
+
+func signKey(data, password []byte) (SignKey, error) {
 	priv, err := parseSignKey(data, password)
 	if err != nil {
-		return SignKey{}, errcode.Wrap(errcode.Usage, err, "signing key %s", path)
+		return SignKey{}, err
 	}
 	cs, ok := priv.(crypto.Signer)
 	if !ok {
-		return SignKey{}, errcode.New(errcode.Usage, "signing key %s: a %T cannot sign", path, priv)
+		return SignKey{}, errcode.New(errcode.Usage, "a %T cannot sign", priv)
 	}
 	pub, err := checkKeyType(cs.Public())
 	if err != nil {
-		return SignKey{}, errcode.Wrap(errcode.Usage, err, "signing key %s", path)
+		return SignKey{}, err
 	}
 	signer, err := signature.LoadDefaultSigner(priv)
 	if err != nil {
-		return SignKey{}, errcode.Wrap(errcode.Usage, err, "signing key %s", path)
+		return SignKey{}, err
 	}
 	id, err := KeyID(pub)
-	if err != nil {
-		return SignKey{}, errcode.Wrap(errcode.Usage, err, "signing key %s", path)
-	}
-	return SignKey{signer: signer, ID: id, Path: path}, nil
+	return SignKey{signer: signer, ID: id}, err
 }
 
 // parseSignKey decodes a cosign encrypted key with password, or else a
@@ -111,19 +114,22 @@ func LoadVerifyKey(path string) (VerifyKey, error) {
 	if err != nil {
 		return VerifyKey{}, err
 	}
+	k, err := verifyKey(data)
+	k.Path = path
+	return k, errcode.Wrap(errcode.Usage, err, "verification key %s", path)
+}
+
+func verifyKey(data []byte) (VerifyKey, error) {
 	pub, err := parsePublicKey(data)
 	if err != nil {
-		return VerifyKey{}, errcode.Wrap(errcode.Usage, err, "verification key %s", path)
+		return VerifyKey{}, err
 	}
 	v, err := signature.LoadDefaultVerifier(pub)
 	if err != nil {
-		return VerifyKey{}, errcode.Wrap(errcode.Usage, err, "verification key %s", path)
+		return VerifyKey{}, err
 	}
 	id, err := KeyID(pub)
-	if err != nil {
-		return VerifyKey{}, errcode.Wrap(errcode.Usage, err, "verification key %s", path)
-	}
-	return VerifyKey{verifier: v, ID: id, Path: path}, nil
+	return VerifyKey{verifier: v, ID: id}, err
 }
 
 // ReadSecretFile reads a small secret (a private key, a password) from
@@ -132,25 +138,15 @@ func LoadVerifyKey(path string) (VerifyKey, error) {
 // may not write (USAGE: chmod 600 it; group read is how a Kubernetes
 // Secret reaches a non-root container). Errors never quote it.
 func ReadSecretFile(path, what string) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, errcode.Wrap(errcode.Usage, err, "%s %s", what, path)
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, errcode.Wrap(errcode.Usage, err, "%s %s", what, path)
-	}
-	if fi.Mode().IsRegular() {
-		if err := checkKeyMode(path, what, fi.Mode().Perm()); err != nil {
-			return nil, err
-		}
-	}
-	return readOpened(f, fi, path, what)
+	return readKeyFile(path, what, true)
 }
 
 // readPublicFile reads a small file that need not be secret (a public key).
 func readPublicFile(path, what string) ([]byte, error) {
+	return readKeyFile(path, what, false)
+}
+
+func readKeyFile(path, what string, secret bool) ([]byte, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, errcode.Wrap(errcode.Usage, err, "%s %s", what, path)
@@ -160,12 +156,13 @@ func readPublicFile(path, what string) ([]byte, error) {
 	if err != nil {
 		return nil, errcode.Wrap(errcode.Usage, err, "%s %s", what, path)
 	}
-	return readOpened(f, fi, path, what)
-}
-
-func readOpened(f *os.File, fi os.FileInfo, path, what string) ([]byte, error) {
 	if !fi.Mode().IsRegular() {
 		return nil, errcode.New(errcode.Usage, "%s %s is not a regular file", what, path)
+	}
+	if secret {
+		if err := checkKeyMode(path, what, fi.Mode().Perm()); err != nil {
+			return nil, err
+		}
 	}
 	b, err := io.ReadAll(io.LimitReader(f, maxKeyFile+1))
 	if err != nil {

@@ -2,8 +2,6 @@ package ociimage
 
 import (
 	"bytes"
-	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/rsa"
 	"crypto/x509"
@@ -16,36 +14,16 @@ import (
 	"github.com/secure-systems-lab/go-securesystemslib/encrypted"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testkeys"
 )
-
-// writeCosignKey writes a private key as cosign generate-key-pair does: its
-// PKCS#8 DER sealed with the password, in an "ENCRYPTED SIGSTORE PRIVATE
-// KEY" PEM block, mode 0600.
-func writeCosignKey(t *testing.T, path string, k any, password string) {
-	t.Helper()
-	der, err := x509.MarshalPKCS8PrivateKey(k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sealed, err := encrypted.EncryptWithCustomKDFParameters(der, []byte(password), encrypted.Legacy)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: pemSigstorePrivateKey, Bytes: sealed}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-}
 
 func TestLoadSignKeyCosignEncrypted(t *testing.T) {
 	dir := t.TempDir()
-	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, pubPath, k := testkeys.ECPair(t, dir, "plain")
 	path := filepath.Join(dir, "cosign.key")
-	writeCosignKey(t, path, k, "s3cret-pass")
+	testkeys.Cosign(t, path, k, "s3cret-pass", encrypted.Legacy)
 
-	_, err = LoadSignKey(path, nil)
+	_, err := LoadSignKey(path, nil)
 	wantCode(t, err, errcode.Usage, "COSIGN_PASSWORD")
 	_, err = LoadSignKey(path, []byte("wrong-pass"))
 	wantCode(t, err, errcode.Usage, "wrong password")
@@ -64,11 +42,6 @@ func TestLoadSignKeyCosignEncrypted(t *testing.T) {
 	// What it signs, the public key verifies.
 	repo := openLayoutWith(t, "oci:"+t.TempDir(), WithSigner(sk))
 	desc := pushSigned(t, repo, "cosign key")
-	pubDER, _ := x509.MarshalPKIXPublicKey(&k.PublicKey)
-	pubPath := filepath.Join(dir, "cosign.pub")
-	if err := os.WriteFile(pubPath, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pubDER}), 0o644); err != nil {
-		t.Fatal(err)
-	}
 	vk, err := LoadVerifyKey(pubPath)
 	if err != nil {
 		t.Fatal(err)

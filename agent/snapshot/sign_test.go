@@ -3,11 +3,7 @@ package snapshot
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rand"
-	"crypto/x509"
-	"encoding/pem"
 	"os"
 	"path/filepath"
 	"slices"
@@ -18,6 +14,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/internal/testkeys"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
@@ -26,25 +23,12 @@ import (
 // option that signs and the one that verifies.
 func signingKeys(t *testing.T) (sign, verify ociimage.Option) {
 	t.Helper()
-	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	der, _ := x509.MarshalPKCS8PrivateKey(k)
-	pub, _ := x509.MarshalPKIXPublicKey(&k.PublicKey)
-	dir := t.TempDir()
-	priv, pubPath := filepath.Join(dir, "k.pem"), filepath.Join(dir, "k.pub")
-	if err := os.WriteFile(priv, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(pubPath, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub}), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	priv, pub, _ := testkeys.ECPair(t, t.TempDir(), "k")
 	sk, err := ociimage.LoadSignKey(priv, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	vk, err := ociimage.LoadVerifyKey(pubPath)
+	vk, err := ociimage.LoadVerifyKey(pub)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,11 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"encoding/pem"
 	"os"
 	"path/filepath"
 	"strings"
@@ -17,6 +12,7 @@ import (
 	"github.com/secure-systems-lab/go-securesystemslib/encrypted"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testkeys"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 
@@ -25,24 +21,10 @@ import (
 // key (cosign.pub).
 func cosignKeyPair(t *testing.T, password string) (key, pub string) {
 	t.Helper()
-	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	der, _ := x509.MarshalPKCS8PrivateKey(k)
-	sealed, err := encrypted.EncryptWithCustomKDFParameters(der, []byte(password), encrypted.Legacy)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pubDER, _ := x509.MarshalPKIXPublicKey(&k.PublicKey)
 	dir := t.TempDir()
-	key, pub = filepath.Join(dir, "cosign.key"), filepath.Join(dir, "cosign.pub")
-	if err := os.WriteFile(key, pem.EncodeToMemory(&pem.Block{Type: "ENCRYPTED SIGSTORE PRIVATE KEY", Bytes: sealed}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(pub, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pubDER}), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	_, pub, k := testkeys.ECPair(t, dir, "plain")
+	key = filepath.Join(dir, "cosign.key")
+	testkeys.Cosign(t, key, k, password, encrypted.Legacy)
 	return key, pub
 }
 

@@ -12,15 +12,10 @@ package e2e
 import (
 	"context"
 	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"encoding/pem"
 	"fmt"
 	"io"
-	"os"
 	"path/filepath"
-	"strings"
+	"slices"
 	"text/tabwriter"
 	"time"
 
@@ -30,6 +25,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/internal/testkeys"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 
@@ -47,27 +43,11 @@ type signingReport struct {
 // signingKeys writes the bench's signing key pair (plain PEM, ECDSA
 // P-256) and the same key encrypted as cosign generate-key-pair does.
 func (bb *bench) signingKeys() {
-	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		bb.b.Fatal(err)
-	}
-	der, _ := x509.MarshalPKCS8PrivateKey(k)
-	pub, _ := x509.MarshalPKIXPublicKey(&k.PublicKey)
-	sealed, err := encrypted.Encrypt(der, []byte("bench"))
-	if err != nil {
-		bb.b.Fatal(err)
-	}
 	dir := bb.b.TempDir()
-	bb.signKey, bb.signPub, bb.cosignKey = filepath.Join(dir, "sign.key"), filepath.Join(dir, "sign.pub"), filepath.Join(dir, "cosign.key")
-	for path, block := range map[string]*pem.Block{
-		bb.signKey:   {Type: "PRIVATE KEY", Bytes: der},
-		bb.signPub:   {Type: "PUBLIC KEY", Bytes: pub},
-		bb.cosignKey: {Type: "ENCRYPTED SIGSTORE PRIVATE KEY", Bytes: sealed},
-	} {
-		if err := os.WriteFile(path, pem.EncodeToMemory(block), 0o600); err != nil {
-			bb.b.Fatal(err)
-		}
-	}
+	var k *ecdsa.PrivateKey
+	bb.signKey, bb.signPub, k = testkeys.ECPair(bb.b, dir, "sign")
+	bb.cosignKey = filepath.Join(dir, "cosign.key")
+	testkeys.Cosign(bb.b, bb.cosignKey, k, "bench", encrypted.Standard)
 }
 
 // signedCheckpoint is checkpoint with --sign-key, into a fresh repository
@@ -184,17 +164,7 @@ func (r *signingReport) print(w io.Writer, plainCkpt []timed) {
 	fmt.Fprintf(w, "\nsigning overhead: plain and signed (--sign-key, ECDSA P-256 PEM) checkpoints, plain and verified (--verify-key) restores, in pairs, back to back, taking turns going first\n")
 	tw := tabwriter.NewWriter(w, 2, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "\tpairs\tplain s\tsigned s\tmedian of pair ratios\tratio of medians\tvmsnap CPU s: plain / signed (diff)\tpair ratios\t")
-	row := func(name string, plain, signed []timed) {
-		rs := pairRatios(plain, signed)
-		var list []string
-		for _, x := range rs {
-			list = append(list, fmt.Sprintf("%.2f", x))
-		}
-		cp, cs := medianCPU(plain), medianCPU(signed)
-		fmt.Fprintf(tw, "  %s\t%d\t%.2f\t%.2f\t%.3fx\t%.3fx\t%.2f / %.2f (%+.2f)\t%s\t\n", name, len(rs),
-			median(plain).Seconds(), median(signed).Seconds(), medianF(rs), median(signed).Seconds()/median(plain).Seconds(),
-			cp.client, cs.client, cs.client-cp.client, strings.Join(list, " "))
-	}
+	row := func(name string, plain, signed []timed) { pairRow(tw, name, plain, signed, false) }
 	row("checkpoint (command to digest)", plainCkpt, r.ckpt)
 	row("restore, target's RAM preallocated", r.restorePlain, r.restorePre)
 	tw.Flush()
@@ -211,17 +181,15 @@ func (r *signingReport) print(w io.Writer, plainCkpt []timed) {
 }
 
 func minD(d []time.Duration) time.Duration {
-	m := d[0]
-	for _, x := range d {
-		m = min(m, x)
+	if len(d) == 0 {
+		return 0
 	}
-	return m
+	return slices.Min(d)
 }
 
 func maxD(d []time.Duration) time.Duration {
-	m := d[0]
-	for _, x := range d {
-		m = max(m, x)
+	if len(d) == 0 {
+		return 0
 	}
-	return m
+	return slices.Max(d)
 }

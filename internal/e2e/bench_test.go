@@ -1311,23 +1311,32 @@ func pairRatios(plain, enc []timed) []float64 {
 	return v
 }
 
+// pairRow is one row of a table of pairs (plain and another run back to
+// back): their count, medians, the median of their ratios and the ratio of
+// medians, vmsnap's CPU (and, with qemu, QEMU's), every pair's ratio.
+func pairRow(tw io.Writer, name string, plain, other []timed, qemu bool) {
+	rs := pairRatios(plain, other)
+	var list []string
+	for _, x := range rs {
+		list = append(list, fmt.Sprintf("%.2f", x))
+	}
+	cp, co := medianCPU(plain), medianCPU(other)
+	fmt.Fprintf(tw, "  %s\t%d\t%.2f\t%.2f\t%.3fx\t%.3fx\t%.2f / %.2f (%+.2f)\t", name, len(rs),
+		median(plain).Seconds(), median(other).Seconds(), medianF(rs), median(other).Seconds()/median(plain).Seconds(),
+		cp.client, co.client, co.client-cp.client)
+	if qemu {
+		fmt.Fprintf(tw, "%.2f / %.2f\t", cp.qemu, co.qemu)
+	}
+	fmt.Fprintf(tw, "%s\t\n", strings.Join(list, " "))
+}
+
 // printEncryption is the encryption overhead's table: wall times, the
 // ratios both ways, and where the CPU went (vmsnap's own beside QEMU's).
 func (r *benchReport) printEncryption(w io.Writer) {
 	fmt.Fprintf(w, "\nencryption overhead (issue 16): plain and encrypted (jwe RSA-2048, random layer keys) in pairs, back to back, taking turns going first\n")
 	tw := tabwriter.NewWriter(w, 2, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "\tpairs\tplain s\tencrypted s\tmedian of pair ratios\tratio of medians\tvmsnap CPU s: plain / encrypted (diff)\tQEMU CPU s: plain / encrypted\tpair ratios\t")
-	row := func(name string, plain, enc []timed) {
-		rs := pairRatios(plain, enc)
-		var list []string
-		for _, x := range rs {
-			list = append(list, fmt.Sprintf("%.2f", x))
-		}
-		cp, ce := medianCPU(plain), medianCPU(enc)
-		fmt.Fprintf(tw, "  %s\t%d\t%.2f\t%.2f\t%.3fx\t%.3fx\t%.2f / %.2f (%+.2f)\t%.2f / %.2f\t%s\t\n", name, len(rs),
-			median(plain).Seconds(), median(enc).Seconds(), medianF(rs), median(enc).Seconds()/median(plain).Seconds(),
-			cp.client, ce.client, ce.client-cp.client, cp.qemu, ce.qemu, strings.Join(list, " "))
-	}
+	row := func(name string, plain, enc []timed) { pairRow(tw, name, plain, enc, true) }
 	row("checkpoint (command to digest)", r.ckpt, r.encCkpt)
 	row("restore (command to running)", r.restore, r.encRestore)
 	row("restore, target's RAM preallocated", r.restorePre, r.encRestorePre)
