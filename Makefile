@@ -12,7 +12,7 @@ DEBS := qemu-system-x86 qemu-utils busybox-static zstd cpio containerd runc dock
 export VMSNAP_TEST_CACHE ?= $(HOME)/.cache/vmsnap-test
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build test test-unit bench demo deps guest k8s tools vet clean print-debs
+.PHONY: all build test test-unit bench demo deps guest k8s tools cosign vet clean print-debs
 
 all: build
 
@@ -48,17 +48,28 @@ k8s:
 # proxy at pinned versions into $(VMSNAP_TEST_CACHE)/tools (about a minute
 # each), before the tests that measure time run beside the build.
 tools:
-	$(GO) test -count=1 -run '^TestToolsArePinned$$' ./internal/testtools
+	$(GO) test -count=1 -run '^TestToolsArePinned$$/^(crane|oras)$$' ./internal/testtools
 
 # All tests, including the end-to-end ones on real QEMU guests (TCG) and on
 # a real single-node Kubernetes cluster. Installs what they need first. The
 # cluster's packages run after the rest, not beside it: a cluster with QEMU
 # guests in its pods is the heaviest load on the machine, and the other
 # end-to-end tests' guests would share two cores with it.
+# The cosign CLI of the signature tests (internal/testtools, about 7 minutes
+# on 2 cores once, then cached) builds in the background from the start of
+# the tests, beside the packages that do not need it; the tests that do
+# wait for it (a file lock), and one that finds no binary builds it itself.
 CLUSTER_PKGS := ./internal/testcluster ./internal/k8se2e
 test: deps guest k8s tools vet
-	$(GO) test -race -timeout 45m $$($(GO) list ./... | grep -v -e /internal/testcluster -e /internal/k8se2e)
+	@mkdir -p bin
+	$(GO) test -count=1 -timeout 60m -run '^TestToolsArePinned$$/^cosign$$' ./internal/testtools >bin/cosign-build.log 2>&1 & \
+	$(GO) test -race -timeout 45m $$($(GO) list ./... | grep -v -e /internal/testcluster -e /internal/k8se2e -e /internal/testtools); \
+	status=$$?; wait $$! || { cat bin/cosign-build.log; status=1; }; exit $$status
 	$(GO) test -race -timeout 20m $(CLUSTER_PKGS)
+
+# The cosign CLI alone, into the test cache.
+cosign:
+	$(GO) test -count=1 -timeout 60m -run '^TestToolsArePinned$$/^cosign$$' ./internal/testtools
 
 # Fast unit tests only: fakes, no guest.
 test-unit:
@@ -92,7 +103,7 @@ clean:
 # package's testdata/fuzz/FuzzX/ directory; keep them as regression seeds.
 FUZZTIME ?= 10s
 FUZZ_TARGETS := \
-	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest ./ociimage:FuzzReadCheckpoint \
+	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest ./ociimage:FuzzReadCheckpoint ./ociimage:FuzzVerifySignature \
 	./vmstate/chunk:FuzzDecodeStream ./vmstate/chunk:FuzzValidateLayers ./vmstate:FuzzRecord \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \

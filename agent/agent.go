@@ -76,6 +76,12 @@ type Config struct {
 	// LayoutRoot is the directory a request's oci: layouts must be under;
 	// "": every layout is refused.
 	LayoutRoot string
+	// VerifyKeys: every image a restore or prepare reads must be signed by
+	// one of them (signatures.go). RequireSignatures,
+	// HOST[:PORT]/PREFIX=KEYFILE, add a key for the repositories under
+	// PREFIX.
+	VerifyKeys        []ociimage.VerifyKey
+	RequireSignatures []string
 
 	// Bounds on one operation.
 
@@ -136,6 +142,8 @@ type Server struct {
 	keys    *keyDir // nil: no --decryption-key-dir
 	held    *holdings
 	placed  placedCache // callers placed, by process (caller_linux.go)
+	// signatures are the signatures restores require (signatures.go).
+	signatures *signaturePolicy
 
 	ready   chan struct{} // closed once the resolver's watch runs
 	readyMu sync.Once
@@ -190,6 +198,10 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	signatures, err := newSignaturePolicy(cfg.VerifyKeys, cfg.RequireSignatures)
+	if err != nil {
+		return nil, err
+	}
 	s := &Server{
 		cfg:     cfg,
 		log:     cfg.Logger,
@@ -202,6 +214,8 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 		keys:    keys,
 		held:    newHoldings(cfg.Limits),
 		ready:   make(chan struct{}),
+
+		signatures: signatures,
 	}
 	s.recover(ctx)
 	return s, nil

@@ -74,7 +74,7 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 		return nil, err
 	}
 	defer hold.drop()
-	store, err := s.storeFor(ctx, ns)
+	store, err := s.readStore(ctx, ns, req.Image)
 	if err != nil {
 		return nil, err
 	}

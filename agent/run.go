@@ -139,7 +139,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if err != nil {
 		return api.Operation{}, err
 	}
-	store, err := s.storeFor(ctx, vm.Namespace)
+	store, err := s.readStore(ctx, vm.Namespace, req.Image)
 	if err != nil {
 		vm.Close()
 		return api.Operation{}, err

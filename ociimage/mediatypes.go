@@ -66,6 +66,26 @@ const (
 	MaxChunkSize    = 64 << 20 // bytes of one chunk, compressed or raw
 	MaxIndexSize    = 16 << 20 // bytes of a layout's index.json (tens of thousands of entries)
 	MaxTags         = 100000   // tags of one repository that vmsnap lists (retention)
+
+	// A cosign signature manifest (sha256-HEX.sig) and its payloads are
+	// read before the image they sign is trusted: whoever can push to the
+	// repository writes them. One layer per signature, so a few hundred
+	// bytes each; cosign itself reads at most 1000.
+	MaxSignatureManifestSize = 512 << 10
+	MaxSignatureLayers       = 1000
+	MaxSignaturePayloadSize  = 64 << 10 // a simple signing payload is about 250 bytes
+	maxSignatureBytes        = 1 << 10  // a decoded signature: 512 for RSA-4096, about 140 for ECDSA P-521
+)
+
+// Signatures, as cosign stores them for key-based signing (cosign sign
+// --key): a manifest tagged sha256-HEX.sig (SignatureTag) in the signed
+// image's repository, with an OCI image config and one layer per
+// signature; the layer is the simple signing payload (which names the
+// signed manifest's digest) and carries the base64 signature of its bytes
+// in an annotation.
+const (
+	MediaTypeSimpleSigning    = "application/vnd.dev.cosign.simplesigning.v1+json"
+	AnnotationCosignSignature = "dev.cosignproject.cosign/signature"
 )
 
 // The checkpoint index (checkpoint.go): an OCI image index in the state's

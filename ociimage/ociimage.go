@@ -83,3 +83,7 @@ func (p pinned) Reference() Reference {
 }
 
 func (p pinned) Resolve(context.Context) (ocispec.Descriptor, error) { return p.desc, nil }
+
+// Unwrap returns the repository underneath, so that what it wraps
+// (Decrypting, Underlying) is seen through the pin.
+func (p pinned) Unwrap() Repository { return p.Repository }

@@ -19,6 +19,8 @@ type openOptions struct {
 	userAgent string
 	encrypt   *EncryptOptions // layers written are encrypted (Encrypt)
 	decrypt   []DecryptionKey // encrypted layers read are decrypted (Decrypt)
+	sign      *SignKey        // manifests written are signed (Sign)
+	verify    []VerifyKey     // manifests resolved must be signed (VerifySignature)
 }
 
 // Defaults of the retry policy: four tries of every request, 0.5 s, 1.5 s and
@@ -102,6 +104,14 @@ func Open(ctx context.Context, ref Reference, opts ...Option) (Repository, error
 		repo = r
 	default:
 		return nil, errcode.New(errcode.InvalidInput, "empty image reference; %s", referenceForms)
+	}
+	// Signatures are of the manifests as stored: under the encryption,
+	// which rewrites a manifest's layers before storing it.
+	if len(o.verify) > 0 {
+		repo = &verifying{Repository: repo, keys: o.verify}
+	}
+	if o.sign != nil {
+		repo = &signing{Repository: repo, key: *o.sign}
 	}
 	if len(o.decrypt) > 0 {
 		repo = Decrypt(repo, o.decrypt)

@@ -25,9 +25,10 @@ import (
 // them newest first by their org.opencontainers.image.created annotation,
 // keeps N and deletes the rest, each with its tags, the images it lists
 // that nothing kept needs (in the same repository: VM state, disk,
-// rootfs), and the referrers fallback tags (sha256-HEX) of what it deleted.
-// A layout then removes the blobs no remaining manifest needs; a registry
-// does that in its own garbage collection.
+// rootfs), and the referrers fallback tags (sha256-HEX) and cosign
+// signatures (sha256-HEX.sig) of what it deleted. A layout then removes
+// the blobs no remaining manifest needs; a registry does that in its own
+// garbage collection.
 
 // PruneSpec is one prune of a repository.
 type PruneSpec struct {
@@ -239,9 +240,9 @@ type prunePlan struct {
 	images map[digest.Digest][]digest.Digest
 	kinds  map[digest.Digest]string // the part each of those is listed as
 	left   []api.PrunedImage
-	// fallback is the referrers index to delete after a manifest, by the
-	// manifest's digest.
-	fallback map[digest.Digest]digest.Digest
+	// companions are the manifests to delete after a manifest, by its
+	// digest: those its tag-named companions name (companionTags).
+	companions map[digest.Digest][]digest.Digest
 	// roots are what a layout's garbage collection must keep besides what
 	// index.json lists: the kept checkpoints and the images they need.
 	roots []digest.Digest
@@ -251,7 +252,7 @@ type prunePlan struct {
 // Ties in time (the annotation has seconds) go to the one with more
 // checkpoints behind it, which is the newer within a chain.
 func planPrune(inv *inventory, keep int) *prunePlan {
-	p := &prunePlan{images: map[digest.Digest][]digest.Digest{}, kinds: map[digest.Digest]string{}, fallback: map[digest.Digest]digest.Digest{}}
+	p := &prunePlan{images: map[digest.Digest][]digest.Digest{}, kinds: map[digest.Digest]string{}, companions: map[digest.Digest][]digest.Digest{}}
 	var dated []*checkpoint
 	for _, cp := range inv.checkpoints {
 		if cp.dated {
@@ -296,16 +297,24 @@ func planPrune(inv *inventory, keep int) *prunePlan {
 			}
 		}
 	}
-	// A referrers fallback tag (sha256-HEX) lists the manifests whose
-	// subject is HEX; it goes when HEX goes, and only if no other tag
-	// names its index.
+	// A manifest's companions go when it goes, each only if no other tag
+	// names it.
 	for d := range deleted {
-		idx, ok := inv.tagged[fallbackTag(d)]
-		if ok && !needed[idx] && !deleted[idx] && len(inv.tags[idx]) == 1 {
-			p.fallback[d] = idx
+		for _, tag := range companionTags(d) {
+			c, ok := inv.tagged[tag]
+			if ok && !needed[c] && !deleted[c] && len(inv.tags[c]) == 1 {
+				p.companions[d] = append(p.companions[d], c)
+			}
 		}
 	}
 	return p
+}
+
+// companionTags are the tags of what exists only for the manifest d: its
+// referrers fallback index (sha256-HEX, the manifests whose subject is
+// d) and its cosign signatures (sha256-HEX.sig).
+func companionTags(d digest.Digest) []string {
+	return []string{fallbackTag(d), ociimage.SignatureTag(d)}
 }
 
 // linked are the digests of cp's images in the repository: its disk and
@@ -333,7 +342,7 @@ func (p *prunePlan) checkKinds(ctx context.Context, repo pruneRepo) error {
 		for _, d := range ds {
 			desc, err := repo.ResolveDigest(ctx, d)
 			if errors.Is(err, ociimage.ErrNotFound) {
-				keep = append(keep, d) // gone already; its fallback tag may not be
+				keep = append(keep, d) // gone already; its companions may not be
 				continue
 			}
 			if err != nil {
@@ -369,7 +378,7 @@ func fallbackTag(d digest.Digest) string { return d.Algorithm().String() + "-" +
 
 // run deletes what the plan says: the oldest checkpoint first, its images
 // before its state manifest (which is how prune would find them again), and
-// a manifest's fallback tag right after it.
+// a manifest's companions right after it.
 func (p *prunePlan) run(ctx context.Context, repo pruneRepo) error {
 	del := func(what string, d digest.Digest) error {
 		if err := step(what + " " + d.String()); err != nil {
@@ -378,11 +387,13 @@ func (p *prunePlan) run(ctx context.Context, repo pruneRepo) error {
 		if err := repo.DeleteManifest(ctx, d); err != nil {
 			return err
 		}
-		if idx, ok := p.fallback[d]; ok {
-			if err := step("referrers fallback tag " + fallbackTag(d)); err != nil {
+		for _, c := range p.companions[d] {
+			if err := step("companion " + c.String() + " of " + d.String()); err != nil {
 				return err
 			}
-			return repo.DeleteManifest(ctx, idx)
+			if err := repo.DeleteManifest(ctx, c); err != nil {
+				return err
+			}
 		}
 		return nil
 	}
@@ -418,8 +429,8 @@ func (p *prunePlan) result(inv *inventory, repo string, s PruneSpec) *api.PruneR
 	}
 	addTags := func(d digest.Digest) {
 		res.RemovedTags = append(res.RemovedTags, inv.tags[d]...)
-		if idx, ok := p.fallback[d]; ok {
-			res.RemovedTags = append(res.RemovedTags, inv.tags[idx]...)
+		for _, c := range p.companions[d] {
+			res.RemovedTags = append(res.RemovedTags, inv.tags[c]...)
 		}
 	}
 	for _, cp := range p.removed {

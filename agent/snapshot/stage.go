@@ -56,10 +56,7 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if err != nil {
 		return nil, err
 	}
-	pinned, err := ociimage.Open(ctx, src.Reference().WithDigest(desc.Digest), s.Store...)
-	if err != nil {
-		return nil, err
-	}
+	pinned := ociimage.Pinned(src, desc)
 	// A memory-file image's RAM is prepared as a file (vmsnap prepare),
 	// not streamed: only its device state is staged. The manifest is the
 	// same, so the staged digest is the image's.

@@ -124,7 +124,10 @@ func rollbackTags(ctx context.Context, moved []tagMove, failed tagMove, err erro
 // openPinned opens the part of a checkpoint a restore needs (vmstate or
 // disk), pinned to its manifest: s names the checkpoint (its index) or the
 // part's own manifest, by digest only, unless allowTag. The checkpoint is
-// returned too, nil when s named the manifest.
+// returned too, nil when s named the manifest. With verification keys
+// among opts (ociimage.WithVerifyKeys), what s names is verified first,
+// before anything else is read; the index's parts are pinned by digest by
+// what was verified.
 func openPinned(ctx context.Context, s, what, part string, allowTag bool, opts []ociimage.Option) (ociimage.Repository, *ociimage.Checkpoint, error) {
 	ref, err := ociimage.ParseReference(s)
 	if err != nil {

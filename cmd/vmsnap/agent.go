@@ -23,6 +23,7 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 		logLevel    string
 		reg         registryFlags
 		crypt       agentCryptFlags
+		sigs        agentSignFlags
 	)
 	c := &cobra.Command{
 		Use:   "agent --socket PATH --state-dir DIR",
@@ -102,10 +103,19 @@ reg:5000/vms/tenant-a/... and nothing of tenant-b's; admins match it with
 any namespace. A caller in a pod has only LAYOUT_ROOT/NAMESPACE of the
 layout root (admins the whole root). Plain entries are shared by every
 caller. Every directory from --layout-root down must be the agent's alone
-(its owner, not writable by group or others).`,
+(its owner, not writable by group or others).
+
+Signatures (the README's "Signing"): with --sign-key every checkpoint's
+manifests are signed as cosign sign --key signs them. A restore or prepare
+request's image must carry a cosign signature by one of the keys that apply
+to it: every --verify-key, and the KEY of every --require-signature
+HOST[:PORT]/PREFIX=KEY whose PREFIX covers its repository (same rules and
+{namespace} as --allow-repository); no key applying, no signature needed.
+It is checked before anything else of the image is read: an unsigned or
+wrongly signed image is AUTH_FAILED.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
-			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, podsDir, logLevel, reg, crypt))
+			return coded(runAgent(c.Context(), cfg, ctrdAddress, ctrdNS, podsDir, logLevel, reg, crypt, sigs))
 		},
 	}
 	c.Flags().StringVar(&cfg.Socket, "socket", "/run/vmsnap/agent.sock", "unix socket of the API")
@@ -150,6 +160,7 @@ caller. Every directory from --layout-root down must be the agent's alone
 	c.Flags().StringVar(&crypt.keyDir, "decryption-key-dir", "",
 		"`DIR` of PEM private keys (a mounted Secret; each file mode 0600 or 0440): DIR/NAMESPACE/* are a namespace's, which its restores and prepares decrypt with "+
 			"and its checkpoints are encrypted for; files directly in DIR are the node's, for --admin-namespace callers only; requests never carry keys")
+	sigs.add(c)
 	c.AddCommand(newAgentHealthCmd())
 	return c
 }
@@ -162,7 +173,7 @@ type agentCryptFlags struct {
 	keyDir  string
 }
 
-func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDir, logLevel string, reg registryFlags, crypt agentCryptFlags) error {
+func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDir, logLevel string, reg registryFlags, crypt agentCryptFlags, sigs agentSignFlags) error {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(logLevel)); err != nil {
 		return errcode.New(errcode.Usage, "--log-level %q: use debug, info, warn or error", logLevel)
@@ -174,6 +185,10 @@ func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDi
 		return err
 	}
 	if err := agent.CheckDecryptionKeyDir(crypt.keyDir); err != nil {
+		return err
+	}
+	signer, err := sigs.apply(&cfg)
+	if err != nil {
 		return err
 	}
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
@@ -188,7 +203,7 @@ func runAgent(ctx context.Context, cfg agent.Config, ctrdAddress, ctrdNS, podsDi
 	defer res.Close()
 	cfg.Resolver = res
 	cfg.Logger = log
-	cfg.Store = reg.options()
+	cfg.Store = append(reg.options(), signer...)
 	cfg.Encrypt, cfg.DecryptionKeyDir = enc, crypt.keyDir
 	srv, err := agent.New(ctx, cfg)
 	if err != nil {

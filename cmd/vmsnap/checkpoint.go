@@ -67,6 +67,7 @@ type checkpointFlags struct {
 	registry                          registryFlags
 	encrypt                           encryptFlags
 	decrypt                           decryptFlags
+	sign                              signFlags
 	agent                             agentFlags
 }
 
@@ -146,7 +147,12 @@ there too); the result's disk.inRootfs says so.
 With --keep N, once the checkpoint is committed, the state image's repository
 keeps its N newest checkpoints and the older ones are deleted, as vmsnap
 prune --keep N does; the result's "pruned" says what went. A failed prune
-does not fail the checkpoint: "pruned.error" says why.`,
+does not fail the checkpoint: "pruned.error" says why.
+
+With --sign-key, every manifest the checkpoint stores (state, disk, rootfs)
+is signed as cosign sign --key signs an image, before any tag moves: the
+signature is at the tag sha256-HEX.sig in the image's repository, where
+cosign verify --key finds it (see README "Signing").`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			f.parentRecordsSet = c.Flags().Changed("parent-records")
@@ -170,6 +176,7 @@ does not fail the checkpoint: "pruned.error" says why.`,
 	f.registry.add(c)
 	f.encrypt.add(c)
 	f.decrypt.add(c)
+	f.sign.add(c)
 	f.agent.add(c)
 	addOutputFlags(c, out, true)
 	return c
@@ -207,6 +214,14 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		return err
 	}
 	encrypt = append(encrypt, decrypt...)
+	if f.agent.address != "" && f.sign.set() {
+		return errcode.New(errcode.Usage, "through --agent, the agent signs with its own --sign-key (the operator's key): drop --sign-key here")
+	}
+	sign, err := f.sign.options()
+	if err != nil {
+		return err
+	}
+	encrypt = append(encrypt, sign...)
 	if f.agent.address != "" && (format != vmstate.FormatAuto || f.stagingDir != "" || f.parentRecordsSet) {
 		return errcode.New(errcode.Usage, "--format, --staging-dir and --parent-records apply to a local checkpoint: the node agent picks the format itself and keeps its own records")
 	}

@@ -20,6 +20,7 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 	var (
 		reg      registryFlags
 		decrypt  decryptFlags
+		verify   verifyFlags
 		stream   streamFlags
 		cacheDir string
 		private  bool
@@ -91,7 +92,9 @@ there would become a VM's memory). The default is on tmpfs, whose pages QEMU map
 directly; a cache on disk works too, through the page cache.
 
 Registry access works as for checkpoint (--registry-config, --ca-file,
---insecure-registry).
+--insecure-registry). With --verify-key, the image must carry a cosign
+signature by one of the keys (as for restore, see its --help), checked
+before anything else is read or a cached file is used: AUTH_FAILED if not.
 
 Through the node agent (--agent unix:///run/vmsnap/agent.sock): the agent
 prepares the file in its cache of the caller's namespace
@@ -123,6 +126,14 @@ same path in the QEMU container (or give --qemu-dir).`,
 			if agentAt != "" && len(decrypt.keys) > 0 {
 				return coded(errcode.New(errcode.Usage, "through --agent, the agent decrypts with the keys of its own --decryption-key-dir: drop --decryption-key"))
 			}
+			if agentAt != "" && len(verify.keys) > 0 {
+				return coded(errcode.New(errcode.Usage, "through --agent, the agent verifies signatures with its own keys (--verify-key, --require-signature): drop --verify-key"))
+			}
+			sigKeys, err := verify.options()
+			if err != nil {
+				return coded(err)
+			}
+			keys = append(keys, sigKeys...)
 			if agentAt != "" {
 				for _, f := range []string{"cache-dir", "max-cache-bytes", "parent-records", "max-guest-memory"} {
 					if c.Flags().Changed(f) {
@@ -190,6 +201,7 @@ same path in the QEMU container (or give --qemu-dir).`,
 	stream.add(c)
 	reg.add(c)
 	decrypt.add(c)
+	verify.add(c)
 	addOutputFlags(c, out, true)
 	return c
 }

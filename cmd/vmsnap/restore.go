@@ -23,6 +23,7 @@ type restoreFlags struct {
 	stream                             streamFlags
 	registry                           registryFlags
 	decrypt                            decryptFlags
+	verify                             verifyFlags
 	agent                              agentFlags
 }
 
@@ -75,7 +76,15 @@ index): restore then takes the part it needs from the checkpoint, a disk image
 in another repository from the registry the checkpoint is read from.
 From a registry, several chunks are fetched at once and each is verified
 before its bytes are used; registry credentials and TLS work as for
-checkpoint (--registry-config, --ca-file, --insecure-registry).`,
+checkpoint (--registry-config, --ca-file, --insecure-registry).
+
+With --verify-key, each image given (--image, --disk-image) must carry a
+cosign signature by one of the keys, for its digest and its repository
+path, at the tag sha256-HEX.sig of its repository (vmsnap checkpoint
+--sign-key or cosign sign --key made it); it is checked before any other
+byte of the image is read, and an unsigned or wrongly signed image fails
+with AUTH_FAILED. A memory-file image restored from the RAM file prepared
+on this node has its signature read from its repository all the same.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			return coded(runRestore(c.Context(), out, f))
@@ -96,6 +105,7 @@ checkpoint (--registry-config, --ca-file, --insecure-registry).`,
 	f.stream.add(c)
 	f.registry.add(c)
 	f.decrypt.add(c)
+	f.verify.add(c)
 	f.agent.add(c)
 	addOutputFlags(c, out, true)
 	return c
@@ -123,6 +133,8 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		return errcode.New(errcode.Usage, "nothing to restore: give --disk-image and --disk, or --qmp and --image, or --image and --to-dir (see vmsnap restore --help)")
 	case f.agent.address != "" && len(f.decrypt.keys) > 0:
 		return errcode.New(errcode.Usage, "through --agent, the agent decrypts with the keys of its own --decryption-key-dir (a mounted Secret): drop --decryption-key")
+	case f.agent.address != "" && len(f.verify.keys) > 0:
+		return errcode.New(errcode.Usage, "through --agent, the agent verifies signatures with its own keys (--verify-key, --require-signature: the operator's policy): drop --verify-key")
 	case f.agent.address != "" && (f.qmp == "" || diskForm || f.toDir != ""):
 		return errcode.New(errcode.Usage, "through --agent, restore loads VM state into a waiting QEMU: give --qmp (the path in the container) and --image only")
 	case f.markerDir != "" && (f.qmp != "" || f.agent.address != ""):
@@ -161,7 +173,11 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 	if err != nil {
 		return err
 	}
-	store := append(f.registry.options(), decrypt...)
+	verify, err := f.verify.options()
+	if err != nil {
+		return err
+	}
+	store := append(append(f.registry.options(), decrypt...), verify...)
 	if diskForm {
 		d, err := snapshot.RestoreDisk(ctx, snapshot.DiskRestoreSpec{
 			Image: f.diskImage, Path: f.disk, AllowTag: f.allowTag, Stream: f.stream.options(), Store: store, Progress: p.update,

@@ -27,6 +27,10 @@ package e2e
 //     restore with --decryption-key, interleaved with the plain runs (the
 //     restores taking turns going first); the ratios encrypted/plain are
 //     the encryption overhead (issue 16);
+//   - vmsnap signed: the same checkpoint with --sign-key beside the plain
+//     one, and its restore with --verify-key beside the plain restore
+//     (bench_sign_test.go); the ratios signed/plain are the signing
+//     overhead, with one signature and one verification timed apart;
 //   - vmsnap's peak RSS (a subprocess of the built binary) on a 1 GiB and a
 //     2 GiB guest, live mode's downtime, and incremental checkpoints: of an
 //     unchanged VM, after 5% of the guest's random data was rewritten (from
@@ -107,7 +111,9 @@ type bench struct {
 	main    *testguest.VM // the 1 GiB guest
 	encPriv string        // the recipient's private key, for the encrypted runs
 	encPub  string
-	rep     benchReport
+	// The signed runs' keys (bench_sign_test.go).
+	signKey, signPub, cosignKey string
+	rep                         benchReport
 	// mfQEMU is the QEMU of the memory-file section: the root of an
 	// unpacked tree, "" for the system's (mfQEMUName names it).
 	mfQEMU, mfQEMUName string
@@ -141,7 +147,8 @@ type benchReport struct {
 	ckptStored                int64
 	ckptDur                   map[string]float64
 	prof, encProf             profileSummary // of a plain and an encrypted checkpoint
-	rss1, rss2                int64          // KiB
+	signing                   signingReport
+	rss1, rss2                int64 // KiB
 	sub1, sub2                time.Duration
 	raw2                      int64
 	limit2                    time.Duration
@@ -229,10 +236,11 @@ func (bb *bench) run() {
 	bb.main = src
 	bb.rep.qemu = qemuVersion(b, src.QMPPath())
 	type stored struct {
-		base       baseImage
-		image, enc string
+		base               baseImage
+		image, enc, signed string
 	}
 	bb.encPriv, bb.encPub, _ = e2eKey(b, b.TempDir(), "bench", false)
+	bb.signingKeys()
 	var images []stored
 	for i := range bb.runs {
 		bb.rep.limit = append(bb.rep.limit, bb.limit(src, false))
@@ -243,21 +251,14 @@ func (bb *bench) run() {
 		base := bb.baselineCheckpoint(src)
 		// The plain and the encrypted checkpoint run back to back, taking
 		// turns going first: a pair, whose ratio is one sample of the
-		// encryption's overhead.
-		var cp, ecp api.CheckpointResult
-		var t, et timed
-		if i%2 == 0 {
-			cp, t = bb.checkpoint(src)
-			ecp, et = bb.encryptedCheckpoint(src)
-		} else {
-			ecp, et = bb.encryptedCheckpoint(src)
-			cp, t = bb.checkpoint(src)
-		}
+		// encryption's overhead; the signed one likewise beside the plain.
+		cp, ecp, scp, t, et, st := bb.checkpointTriple(src, i)
 		bb.rep.ckpt = append(bb.rep.ckpt, t)
 		bb.rep.encCkpt = append(bb.rep.encCkpt, et)
+		bb.rep.signing.ckpt = append(bb.rep.signing.ckpt, st)
 		bb.rep.layout = append(bb.rep.layout, bb.layoutCheckpoint(src))
 		bb.rep.raw, bb.rep.ckptStored, bb.rep.ckptDur = cp.VMState.RawBytes, cp.VMState.StoredBytes, cp.VMState.DurationsMs
-		images = append(images, stored{base, cp.VMState.Image, ecp.VMState.Image})
+		images = append(images, stored{base, cp.VMState.Image, ecp.VMState.Image, scp.VMState.Image})
 	}
 	bb.profileCheckpoint(src, false)
 	bb.profileCheckpoint(src, true)
@@ -284,11 +285,18 @@ func (bb *bench) run() {
 	// VMs whose balloon reports freed pages to their host): more than the
 	// encryption costs, and no part of it. Preallocated, the pairs time
 	// what differs, vmsnap's fetch, decryption and feed, and QEMU's load.
+	// The signed images' verified restores pair with the same plain ones.
 	for k := range bb.restorePairs() {
 		im := images[k%len(images)]
-		p, e := bb.restorePair(im.image, im.enc, boot, k%2 == 1, true)
+		p, e, v := bb.restoreTriple(im.image, im.enc, im.signed, boot, k)
 		bb.rep.restorePre, bb.rep.encRestorePre = append(bb.rep.restorePre, p), append(bb.rep.encRestorePre, e)
+		bb.rep.signing.restorePre, bb.rep.signing.restorePlain = append(bb.rep.signing.restorePre, v), append(bb.rep.signing.restorePlain, p)
 	}
+	var signed []string
+	for _, im := range images {
+		signed = append(signed, im.signed)
+	}
+	bb.signCosts(signed, 20)
 
 	// Incremental checkpoints, on a guest whose RAM is a shared file so
 	// that part of its random data can be rewritten from the host.
@@ -1303,23 +1311,32 @@ func pairRatios(plain, enc []timed) []float64 {
 	return v
 }
 
+// pairRow is one row of a table of pairs (plain and another run back to
+// back): their count, medians, the median of their ratios and the ratio of
+// medians, vmsnap's CPU (and, with qemu, QEMU's), every pair's ratio.
+func pairRow(tw io.Writer, name string, plain, other []timed, qemu bool) {
+	rs := pairRatios(plain, other)
+	var list []string
+	for _, x := range rs {
+		list = append(list, fmt.Sprintf("%.2f", x))
+	}
+	cp, co := medianCPU(plain), medianCPU(other)
+	fmt.Fprintf(tw, "  %s\t%d\t%.2f\t%.2f\t%.3fx\t%.3fx\t%.2f / %.2f (%+.2f)\t", name, len(rs),
+		median(plain).Seconds(), median(other).Seconds(), medianF(rs), median(other).Seconds()/median(plain).Seconds(),
+		cp.client, co.client, co.client-cp.client)
+	if qemu {
+		fmt.Fprintf(tw, "%.2f / %.2f\t", cp.qemu, co.qemu)
+	}
+	fmt.Fprintf(tw, "%s\t\n", strings.Join(list, " "))
+}
+
 // printEncryption is the encryption overhead's table: wall times, the
 // ratios both ways, and where the CPU went (vmsnap's own beside QEMU's).
 func (r *benchReport) printEncryption(w io.Writer) {
 	fmt.Fprintf(w, "\nencryption overhead (issue 16): plain and encrypted (jwe RSA-2048, random layer keys) in pairs, back to back, taking turns going first\n")
 	tw := tabwriter.NewWriter(w, 2, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "\tpairs\tplain s\tencrypted s\tmedian of pair ratios\tratio of medians\tvmsnap CPU s: plain / encrypted (diff)\tQEMU CPU s: plain / encrypted\tpair ratios\t")
-	row := func(name string, plain, enc []timed) {
-		rs := pairRatios(plain, enc)
-		var list []string
-		for _, x := range rs {
-			list = append(list, fmt.Sprintf("%.2f", x))
-		}
-		cp, ce := medianCPU(plain), medianCPU(enc)
-		fmt.Fprintf(tw, "  %s\t%d\t%.2f\t%.2f\t%.3fx\t%.3fx\t%.2f / %.2f (%+.2f)\t%.2f / %.2f\t%s\t\n", name, len(rs),
-			median(plain).Seconds(), median(enc).Seconds(), medianF(rs), median(enc).Seconds()/median(plain).Seconds(),
-			cp.client, ce.client, ce.client-cp.client, cp.qemu, ce.qemu, strings.Join(list, " "))
-	}
+	row := func(name string, plain, enc []timed) { pairRow(tw, name, plain, enc, true) }
 	row("checkpoint (command to digest)", r.ckpt, r.encCkpt)
 	row("restore (command to running)", r.restore, r.encRestore)
 	row("restore, target's RAM preallocated", r.restorePre, r.encRestorePre)
@@ -1394,6 +1411,7 @@ func (r *benchReport) print(w io.Writer, bb *bench) {
 	}
 	tw.Flush()
 	r.printEncryption(w)
+	r.signing.print(w, r.ckpt)
 
 	if len(r.incr) > 0 {
 		fmt.Fprintf(w, "\nincremental checkpoints into one repository:\n")
@@ -1460,6 +1478,9 @@ func (r *benchReport) metrics(b *testing.B) {
 	cc, cr := r.encryptionCPU()
 	b.ReportMetric(cc, "enc-ckpt-cpu/plain")
 	b.ReportMetric(cr, "enc-restore-cpu/plain")
+	sc, sr := r.signing.overhead(r.ckpt)
+	b.ReportMetric(sc, "signed-ckpt/plain")
+	b.ReportMetric(sr, "verified-restore/plain")
 	if inc >= 0 {
 		b.ReportMetric(100*inc, "incr-%")
 	}
