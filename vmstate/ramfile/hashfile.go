@@ -3,6 +3,7 @@ package ramfile
 import (
 	"os"
 	"runtime"
+	"runtime/debug"
 	"sync"
 	"syscall"
 
@@ -81,9 +82,13 @@ func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) er
 		go func() {
 			defer wg.Done()
 			for win := range jobs {
-				if win.err = mapWindow(f, win); win.err == nil && hash != nil {
+				win.err = readingMapped(func() error {
+					if err := mapWindow(f, win); err != nil || hash == nil {
+						return err
+					}
 					hash(win)
-				}
+					return nil
+				})
 				close(win.ready)
 			}
 		}()
@@ -108,7 +113,7 @@ func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) er
 		<-win.ready
 		err := win.err
 		if err == nil {
-			err = visit(win)
+			err = readingMapped(func() error { return visit(win) })
 		}
 		if win.unmap != nil {
 			win.unmap()
@@ -139,4 +144,25 @@ func mapWindow(f *os.File, win *window) error {
 		win.hashes[k] = fastHash(win.page(k))
 	}
 	return nil
+}
+
+// readingMapped runs f, which reads windows of the RAM file mapped in
+// memory, and returns a fault in them as an error. The file is the VM's:
+// its QEMU can shrink it while it is mapped, and reading a page beyond the
+// new end raises SIGBUS, which would otherwise end the whole process (the
+// node agent, with every other VM it has stopped).
+func readingMapped(f func() error) (err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		v := recover()
+		if v == nil {
+			return
+		}
+		if fault, ok := v.(interface{ Addr() uintptr }); ok && fault != nil {
+			err = errcode.New(errcode.InvalidInput, "the VM's RAM file shrank while vmsnap read it (its QEMU truncated it?): the checkpoint is abandoned")
+			return
+		}
+		err = errcode.Recovered(v)
+	}()
+	return f()
 }
