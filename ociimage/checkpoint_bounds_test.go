@@ -112,3 +112,32 @@ func errString(err error) string {
 	}
 	return err.Error()
 }
+
+// A manifest of another artifact type, or config type, than the reader
+// wants is refused with a clip of the type its writer gave it.
+func TestArtifactTypeRefusalQuotesAClip(t *testing.T) {
+	repo := openLayout(t, "oci:"+t.TempDir())
+	descs, datas := testChunks(t, 1, 1<<10)
+	putChunks(t, repo, descs, datas)
+	huge := "application/x" + strings.Repeat("\x7f", 1<<20)
+	for name, a := range map[string]Artifact{
+		"artifact type": {ArtifactType: huge, ConfigMediaType: MediaTypeVMStateConfig},
+		"config type":   {ArtifactType: ArtifactTypeVMState, ConfigMediaType: huge},
+	} {
+		t.Run(name, func(t *testing.T) {
+			a.Config, a.Layers = regConfig{Name: "state"}, descs
+			desc, err := PushArtifact(t.Context(), repo, a)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var cfg regConfig
+			_, _, err = PullArtifact(t.Context(), Pinned(repo, desc), ArtifactTypeVMState, &cfg)
+			if errcode.Of(err) != errcode.InvalidInput {
+				t.Fatalf("%v, want INVALID_INPUT", clip(errString(err)))
+			}
+			if n := len(err.Error()); n > maxRefusalBytes {
+				t.Fatalf("the refusal is %d bytes (more than %d): %s", n, maxRefusalBytes, clip(err.Error()))
+			}
+		})
+	}
+}
