@@ -172,7 +172,7 @@ func PullArtifact(ctx context.Context, repo Repository, artifactType string, con
 	}
 	if m.Config.MediaType != wantConfig {
 		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.New(errcode.InvalidInput,
-			"%s has a config of type %q, not %s; it was not written by this version of vmsnap", ref, m.Config.MediaType, wantConfig)
+			"%s has a config of type %q, not %s; it was not written by this version of vmsnap", ref, clip(m.Config.MediaType), wantConfig)
 	}
 	if err := checkChunkLayers(m.Layers); err != nil {
 		return ocispec.Descriptor{}, ocispec.Manifest{}, errcode.Ensure(errcode.InvalidInput, err, "%s", ref)

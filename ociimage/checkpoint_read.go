@@ -39,7 +39,7 @@ func ReadCheckpoint(ctx context.Context, repo Repository, desc ocispec.Descripto
 	for _, e := range idx.Manifests {
 		name := e.Annotations[AnnotationPart]
 		if !slices.Contains(Parts, name) || e.MediaType != ocispec.MediaTypeImageManifest {
-			return nil, errcode.New(errcode.InvalidInput, "checkpoint %s lists %s as part %q (%s): not a part vmsnap knows", ref, e.Digest, name, e.MediaType)
+			return nil, errcode.New(errcode.InvalidInput, "checkpoint %s lists %s as part %q (%s): not a part vmsnap knows", ref, e.Digest, clip(name), clip(e.MediaType))
 		}
 		d := ocispec.Descriptor{MediaType: e.MediaType, Digest: e.Digest, Size: e.Size}
 		if err := c.add(Part{Name: name, Ref: repo.Reference().WithDigest(e.Digest), Desc: d}); err != nil {
@@ -99,7 +99,7 @@ func OpenPart(ctx context.Context, ref Reference, name string, opts ...Option) (
 	p, ok := c.Part(name)
 	if !ok {
 		if path := c.Annotations[AnnotationDiskRootfsPath]; name == PartDisk && path != "" {
-			return nil, nil, errcode.New(errcode.InvalidInput, "checkpoint %s has no disk image: its disk overlay is in its rootfs image, at %s; start the container from that image", c.Ref, path)
+			return nil, nil, errcode.New(errcode.InvalidInput, "checkpoint %s has no disk image: its disk overlay is in its rootfs image, at %s; start the container from that image", c.Ref, clip(path))
 		}
 		return nil, nil, errcode.New(errcode.InvalidInput, "checkpoint %s has no %s image", c.Ref, name)
 	}

@@ -63,7 +63,7 @@ func checkIndex(idx ocispec.Index) error {
 		return errcode.New(errcode.InvalidInput, "image index has schemaVersion %d, not 2", idx.SchemaVersion)
 	}
 	if idx.MediaType != ocispec.MediaTypeImageIndex {
-		return errcode.New(errcode.InvalidInput, "image index has media type %q, not %s", idx.MediaType, ocispec.MediaTypeImageIndex)
+		return errcode.New(errcode.InvalidInput, "image index has media type %q, not %s", clip(idx.MediaType), ocispec.MediaTypeImageIndex)
 	}
 	if len(idx.Manifests) > maxIndexEntries {
 		return errcode.New(errcode.InvalidInput, "image index lists %d manifests, more than the %d vmsnap accepts", len(idx.Manifests), maxIndexEntries)

@@ -51,19 +51,24 @@ func RelativeLink(from, to Reference) (string, error) {
 		to.WithDigest(""), from.WithDigest("").WithTag(""))
 }
 
+// maxLinkLen bounds a link: the longest repository name a reference may
+// have (which also bounds a layout's directory name), '@' and a sha256
+// digest.
+const maxLinkLen = maxRepoNameLen + 1 + len("sha256:") + 64
+
 // ResolveLink resolves a link (REPOSITORY@sha256:HEX) against base, the
 // repository the checkpoint that holds it was read from. A link that is not
 // of that form, or whose repository could lead anywhere but a repository
 // of base's registry (a layout beside base's), is INVALID_INPUT.
 func ResolveLink(base Reference, link string) (Reference, error) {
 	at := strings.LastIndexByte(link, '@')
-	if at <= 0 {
-		return Reference{}, errcode.New(errcode.InvalidInput, "link %q is not REPOSITORY@sha256:HEX", link)
+	if at <= 0 || len(link) > maxLinkLen {
+		return Reference{}, errcode.New(errcode.InvalidInput, "link %q is not REPOSITORY@sha256:HEX (at most %d bytes)", clip(link), maxLinkLen)
 	}
 	path := link[:at]
 	d, err := parseDigest(link[at+1:])
 	if err != nil {
-		return Reference{}, errcode.Wrap(errcode.InvalidInput, err, "link %q", link)
+		return Reference{}, errcode.Wrap(errcode.InvalidInput, err, "link %q", clip(link))
 	}
 	if base.IsLayout() {
 		return siblingLayout(base, path, d, link)

@@ -66,7 +66,7 @@ func checkManifest(m ocispec.Manifest) error {
 		return errcode.New(errcode.InvalidInput, "manifest has schemaVersion %d, not 2", m.SchemaVersion)
 	}
 	if m.MediaType != ocispec.MediaTypeImageManifest {
-		return errcode.New(errcode.InvalidInput, "manifest has media type %q, not %s", m.MediaType, ocispec.MediaTypeImageManifest)
+		return errcode.New(errcode.InvalidInput, "manifest has media type %q, not %s", clip(m.MediaType), ocispec.MediaTypeImageManifest)
 	}
 	if len(m.Layers) > MaxLayers {
 		return errcode.New(errcode.InvalidInput, "manifest has %d layers, more than the %d vmsnap accepts", len(m.Layers), MaxLayers)
@@ -91,10 +91,10 @@ func checkManifest(m ocispec.Manifest) error {
 // name a file or size a buffer.
 func checkDescriptor(what string, d ocispec.Descriptor) error {
 	if _, err := parseDigest(string(d.Digest)); err != nil {
-		return errcode.Wrap(errcode.InvalidInput, err, "manifest %s has an invalid digest %q", what, d.Digest)
+		return errcode.Wrap(errcode.InvalidInput, err, "manifest %s has an invalid digest %q", what, clip(string(d.Digest)))
 	}
 	if d.Size < 0 {
-		return errcode.New(errcode.InvalidInput, "manifest %s %s has a negative size %d", what, d.Digest, d.Size)
+		return errcode.New(errcode.InvalidInput, "manifest %s %s has a negative size %d", what, clip(string(d.Digest)), d.Size)
 	}
 	return nil
 }

@@ -162,7 +162,7 @@ func describeArtifact(artifactType, configMediaType string) string {
 	case artifactType == "":
 		return "image without an artifact type"
 	}
-	return "image of type " + artifactType
+	return "image of type " + clip(artifactType)
 }
 
 // Encryption, as the OCI image encryption convention of containers/ocicrypt
