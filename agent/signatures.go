@@ -6,8 +6,8 @@ package agent
 // signature (ociimage.VerifySignature) by one of the keys that apply to
 // it: every --verify-key, for every image, and the key of every
 // --require-signature HOST[:PORT]/PREFIX=KEY whose prefix covers its
-// repository, with the rules and the {namespace} placeholder of
-// --allow-repository (policy.go). No key applying: no signature needed.
+// repository, with the rules of --allow-repository (policy.go), a
+// {namespace} placeholder matching any namespace whoever asks. No key applying: no signature needed.
 // The signature is checked before anything else of the image is read;
 // an image without one is AUTH_FAILED.
 
@@ -52,15 +52,19 @@ func newSignaturePolicy(all []ociimage.VerifyKey, required []string) (*signature
 	return p, nil
 }
 
-// keysFor are the keys that apply to the image reference s for caller c.
-func (p *signaturePolicy) keysFor(c Caller, s string) ([]ociimage.VerifyKey, error) {
+// keysFor are the keys that apply to the image reference s. A
+// requirement belongs to the repository, not to the caller: {namespace}
+// in it matches any namespace, as it does for an admin caller, so a
+// caller of one namespace reading another's repository (under a broader
+// --allow-repository) needs that repository's signature too.
+func (p *signaturePolicy) keysFor(_ Caller, s string) ([]ociimage.VerifyKey, error) {
 	ref, err := ociimage.ParseReference(s)
 	if err != nil {
 		return nil, err
 	}
 	keys := append([]ociimage.VerifyKey(nil), p.all...)
 	for _, e := range p.prefixed {
-		if e.prefix.covers(ref, c) {
+		if e.prefix.covers(ref, Caller{Admin: true}) {
 			keys = append(keys, e.key)
 		}
 	}

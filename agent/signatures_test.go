@@ -22,8 +22,8 @@ func keyFiles(t *testing.T) (priv, pub string) {
 }
 
 // The keys that apply to an image: every --verify-key, plus those of the
-// --require-signature entries whose prefix covers its repository for the
-// caller ({namespace} included).
+// --require-signature entries whose prefix covers its repository
+// ({namespace} standing for any namespace, whoever the caller is).
 func TestRequireSignatureKeysPerRepository(t *testing.T) {
 	_, pubA := keyFiles(t)
 	_, pubS := keyFiles(t)
@@ -48,7 +48,10 @@ func TestRequireSignatureKeysPerRepository(t *testing.T) {
 		want   []string // paths of the keys that apply
 	}{
 		{p, callerA, "reg.example/tenants/tenant-a/vm" + d, []string{pubA}},
-		{p, callerB, "reg.example/tenants/tenant-a/vm" + d, nil},
+		// A requirement is the repository's, whoever reads it: tenant B
+		// may not read tenant A's images unsigned under a broader
+		// --allow-repository.
+		{p, callerB, "reg.example/tenants/tenant-a/vm" + d, []string{pubA}},
 		{p, callerAdmin, "reg.example/tenants/tenant-a/vm" + d, []string{pubA}},
 		{p, callerA, "reg.example/shared/vm" + d, []string{pubS}},
 		{p, callerA, "reg.example/sharedx/vm" + d, nil},

@@ -109,8 +109,9 @@ Signatures (the README's "Signing"): with --sign-key every checkpoint's
 manifests are signed as cosign sign --key signs them. A restore or prepare
 request's image must carry a cosign signature by one of the keys that apply
 to it: every --verify-key, and the KEY of every --require-signature
-HOST[:PORT]/PREFIX=KEY whose PREFIX covers its repository (same rules and
-{namespace} as --allow-repository); no key applying, no signature needed.
+HOST[:PORT]/PREFIX=KEY whose PREFIX covers its repository (the rules of
+--allow-repository, {namespace} matching any namespace whoever asks); no
+key applying, no signature needed.
 It is checked before anything else of the image is read: an unsigned or
 wrongly signed image is AUTH_FAILED.`,
 		Args: cobra.NoArgs,
