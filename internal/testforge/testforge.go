@@ -35,6 +35,10 @@ import (
 // changed and restores the attacker's pages. It returns the manifest
 // (untagged) and the attacker's pages by page number.
 func Parent(ctx context.Context, repo ociimage.Repository, victim ocispec.Descriptor, span int64, seed uint64, stagingDir string) (ocispec.Descriptor, map[int][]byte, error) {
+	victim, err := ociimage.StateManifest(ctx, repo, victim) // a checkpoint's tag names its index
+	if err != nil {
+		return ocispec.Descriptor{}, nil, err
+	}
 	m, err := repo.Manifest(ctx, victim)
 	if err != nil {
 		return ocispec.Descriptor{}, nil, err
