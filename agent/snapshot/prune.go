@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -136,13 +137,17 @@ type inventory struct {
 	tags        map[digest.Digest][]string // every tag, by what it names
 	tagged      map[string]digest.Digest
 	checkpoints map[digest.Digest]*checkpoint
+	// unreadable are the checkpoints prune could not read: left alone and
+	// reported, so that one bad index (anyone who may push to the
+	// repository can write one) does not stop the retention of the rest.
+	unreadable map[digest.Digest]string // why, by digest
 }
 
 // findCheckpoints reads the manifests the tags name, and follows the
 // previous links of the checkpoints among them.
 func findCheckpoints(ctx context.Context, repo pruneRepo) (*inventory, error) {
 	inv := &inventory{repo: repo.Reference(), tags: map[digest.Digest][]string{}, tagged: map[string]digest.Digest{},
-		checkpoints: map[digest.Digest]*checkpoint{}}
+		checkpoints: map[digest.Digest]*checkpoint{}, unreadable: map[digest.Digest]string{}}
 	tags, err := repo.ListTags(ctx)
 	if err != nil {
 		return nil, err
@@ -164,6 +169,10 @@ func findCheckpoints(ctx context.Context, repo pruneRepo) (*inventory, error) {
 		}
 		c, err := ociimage.ReadCheckpoint(ctx, repo, desc)
 		if errors.Is(err, ociimage.ErrNotCheckpoint) {
+			continue
+		}
+		if code := errcode.Of(err); code == errcode.InvalidInput || code == errcode.DigestMismatch {
+			inv.unreadable[desc.Digest] = err.Error()
 			continue
 		}
 		if err != nil {
@@ -253,6 +262,12 @@ type prunePlan struct {
 // checkpoints behind it, which is the newer within a chain.
 func planPrune(inv *inventory, keep int) *prunePlan {
 	p := &prunePlan{images: map[digest.Digest][]digest.Digest{}, kinds: map[digest.Digest]string{}, companions: map[digest.Digest][]digest.Digest{}}
+	for _, d := range slices.Sorted(maps.Keys(inv.unreadable)) {
+		why := inv.unreadable[d]
+		p.left = append(p.left, api.PrunedImage{Image: inv.repo.WithDigest(d).String(), Tags: inv.tags[d],
+			Reason: "a checkpoint prune cannot read, left alone: " + why})
+		p.roots = append(p.roots, d) // a layout's collection keeps it
+	}
 	var dated []*checkpoint
 	for _, cp := range inv.checkpoints {
 		if cp.dated {

@@ -563,3 +563,60 @@ func TestPruneDeletesOnlyThePartsAnIndexSaysTheyAre(t *testing.T) {
 		t.Fatal("the old checkpoint is still there")
 	}
 }
+
+// One checkpoint index in the repository that prune cannot read (anyone
+// who may push there can write one) is left alone and reported; the
+// others' retention goes on.
+func TestPruneLeavesAnUnreadableCheckpointAndGoesOn(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	var ds []string
+	for i, created := range []string{"2020-01-01T00:00:00Z", "2021-01-01T00:00:00Z"} {
+		repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir, Tag: []string{"a", "b"}[i]})
+		if err != nil {
+			t.Fatal(err)
+		}
+		desc, err := pushTagged(ctx, repo, ociimage.Artifact{
+			ArtifactType: ociimage.ArtifactTypeVMState, ConfigMediaType: ociimage.MediaTypeVMStateConfig,
+			Config: map[string]int{"n": i}, Annotations: map[string]string{ociimage.AnnotationCreated: created},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ds = append(ds, desc.Digest.String())
+	}
+	// An index with the checkpoint marker listing a part vmsnap does not
+	// know, under a tag of its own.
+	repo, err := ociimage.Open(ctx, ociimage.Reference{Layout: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := repo.ResolveTag(ctx, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	first.Annotations = map[string]string{ociimage.AnnotationPart: "bogus"}
+	bad, err := repo.PutIndex(ctx, ocispec.Index{Manifests: []ocispec.Descriptor{first},
+		Annotations: map[string]string{ociimage.AnnotationCheckpoint: ociimage.ArtifactTypeCheckpoint}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ociimage.TagManifest(ctx, repo, bad, "bad"); err != nil {
+		t.Fatal(err)
+	}
+
+	res, err := Prune(ctx, PruneSpec{Repo: "oci:" + dir, Keep: 1})
+	if err != nil {
+		t.Fatalf("prune stopped at the unreadable index: %v", err)
+	}
+	if !slices.Equal(digests(res.Kept), []string{ds[1]}) || !slices.Equal(digests(res.Removed), []string{ds[0]}) {
+		t.Fatalf("kept %v removed %v, want %s kept and %s removed", digests(res.Kept), digests(res.Removed), ds[1], ds[0])
+	}
+	var reported bool
+	for _, l := range res.LeftImages {
+		reported = reported || strings.HasSuffix(l.Image, "@"+bad.Digest.String()) && strings.Contains(l.Reason, "cannot read")
+	}
+	if !reported || manifestGone(t, "oci:"+dir, bad.Digest.String(), nil) {
+		t.Fatalf("the unreadable index is not reported as left, or is gone: %+v", res.LeftImages)
+	}
+}
