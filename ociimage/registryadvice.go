@@ -59,7 +59,9 @@ func unreachable(err error, host string) (failed, advice string) {
 	case errors.As(err, &record) || strings.Contains(err.Error(), "malformed HTTP"):
 		return "registry " + host + " does not answer as a registry (neither TLS nor HTTP)",
 			"check the registry's address and port in the reference"
-	case errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE):
+	// net.ErrClosed: the client's own end, closed under a write once the
+	// registry had dropped the connection (seen on a loaded machine).
+	case errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed):
 		return "registry " + host + " closed the connection mid-transfer",
 			"if this persists, check the registry and the network in between"
 	}

@@ -2,10 +2,12 @@ package ociimage
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -53,5 +55,21 @@ func TestRegistryThatIsNoRegistry(t *testing.T) {
 				t.Fatalf("retried what no retry can fix: %v", err)
 			}
 		})
+	}
+}
+
+// A connection the registry dropped mid-transfer says so, whichever end
+// noticed first: a reset, a broken pipe, an early EOF, or the client's
+// own end closed under a write.
+func TestUnreachableNamesADroppedConnection(t *testing.T) {
+	for _, err := range []error{
+		io.ErrUnexpectedEOF,
+		&net.OpError{Op: "read", Err: syscall.ECONNRESET},
+		&net.OpError{Op: "write", Err: syscall.EPIPE},
+		&net.OpError{Op: "write", Err: net.ErrClosed},
+	} {
+		if failed, _ := unreachable(fmt.Errorf("Put \"https://r/v2/x\": %w", err), "r"); !strings.Contains(failed, "closed the connection mid-transfer") {
+			t.Errorf("%v: %q, want it to say the registry closed the connection", err, failed)
+		}
 	}
 }

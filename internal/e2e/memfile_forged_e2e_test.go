@@ -46,8 +46,8 @@ func TestMemoryFileE2EForgedParentUnderTheTag(t *testing.T) {
 		t.Fatal(err)
 	}
 	victim, err := repo.ResolveTag(ctx, "vm")
-	if err != nil || victim.Digest.String() != cp1.VMState.Digest {
-		t.Fatalf("the tag names %s (%v), want the checkpoint %s", victim.Digest, err, cp1.VMState.Digest)
+	if err != nil || victim.Digest.String() != cp1.Checkpoint.Digest {
+		t.Fatalf("the tag names %s (%v), want the checkpoint %s", victim.Digest, err, cp1.Checkpoint.Digest)
 	}
 	forged, pages, err := testforge.Parent(ctx, repo, victim, 4<<20, 99, t.TempDir())
 	if err != nil {
