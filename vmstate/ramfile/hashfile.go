@@ -46,6 +46,8 @@ func (w *window) firstPage() int { return int(w.off / PageSize) }
 // to 4) map and hash windows in parallel; this goroutine visits each window
 // in order and unmaps it. At most two windows per worker are mapped at
 // once, so the resident set holds a few MiB of the file, whatever its size.
+// hash and visit read the mapping: a file that shrinks meanwhile is an
+// error (readMapped), not the end of the process.
 func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) error) error {
 	var wins []*window
 	if err := dataExtents(f, size, func(start, end int64) error {
@@ -81,9 +83,15 @@ func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) er
 		go func() {
 			defer wg.Done()
 			for win := range jobs {
-				if win.err = mapWindow(f, win); win.err == nil && hash != nil {
-					hash(win)
-				}
+				win.err = readMapped(func() error {
+					if err := mapWindow(f, win); err != nil {
+						return err
+					}
+					if hash != nil {
+						hash(win)
+					}
+					return nil
+				})
 				close(win.ready)
 			}
 		}()
@@ -108,7 +116,7 @@ func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) er
 		<-win.ready
 		err := win.err
 		if err == nil {
-			err = visit(win)
+			err = readMapped(func() error { return visit(win) })
 		}
 		if win.unmap != nil {
 			win.unmap()
