@@ -209,6 +209,24 @@ func wrapCEK(cek []byte, r Recipient) (map[string]any, []byte, error) {
 type unwrapCache struct {
 	mu sync.Mutex
 	m  map[string]*unwrapped
+	// spent: an unwrap was refused, maxUnwraps made already.
+	spent bool
+}
+
+// maxUnwraps bounds the private-key operations of one Decrypt repository
+// (the unwraps the cache does not answer). An image vmsnap wrote needs one
+// per CEK (65,536 layers each) for the key that opens it, another writer's
+// one per layer; but a JWE may list any number of recipients, each an RSA
+// operation of a millisecond or more that no deadline interrupts, so an
+// image in a tenant's repository could otherwise keep the cores busy for
+// minutes per manifest read.
+const maxUnwraps = 1024
+
+// overBudget says whether an unwrap was refused for want of budget.
+func (c *unwrapCache) overBudget() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.spent
 }
 
 type unwrapped struct {
@@ -247,9 +265,18 @@ func (c cachedKey) DecryptKey(encryptedKey []byte, header jose.Header) ([]byte, 
 			return nil, errUnwrap
 		}
 	}
+	// A recipient that names another key is not this key's to try.
+	if kid := header.KeyID; strings.HasPrefix(kid, "sha256:") && kid != c.key.ID {
+		return nil, errUnwrap
+	}
 	id := unwrapID(c.key.ID, alg, epk, apu, apv, encryptedKey)
 	c.cache.mu.Lock()
 	u := c.cache.m[id]
+	if u == nil && len(c.cache.m) >= maxUnwraps {
+		c.cache.spent = true
+		c.cache.mu.Unlock()
+		return nil, errUnwrap
+	}
 	if u == nil {
 		u = &unwrapped{}
 		c.cache.m[id] = u
