@@ -63,6 +63,36 @@ func reserveStaging(dir string, need int64, forQEMU bool) (release func(), err e
 	if err != nil {
 		return nil, err
 	}
+	return reserve(fs, need), nil
+}
+
+// reserveCache reserves need bytes on the filesystem of a RAM cache while
+// a file fills there (Prepare): the agent's caches are in its state
+// directory, beside the staging files of running operations, and each
+// must leave the others' room.
+func reserveCache(dir string, need int64) (release func(), err error) {
+	stagingSpace.Lock()
+	defer stagingSpace.Unlock()
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "checking the free space of the RAM cache %s", dir)
+	}
+	fs := [2]int32(st.Fsid.Val)
+	free, err := freeSpace(dir)
+	if err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "checking the free space of the RAM cache %s", dir)
+	}
+	if reserved := stagingSpace.reserved[fs]; free-reserved < need {
+		return nil, errcode.New(errcode.Internal, "the RAM cache %s has %d MiB free (%d MiB of it for other operations under way), and this image's RAM file may need %d MiB: free space there or pick another directory with %s",
+			dir, free>>20, reserved>>20, need>>20, errcode.Field("cacheDir"))
+	}
+	return reserve(fs, need), nil
+}
+
+// reserve adds need to what filesystem fs has reserved, until release is
+// called (once; more calls do nothing). The caller holds stagingSpace's
+// lock.
+func reserve(fs [2]int32, need int64) (release func()) {
 	if stagingSpace.reserved == nil {
 		stagingSpace.reserved = map[[2]int32]int64{}
 	}
@@ -76,7 +106,7 @@ func reserveStaging(dir string, need int64, forQEMU bool) (release func(), err e
 				delete(stagingSpace.reserved, fs)
 			}
 		})
-	}, nil
+	}
 }
 
 // checkRoom is stagingRoom's check, and the filesystem's id. The caller
