@@ -234,7 +234,7 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	}
 	// What it stages (pages, device state) is bounded by the VM's memory:
 	// that room is reserved until the staging files are gone.
-	release, err := reserveStaging(stagingDir(opts.StagingDir), maxStateBytes(res.Config.Record.MemoryBytes), false)
+	release, err := reserveStaging(stagingDir(opts.StagingDir), maxStateBytes(res.Config.Record.MemoryBytes), false, opts.StagingOwner)
 	if err != nil {
 		return nil, err
 	}

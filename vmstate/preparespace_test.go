@@ -27,7 +27,7 @@ func TestPrepareReservesItsRoomBesideRunningOperations(t *testing.T) {
 	stateDir := t.TempDir()
 	fakeFree(t, 12<<20)
 	// Another tenant's checkpoint stages on the same filesystem.
-	release, err := reserveStaging(filepath.Join(stateDir), 8<<20, false)
+	release, err := reserveStaging(filepath.Join(stateDir), 8<<20, false, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -42,7 +42,7 @@ func TestPrepareReservesItsRoomBesideRunningOperations(t *testing.T) {
 		t.Fatalf("once the other operation released its room: %v", err)
 	}
 	// The room is the fill's only while it fills: the next may take it.
-	again, err := reserveStaging(stateDir, 12<<20, false)
+	again, err := reserveStaging(stateDir, 12<<20, false, "")
 	if err != nil {
 		t.Fatalf("after the prepare (%s), its reservation is still held: %v", p.MemoryFile, err)
 	}
