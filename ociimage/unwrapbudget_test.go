@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -70,11 +71,47 @@ func TestDecryptBoundsPrivateKeyOperations(t *testing.T) {
 	if err == nil {
 		t.Fatal("a layer whose JWE lists only forged recipients was opened")
 	}
-	if n := len(dec.unwrapped.m); n > maxUnwraps {
-		t.Fatalf("reading one manifest made %d private-key operations (%v), more than the %d a Decrypt repository may make", n, took, maxUnwraps)
+	if n, most := len(dec.unwrapped.m), baseUnwraps+unwrapsPerLayer; n > most {
+		t.Fatalf("reading a manifest of one encrypted layer made %d private-key operations (%v), more than the %d a Decrypt repository may make for it", n, took, most)
 	}
 	if errcode.Of(err) != errcode.InvalidInput {
 		t.Fatalf("got %v (code %s), want INVALID_INPUT saying the image asks for too many unwraps", err, errcode.Of(err))
 	}
 	t.Logf("%d private-key operations, %v: %v", len(dec.unwrapped.m), took, err)
+}
+
+// The bound grows with the layers read: an image another writer encrypted
+// with a key of its own per layer (ocicrypt's way; here, each layer sealed
+// under its own CEK) needs an unwrap per layer, more than the base budget.
+func TestDecryptReadsAnImageWithAKeyPerLayer(t *testing.T) {
+	f := newEncFixture(t, 2) // an EC key: the cheaper unwrap
+	dir := t.TempDir()
+	repo, err := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt[1:]}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc := repo.(*encrypting)
+	const n = baseUnwraps + 100
+	var layers []ocispec.Descriptor
+	for _, c := range randomChunks(n, 64) {
+		enc.seal.mu.Lock()
+		enc.seal.cur = nil // a CEK of its own
+		enc.seal.mu.Unlock()
+		d := ocispec.Descriptor{MediaType: MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c)), Annotations: map[string]string{AnnotationRawSize: "1"}}
+		if _, err := addBlob(t.Context(), enc, d, c); err != nil {
+			t.Fatal(err)
+		}
+		layers = append(layers, d)
+	}
+	desc, err := PushArtifact(t.Context(), enc, Artifact{ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig, Config: testConfig{Machine: "pc", Memory: 1}, Layers: layers})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec := Decrypt(openLayout(t, "oci:"+dir), f.priv[1:]).(*decrypting)
+	if _, err := dec.Manifest(t.Context(), desc); err != nil {
+		t.Fatalf("an image of %d layers, each under its own key: %v", n, err)
+	}
+	if got := len(dec.unwrapped.m); got != n {
+		t.Fatalf("%d private-key operations for %d layers under keys of their own, want one each", got, n)
+	}
 }
