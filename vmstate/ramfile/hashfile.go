@@ -83,7 +83,7 @@ func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) er
 		go func() {
 			defer wg.Done()
 			for win := range jobs {
-				win.err = readMapped(func() error {
+				win.err = readMapped(win, func() error {
 					if err := mapWindow(f, win); err != nil {
 						return err
 					}
@@ -116,7 +116,7 @@ func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) er
 		<-win.ready
 		err := win.err
 		if err == nil {
-			err = readMapped(func() error { return visit(win) })
+			err = readMapped(win, func() error { return visit(win) })
 		}
 		if win.unmap != nil {
 			win.unmap()
