@@ -61,6 +61,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	// From here the operation uses the files the resolver opened, never the
 	// paths; the container's paths name them in messages and annotations.
 	spec.Handles = &vm.Handles
+	spec.StagingOwner = stagingOwner(vm.Target)
 	spec.Records = s.parentRecords(vm.Target)
 	if spec.Handles.OpenRAMFile == nil {
 		// Never the host path QEMU names: only a resolver that opens it
@@ -157,7 +158,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.
-			StagingDir: s.cfg.StateDir,
+			StagingDir: s.cfg.StateDir, StagingOwner: stagingOwner(target),
 			// The RAM cache of the VM's own namespace, and no other: what
 			// its callers prepared there (Prepare).
 			CacheDir: restoreCacheDir(s.cfg.StateDir, target.Namespace),

@@ -50,6 +50,7 @@ func (d *decrypting) Manifest(ctx context.Context, desc ocispec.Descriptor) (oci
 	}
 	layers := make([]ocispec.Descriptor, len(m.Layers))
 	found := make([]decLayer, len(m.Layers))
+	d.unwrapped.credit(desc.Digest, countEncrypted(m.Layers))
 	// Unwrapping is a private-key operation per distinct wrapped CEK
 	// (about a millisecond for RSA): one per recipient for an image vmsnap
 	// wrote (jwe.go), one per layer for other writers. One goroutine per
@@ -168,4 +169,13 @@ func Decrypting(repo Repository) bool {
 		}
 		repo = u.Unwrap()
 	}
+}
+
+func countEncrypted(layers []ocispec.Descriptor) (n int) {
+	for _, l := range layers {
+		if IsEncrypted(l) {
+			n++
+		}
+	}
+	return n
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/go-jose/go-jose/v4"
 	josecipher "github.com/go-jose/go-jose/v4/cipher"
+	"github.com/opencontainers/go-digest"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
@@ -209,6 +210,44 @@ func wrapCEK(cek []byte, r Recipient) (map[string]any, []byte, error) {
 type unwrapCache struct {
 	mu sync.Mutex
 	m  map[string]*unwrapped
+	// budget is how many unwraps the cache may make (see baseUnwraps);
+	// credited, the manifests whose layers were added to it.
+	budget   int
+	credited map[digest.Digest]bool
+	// spent: an unwrap was refused, the budget made already.
+	spent bool
+}
+
+// The private-key operations of one Decrypt repository (the unwraps the
+// cache does not answer) are bounded: baseUnwraps, and unwrapsPerLayer for
+// each encrypted layer of the manifests it read. An image vmsnap wrote
+// needs one per CEK (65,536 layers each) for the key that opens it,
+// another writer's one per layer; but a JWE may list any number of
+// recipients, each an RSA operation of a millisecond or more that no
+// deadline interrupts, so an image in a tenant's repository could
+// otherwise keep the cores busy for minutes per manifest read.
+const (
+	baseUnwraps     = 1024
+	unwrapsPerLayer = 2
+)
+
+// credit adds the budget of a manifest's encrypted layers, once per
+// manifest.
+func (c *unwrapCache) credit(manifest digest.Digest, layers int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.credited[manifest] {
+		c.credited[manifest] = true
+		c.budget += unwrapsPerLayer * layers
+	}
+}
+
+// overBudget says whether an unwrap was refused for want of budget, and
+// what the budget is.
+func (c *unwrapCache) overBudget() (bool, int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.spent, c.budget
 }
 
 type unwrapped struct {
@@ -217,7 +256,9 @@ type unwrapped struct {
 	err  error
 }
 
-func newUnwrapCache() *unwrapCache { return &unwrapCache{m: map[string]*unwrapped{}} }
+func newUnwrapCache() *unwrapCache {
+	return &unwrapCache{m: map[string]*unwrapped{}, budget: baseUnwraps, credited: map[digest.Digest]bool{}}
+}
 
 // cachedKey is a DecryptionKey as go-jose's decrypter of opaque keys: the
 // unwrap of one JWE recipient, through the cache.
@@ -247,9 +288,18 @@ func (c cachedKey) DecryptKey(encryptedKey []byte, header jose.Header) ([]byte, 
 			return nil, errUnwrap
 		}
 	}
+	// A recipient that names another key is not this key's to try.
+	if kid := header.KeyID; strings.HasPrefix(kid, "sha256:") && kid != c.key.ID {
+		return nil, errUnwrap
+	}
 	id := unwrapID(c.key.ID, alg, epk, apu, apv, encryptedKey)
 	c.cache.mu.Lock()
 	u := c.cache.m[id]
+	if u == nil && len(c.cache.m) >= c.cache.budget {
+		c.cache.spent = true
+		c.cache.mu.Unlock()
+		return nil, errUnwrap
+	}
 	if u == nil {
 		u = &unwrapped{}
 		c.cache.m[id] = u

@@ -314,6 +314,10 @@ func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey, cache *unwrapCache
 		}
 		return plain, k, nil
 	}
+	if spent, budget := cache.overBudget(); spent {
+		return ocispec.Descriptor{}, layerKey{}, errcode.New(errcode.InvalidInput,
+			"encrypted layer %s: the image's wrapped keys took more than %d private-key operations to try, more than any image needs (its JWEs list forged recipients?): refused", l.Digest, budget)
+	}
 	return ocispec.Descriptor{}, layerKey{}, notForTheseKeys(l, keys)
 }
 

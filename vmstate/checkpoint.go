@@ -88,6 +88,10 @@ type CheckpointOptions struct {
 	// and where a memory-file checkpoint sets the changed pages aside
 	// while the VM is stopped (default $TMPDIR).
 	StagingDir string
+	// StagingOwner is whose operation this is (the agent: the VM's
+	// namespace): staging files that QEMUs keep after their operations
+	// count per owner (maxKeptStaging).
+	StagingOwner string
 	// Parent, for FormatMemoryFile, is the manifest (in the same
 	// repository) whose RAM file this checkpoint stores the changes to,
 	// checked against the VM's memory unless Records holds it. Nil: the

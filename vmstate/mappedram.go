@@ -77,7 +77,7 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 		// device state alone goes through QEMU's stream. Its pages are
 		// staged: with no room for the most this VM may stage, the stream.
 		if opts.Mode != ModeLive && record.RAM.fileShared() && record.RAM.Bytes <= ramfile.MaxFileBytes &&
-			stagingRoom(stagingDir(opts.StagingDir), maxStateBytes(record.MemoryBytes), false) == nil {
+			stagingRoom(stagingDir(opts.StagingDir), maxStateBytes(record.MemoryBytes), false, opts.StagingOwner) == nil {
 			return FormatMemoryFile, nil
 		}
 	case FormatStream:
@@ -91,7 +91,7 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 		case record.RAM.Bytes > ramfile.MaxFileBytes:
 			return "", errcode.New(errcode.Usage, "the memory-file format holds guests of up to %d GiB (an image lists at most %d regions of %d MiB), and this one has %d GiB: use %s auto or stream", ramfile.MaxFileBytes>>30, ramfile.MaxRegionLayers, ramfile.RegionSize>>20, record.RAM.Bytes>>30, errcode.Field("format"))
 		}
-		if err := stagingRoom(stagingDir(opts.StagingDir), maxStateBytes(record.MemoryBytes), false); err != nil {
+		if err := stagingRoom(stagingDir(opts.StagingDir), maxStateBytes(record.MemoryBytes), false, opts.StagingOwner); err != nil {
 			return "", err
 		}
 		return FormatMemoryFile, nil
@@ -121,7 +121,7 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 		}
 		return FormatStream, nil
 	}
-	err = stagingRoom(stagingDir(opts.StagingDir), maxStateBytes(record.MemoryBytes), true)
+	err = stagingRoom(stagingDir(opts.StagingDir), maxStateBytes(record.MemoryBytes), true, opts.StagingOwner)
 	switch {
 	case err == nil:
 		return FormatMappedRAM, nil
@@ -165,7 +165,7 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	memory := res.Config.Record.MemoryBytes
 	ctx, abort := context.WithCancelCause(ctx)
 	defer abort(nil)
-	staging, err := newStagingFile(dir, os.O_WRONLY, mon, memory, abort)
+	staging, err := newStagingFile(dir, os.O_WRONLY, mon, memory, opts.StagingOwner, abort)
 	if err != nil {
 		return nil, err
 	}
@@ -392,7 +392,7 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	// memory is the target's, which matches it (checkRestorable).
 	ctx, abort := context.WithCancelCause(ctx)
 	defer abort(nil)
-	staging, err := newStagingFile(dir, os.O_RDONLY, mon, cfg.Record.MemoryBytes, abort)
+	staging, err := newStagingFile(dir, os.O_RDONLY, mon, cfg.Record.MemoryBytes, opts.StagingOwner, abort)
 	if err != nil {
 		return nil, err
 	}

@@ -234,7 +234,7 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	}
 	// What it stages (pages, device state) is bounded by the VM's memory:
 	// that room is reserved until the staging files are gone.
-	release, err := reserveStaging(stagingDir(opts.StagingDir), maxStateBytes(res.Config.Record.MemoryBytes), false)
+	release, err := reserveStaging(stagingDir(opts.StagingDir), maxStateBytes(res.Config.Record.MemoryBytes), false, opts.StagingOwner)
 	if err != nil {
 		return nil, err
 	}
@@ -493,9 +493,11 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 	}
 	opts.Cache.ReadOnly = mapsReadOnly(cfg)
 	res.MemoryFile, res.FetchedBytes, err = opts.Cache.Fill(ctx, desc.Digest, cfg.RAM.Bytes, func(f *os.File) (int64, error) {
-		if free, err := freeSpace(opts.Cache.Dir); err == nil && free < cfg.RAM.DataBytes {
-			return 0, errcode.New(errcode.Internal, "the RAM cache %s has %d MiB free, and this image's RAM file needs %d MiB: free space there or pick another directory with %s", opts.Cache.Dir, free>>20, cfg.RAM.DataBytes>>20, errcode.Field("cacheDir"))
+		release, err := reserveCache(opts.Cache.Dir, maxFillBytes(cfg))
+		if err != nil {
+			return 0, err
 		}
+		defer release()
 		return materializeVerified(ctx, repo, cfg, ram, f, opts)
 	})
 	if err != nil {

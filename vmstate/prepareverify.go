@@ -24,6 +24,12 @@ func checkGuestMemory(cfg Config, max int64) error {
 	return nil
 }
 
+// maxFillBytes is the most a prepare's RAM file may allocate: what the
+// config declares, and a region's worth of rounding (a filesystem
+// allocates whole blocks). The fill reserves it and Materialize holds the
+// file to it.
+func maxFillBytes(cfg Config) int64 { return cfg.RAM.DataBytes + ramfile.RegionSize }
+
 // materializeVerified writes the image's RAM file into f, then, for a
 // delta, checks every page of it against the image's page map
 // (ramfile.Verify) before any QEMU may map it: a delta's inherited pages
@@ -33,10 +39,7 @@ func checkGuestMemory(cfg Config, max int64) error {
 // decides nothing a restore gives (a VM's own copy is checked against it
 // all the same before the node records it, recordOwnCopy).
 func materializeVerified(ctx context.Context, repo ociimage.Repository, cfg Config, ram ramfile.Layers, f *os.File, opts PrepareOptions) (int64, error) {
-	mo := ramfile.MaterializeOptions{Workers: opts.Workers, Progress: opts.Progress,
-		// What the config declares, and a region's worth of rounding
-		// (a filesystem allocates whole blocks).
-		MaxDataBytes: cfg.RAM.DataBytes + ramfile.RegionSize}
+	mo := ramfile.MaterializeOptions{Workers: opts.Workers, Progress: opts.Progress, MaxDataBytes: maxFillBytes(cfg)}
 	fetched, err := ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, mo)
 	if err != nil || len(cfg.RAM.Chain) == 1 {
 		return fetched, err

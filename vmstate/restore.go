@@ -23,6 +23,8 @@ type RestoreOptions struct {
 	// StagingDir is where a mapped-ram image is staged, verified, before
 	// QEMU loads it (default $TMPDIR).
 	StagingDir string
+	// StagingOwner: CheckpointOptions.StagingOwner.
+	StagingOwner string
 	// Cache is the RAM cache of the restore's caller (the CLI's
 	// --cache-dir, the agent's cache of the VM's namespace), where Prepare
 	// put memory-file images: an image prepared there from the same

@@ -29,6 +29,7 @@ type stagingFile struct {
 	dir     string
 	mon     Monitor
 	memory  int64       // the VM's: the file's bound is maxStateBytes(memory)
+	owner   string      // whose operation (maxKeptStaging)
 	abort   func(error) // called once, when the bound is passed
 	release func()      // of the space reservation
 
@@ -52,14 +53,14 @@ var stagingGuardInterval = 50 * time.Millisecond
 // file there, unlinked before this returns: it goes with the last
 // descriptor, whatever happens. QEMU's descriptor is open with flag
 // (os.O_WRONLY for its outgoing side, os.O_RDONLY for its incoming side:
-// QEMU's fdset matches the access mode). abort is called, once, if the file
+// QEMU's fdset matches the access mode), in an operation for owner. abort is called, once, if the file
 // passes its bound. Settle it once the operation is over.
-func newStagingFile(dir string, flag int, mon Monitor, memory int64, abort func(error)) (*stagingFile, error) {
-	release, err := reserveStaging(dir, maxStateBytes(memory), true)
+func newStagingFile(dir string, flag int, mon Monitor, memory int64, owner string, abort func(error)) (*stagingFile, error) {
+	release, err := reserveStaging(dir, maxStateBytes(memory), true, owner)
 	if err != nil {
 		return nil, err
 	}
-	s := &stagingFile{dir: dir, mon: mon, memory: memory, abort: abort, release: release}
+	s := &stagingFile{dir: dir, mon: mon, memory: memory, owner: owner, abort: abort, release: release}
 	if err := s.create(flag); err != nil {
 		s.closeAll()
 		release()

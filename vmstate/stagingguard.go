@@ -60,13 +60,11 @@ func (s *stagingFile) check() (over bool) {
 	}
 	// Counted while kept after its operation (maxKeptStaging).
 	s.kept = held
-	stagingSpace.Lock()
 	if held {
-		stagingSpace.kept++
+		keep(s.owner, 1)
 	} else {
-		stagingSpace.kept--
+		keep(s.owner, -1)
 	}
-	stagingSpace.Unlock()
 	if held {
 		return false
 	}

@@ -41,7 +41,7 @@ func waitNoneKept(t *testing.T) {
 	deadline := time.Now().Add(time.Minute)
 	for {
 		stagingSpace.Lock()
-		kept := stagingSpace.kept
+		kept := len(stagingSpace.kept)
 		stagingSpace.Unlock()
 		if kept == 0 {
 			return

@@ -110,21 +110,21 @@ func TestStagingFreeSpaceIsCheckedAgainstTheBound(t *testing.T) {
 func TestStagingReservationsAddUp(t *testing.T) {
 	dir := t.TempDir()
 	fakeFree(t, 3<<30)
-	first, err := reserveStaging(dir, 2<<30, true)
+	first, err := reserveStaging(dir, 2<<30, true, "")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := reserveStaging(dir, 2<<30, true); errcode.Of(err) != errcode.Internal {
+	if _, err := reserveStaging(dir, 2<<30, true, ""); errcode.Of(err) != errcode.Internal {
 		t.Fatalf("a second reservation past the free space: %v, want INTERNAL", err)
 	}
 	first()
 	first() // once only
-	second, err := reserveStaging(dir, 2<<30, true)
+	second, err := reserveStaging(dir, 2<<30, true, "")
 	if err != nil {
 		t.Fatalf("after the first was released: %v", err)
 	}
 	second()
-	if _, err := reserveStaging(dir, 4<<30, true); errcode.Of(err) != errcode.Internal {
+	if _, err := reserveStaging(dir, 4<<30, true, ""); errcode.Of(err) != errcode.Internal {
 		t.Fatal("a reservation larger than the free space was granted")
 	}
 }

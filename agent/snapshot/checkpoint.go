@@ -57,6 +57,9 @@ type CheckpointSpec struct {
 	// when left empty).
 	Format     vmstate.Format
 	StagingDir string
+	// StagingOwner: vmstate.CheckpointOptions's (the agent: the VM's
+	// namespace).
+	StagingOwner string
 	// Parent, for the memory-file format, is the checkpoint
 	// (REF@sha256:..., in the same repository as Image) this one stores
 	// the changed pages of, verified against the VM's memory unless
@@ -211,7 +214,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		}
 	}
 
-	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir,
+	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir, StagingOwner: s.StagingOwner,
 		MaxChain: s.MaxChain, Records: s.Records, OpenRAMFile: h.OpenRAMFile}
 	opts.Annotations = previous
 	if s.Parent != "" {

@@ -29,6 +29,9 @@ type RestoreSpec struct {
 	Progress Progress
 	// StagingDir is where a mapped-ram image is staged (default $TMPDIR).
 	StagingDir string
+	// StagingOwner: vmstate.RestoreOptions's (the agent: the VM's
+	// namespace).
+	StagingOwner string
 	// CacheDir is the RAM cache where the caller prepared memory-file
 	// images (PrepareSpec.CacheDir), looked up by the image's digest
 	// (vmstate.RestoreOptions.Cache); "" for none. PrivateParent as
@@ -60,7 +63,7 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 		return nil, err
 	}
 	defer mon.Close()
-	opts := vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream), StagingDir: s.StagingDir}
+	opts := vmstate.RestoreOptions{Paused: s.Paused, Stream: s.Progress.stream("restore", s.Stream), StagingDir: s.StagingDir, StagingOwner: s.StagingOwner}
 	if s.CacheDir != "" {
 		opts.Cache = &ramfile.Cache{Dir: s.CacheDir, PrivateParent: s.PrivateParent}
 	}

@@ -136,7 +136,7 @@ wrongly signed image is AUTH_FAILED.`,
 	c.Flags().IntVar(&cfg.Limits.Operations, "max-operations-per-caller", agent.DefaultMaxOperationsPerCaller,
 		"checkpoints, restores and prepares one caller may have pending or running; more are refused with BUSY")
 	c.Flags().Int64Var(&cfg.RAMCacheMaxBytes, "ram-cache-max-bytes", 0,
-		"bound of each namespace's RAM file cache (--state-dir/ram/NAMESPACE, filled by prepare requests), in allocated bytes: "+
+		"bound of each namespace's RAM file cache (--state-dir/ram/NAMESPACE, filled by prepare requests), in allocated bytes, the device states kept beside the files included: "+
 			"once a file is ready, the least recently used others past it are removed (QEMUs that map them keep their pages; 0: no bound)")
 	c.Flags().Int64Var(&cfg.MaxGuestMemory, "max-guest-memory", 0,
 		"refuse a prepare request whose image declares more guest memory than this many bytes, before fetching its layers (0: this node's memory)")

@@ -314,7 +314,7 @@ func flockContext(ctx context.Context, f *os.File) error {
 type Entry struct {
 	Path     string
 	Key      digest.Digest
-	Bytes    int64 // allocated (a RAM file is sparse)
+	Bytes    int64 // allocated (a RAM file is sparse), its kept state's included
 	LastUsed time.Time
 }
 
@@ -337,9 +337,9 @@ func (c Cache) List() ([]Entry, error) {
 		if err != nil || !fi.Mode().IsRegular() {
 			continue
 		}
-		e := Entry{Path: p, Key: key, LastUsed: fi.ModTime()}
+		e := Entry{Path: p, Key: key, LastUsed: fi.ModTime(), Bytes: c.stateBytes(key)}
 		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-			e.Bytes = st.Blocks * 512
+			e.Bytes += st.Blocks * 512
 		}
 		out = append(out, e)
 	}

@@ -41,6 +41,12 @@ const (
 	// maxSourcesFile bounds the file: a reference is at most a few
 	// hundred bytes.
 	maxSourcesFile = 64 << 10
+	// maxKeptState bounds the state kept for one image (its config and
+	// compressed device state chunks). A memory-file image's is a few
+	// hundred KiB to a few MiB (QEMU's unshared RAM: ROMs, video memory);
+	// a chunk's compressed size is what its writer says, which no raw
+	// bound limits, so an image that holds more is read from the store.
+	maxKeptState = 64 << 20
 )
 
 func stateName(key digest.Digest) string {
@@ -174,8 +180,9 @@ func readSources(f *os.File) ([]string, error) {
 // KeepState keeps the device state of the image desc (read from src,
 // pinned to it) beside its RAM file, complete or absent, and records src's
 // repository as a source of it. An image whose copy would not keep its
-// digest (a decrypted copy of an encrypted image) is not kept: a restore
-// then reads the store. It is an optimization: a failure only means that.
+// digest (a decrypted copy of an encrypted image), or that holds more than
+// maxKeptState, is not kept: a restore then reads the store. It is an
+// optimization: a failure only means that.
 func (c Cache) KeepState(ctx context.Context, src ociimage.Repository, desc ocispec.Descriptor) error {
 	lock, err := os.OpenFile(c.Path(desc.Digest)+".lock", os.O_CREATE|os.O_RDWR|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
@@ -199,7 +206,7 @@ func (c Cache) KeepState(ctx context.Context, src ociimage.Repository, desc ocis
 	if err != nil {
 		return err
 	}
-	copied, err := ociimage.CopyLayers(ctx, src, dst, 0, 4, func(l ocispec.Descriptor) bool { return !IsRAMLayer(l) })
+	copied, err := ociimage.CopyLayers(ctx, src, dst, maxKeptState, 4, func(l ocispec.Descriptor) bool { return !IsRAMLayer(l) })
 	if err != nil || copied.Digest != desc.Digest {
 		return err
 	}
@@ -238,4 +245,22 @@ func addSource(dir, source string) error {
 		return errcode.Wrap(errcode.Internal, err, "RAM cache")
 	}
 	return nil
+}
+
+// stateBytes is what the state kept for key allocates (0 if none): it
+// counts with the RAM file against the cache's bound (Evict).
+func (c Cache) stateBytes(key digest.Digest) int64 {
+	var n int64
+	_ = filepath.WalkDir(filepath.Join(c.Dir, stateName(key)), func(_ string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		if fi, err := d.Info(); err == nil {
+			if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+				n += st.Blocks * 512
+			}
+		}
+		return nil
+	})
+	return n
 }

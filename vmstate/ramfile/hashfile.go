@@ -3,7 +3,6 @@ package ramfile
 import (
 	"os"
 	"runtime"
-	"runtime/debug"
 	"sync"
 	"syscall"
 
@@ -47,6 +46,8 @@ func (w *window) firstPage() int { return int(w.off / PageSize) }
 // to 4) map and hash windows in parallel; this goroutine visits each window
 // in order and unmaps it. At most two windows per worker are mapped at
 // once, so the resident set holds a few MiB of the file, whatever its size.
+// hash and visit read the mapping: a file that shrinks meanwhile is an
+// error (readMapped), not the end of the process.
 func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) error) error {
 	var wins []*window
 	if err := dataExtents(f, size, func(start, end int64) error {
@@ -82,11 +83,13 @@ func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) er
 		go func() {
 			defer wg.Done()
 			for win := range jobs {
-				win.err = readingMapped(func() error {
-					if err := mapWindow(f, win); err != nil || hash == nil {
+				win.err = readMapped(win, func() error {
+					if err := mapWindow(f, win); err != nil {
 						return err
 					}
-					hash(win)
+					if hash != nil {
+						hash(win)
+					}
 					return nil
 				})
 				close(win.ready)
@@ -113,7 +116,7 @@ func hashFile(f *os.File, size int64, hash func(*window), visit func(*window) er
 		<-win.ready
 		err := win.err
 		if err == nil {
-			err = readingMapped(func() error { return visit(win) })
+			err = readMapped(win, func() error { return visit(win) })
 		}
 		if win.unmap != nil {
 			win.unmap()
@@ -144,25 +147,4 @@ func mapWindow(f *os.File, win *window) error {
 		win.hashes[k] = fastHash(win.page(k))
 	}
 	return nil
-}
-
-// readingMapped runs f, which reads windows of the RAM file mapped in
-// memory, and returns a fault in them as an error. The file is the VM's:
-// its QEMU can shrink it while it is mapped, and reading a page beyond the
-// new end raises SIGBUS, which would otherwise end the whole process (the
-// node agent, with every other VM it has stopped).
-func readingMapped(f func() error) (err error) {
-	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
-	defer func() {
-		v := recover()
-		if v == nil {
-			return
-		}
-		if fault, ok := v.(interface{ Addr() uintptr }); ok && fault != nil {
-			err = errcode.New(errcode.InvalidInput, "the VM's RAM file shrank while vmsnap read it (its QEMU truncated it?): the checkpoint is abandoned")
-			return
-		}
-		err = errcode.Recovered(v)
-	}()
-	return f()
 }
