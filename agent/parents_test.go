@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/agent/snapshot"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
 	"github.com/vmsnap/vmsnap/internal/testforge"
 	"github.com/vmsnap/vmsnap/ociimage"

@@ -8,7 +8,7 @@ import (
 	"strings"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/agent/snapshot"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 

@@ -172,7 +172,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	if opts.Mode == "" {
 		opts.Mode = ModeSnapshot
 	}
-	// Not a cross-flag rule (agent/snapshot's CheckpointSpec.Validate
+	// Not a cross-flag rule (internal/snapshot's CheckpointSpec.Validate
 	// refuses live mode with a disk or rootfs image, before this is
 	// reached): WhileStopped is defined to run while the VM is stopped,
 	// which live mode never does, so vmstate's public API refuses the pair

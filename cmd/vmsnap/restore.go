@@ -10,7 +10,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/agent/snapshot"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 

@@ -1,6 +1,6 @@
 // Package testhook holds the points where the tests of one package step
 // into an operation of another while it runs (the agent's tests into a
-// checkpoint of package agent/snapshot). Only tests set them.
+// checkpoint of package internal/snapshot). Only tests set them.
 package testhook
 
 // BeforeDiskCapture runs in every checkpoint while the VM is stopped, just

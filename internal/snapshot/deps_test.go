@@ -19,7 +19,7 @@ func TestSnapshotDoesNotImportTheDaemon(t *testing.T) {
 		t.Fatalf("go list -deps: %v", err)
 	}
 	deps := strings.Fields(string(out))
-	if len(deps) < 10 || !strings.HasSuffix(deps[len(deps)-1], "/agent/snapshot") {
+	if len(deps) < 10 || !strings.HasSuffix(deps[len(deps)-1], "/internal/snapshot") {
 		t.Fatalf("go list -deps listed %d packages, ending %q: not this package's", len(deps), deps[len(deps)-1])
 	}
 	for _, d := range deps {

@@ -9,8 +9,8 @@
 // files beneath their volumes; the CLI's own paths are opened once here
 // (OpenLocal). Paths are names for messages and annotations only.
 //
-// It sits under agent/ because the top level is fixed and it is the one
-// layer above vmstate, rootfs and ociimage, which it composes; but it does
+// It sits in internal/ because the top level is fixed and it is the one
+// layer above vmstate, rootfs and ociimage, which it composes; it does
 // not import package agent (TestSnapshotDoesNotImportTheDaemon): a program
 // that runs operations locally does not link the daemon. The JSON documents
 // the operations return are package agent/api's, as the daemon's are.
