@@ -7,7 +7,7 @@ import (
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/api/resource"
 
-	"github.com/vmsnap/vmsnap/agent/manifests"
+	"github.com/vmsnap/vmsnap/internal/manifests"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 

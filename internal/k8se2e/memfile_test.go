@@ -11,7 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/vmsnap/vmsnap/agent/manifests"
+	"github.com/vmsnap/vmsnap/internal/manifests"
 	"github.com/vmsnap/vmsnap/internal/testcluster"
 	"github.com/vmsnap/vmsnap/internal/testguest"
 )

@@ -20,7 +20,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/vmsnap/vmsnap/agent/manifests"
+	"github.com/vmsnap/vmsnap/internal/manifests"
 	"github.com/vmsnap/vmsnap/internal/testcluster"
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/internal/testregistry"
