@@ -104,7 +104,7 @@ clean:
 FUZZTIME ?= 10s
 FUZZ_TARGETS := \
 	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest ./ociimage:FuzzReadCheckpoint ./ociimage:FuzzVerifySignature \
-	./vmstate/chunk:FuzzDecodeStream ./vmstate/chunk:FuzzValidateLayers ./vmstate:FuzzRecord \
+	./ociimage/chunk:FuzzDecodeStream ./ociimage/chunk:FuzzValidateLayers ./vmstate:FuzzRecord \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \

@@ -1,6 +1,6 @@
 package snapshot
 
-import "github.com/vmsnap/vmsnap/vmstate/chunk"
+import "github.com/vmsnap/vmsnap/ociimage/chunk"
 
 // Progress reports bytes done in a phase ("vmstate", "disk", "rootfs",
 // "restore", "stage"). It may be nil.
