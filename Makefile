@@ -108,7 +108,7 @@ FUZZ_TARGETS := \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
-	./rootfs/overlay:FuzzReadHeader \
+	./vmstate/disk:FuzzReadHeader \
 	./cmd/vmsnap:FuzzErrorRendering
 .PHONY: fuzz
 fuzz:

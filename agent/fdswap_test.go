@@ -31,9 +31,9 @@ import (
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/qmp/qmptest"
-	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
+	"github.com/vmsnap/vmsnap/vmstate/disk"
 )
 
 // tenant is a pod whose QEMU container has a volume (HostDir, at /run/vm)
@@ -119,7 +119,7 @@ func storedDisk(t *testing.T, image string) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, m, _, err := overlay.LoadDiskConfig(ctx, repo)
+	_, m, _, err := disk.LoadDiskConfig(ctx, repo)
 	if err != nil {
 		t.Fatal(err)
 	}

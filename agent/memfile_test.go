@@ -22,8 +22,8 @@ import (
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/agent/containerd"
-	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )

@@ -15,8 +15,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testguard"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )

@@ -6,8 +6,8 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testkeys"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"

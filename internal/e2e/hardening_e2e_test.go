@@ -42,9 +42,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/manifests"
 	"github.com/vmsnap/vmsnap/internal/snapshot"
-	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testcontainerd"
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/ociimage"

@@ -10,11 +10,11 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testhook"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp"
 	"github.com/vmsnap/vmsnap/rootfs"
-	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
-	"github.com/vmsnap/vmsnap/ociimage/chunk"
+	vmdisk "github.com/vmsnap/vmsnap/vmstate/disk"
 )
 
 // CheckpointSpec is one checkpoint of the VM behind a QMP socket.
@@ -192,7 +192,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	}
 	if h.Disk != nil {
 		// Refuse a bad overlay before the VM is touched.
-		if _, _, err := overlay.Inspect(h.Disk, s.DiskPath); err != nil {
+		if _, _, err := vmdisk.Inspect(h.Disk, s.DiskPath); err != nil {
 			return nil, err
 		}
 	}
@@ -220,9 +220,9 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		}
 	}
 	var (
-		disk       *overlay.CaptureResult
+		disk       *vmdisk.CaptureResult
 		layer      *rootfs.LayerResult
-		ovl        overlay.Header // of an overlay captured in the rootfs image only
+		ovl        vmdisk.Header // of an overlay captured in the rootfs image only
 		overlaySz  int64
 		overlayDur time.Duration
 	)
@@ -234,7 +234,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		parts = append(parts, &part{what: "disk", st: diskStore, capture: func(ctx context.Context, link *vmstate.Link) (ocispec.Descriptor, error) {
 			testhook.BeforeDiskCapture()
 			var err error
-			if disk, err = overlay.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream)); err != nil {
+			if disk, err = vmdisk.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream)); err != nil {
 				return ocispec.Descriptor{}, err
 			}
 			return disk.Manifest, state.join(link, ociimage.PartDisk, diskStore, disk.Manifest)
@@ -246,7 +246,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			if diskInRootfs && disk == nil {
 				// What the rootfs image will hold, as it is now.
 				t0 := time.Now()
-				if ovl, overlaySz, err = overlay.Inspect(h.Disk, s.DiskPath); err != nil {
+				if ovl, overlaySz, err = vmdisk.Inspect(h.Disk, s.DiskPath); err != nil {
 					return ocispec.Descriptor{}, err
 				}
 				overlayDur = time.Since(t0)

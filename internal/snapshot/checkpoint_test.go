@@ -15,10 +15,10 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/rootfs"
 	"github.com/vmsnap/vmsnap/vmstate"
-	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // resolveIn resolves ref (a tag or a digest) in the layout dir.

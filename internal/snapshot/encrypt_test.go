@@ -12,8 +12,8 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
 func testRecipient(t *testing.T) (ociimage.Recipient, ociimage.DecryptionKey) {

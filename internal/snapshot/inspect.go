@@ -10,8 +10,8 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/disk"
 )
 
 // InspectSpec is one inspect of an image.
@@ -128,11 +128,11 @@ func describe(ctx context.Context, repo ociimage.Repository, opts []ociimage.Opt
 		}
 		doc.VMState = &cfg
 	case ociimage.ArtifactTypeDisk:
-		var cfg overlay.DiskConfig
+		var cfg disk.DiskConfig
 		if len(doc.EncryptedFor) > 0 {
 			_, _, err = ociimage.PullArtifact(ctx, repo, ociimage.ArtifactTypeDisk, &cfg)
 		} else {
-			_, _, cfg, err = overlay.LoadDiskConfig(ctx, repo)
+			_, _, cfg, err = disk.LoadDiskConfig(ctx, repo)
 		}
 		doc.Disk = &cfg
 		if err == nil {

@@ -12,9 +12,9 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/vmstate"
-	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // A memory-file image staged for an init container holds its device state

@@ -18,8 +18,8 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
+	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
 // taken is one checkpoint of a fake VM: its result, the state it streamed

@@ -20,9 +20,9 @@ import (
 	"github.com/vmsnap/vmsnap/internal/testguest"
 	"github.com/vmsnap/vmsnap/internal/testregistry"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/rootfs"
-	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // captureContainerImage is a CaptureRootfs that stores a small container

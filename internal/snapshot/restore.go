@@ -7,10 +7,10 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/qmp"
-	"github.com/vmsnap/vmsnap/rootfs/overlay"
-	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
+	"github.com/vmsnap/vmsnap/qmp"
+	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/disk"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
@@ -94,7 +94,7 @@ func RestoreDisk(ctx context.Context, s DiskRestoreSpec) (*api.RestoredDisk, err
 	if err != nil {
 		return nil, err
 	}
-	res, err := overlay.Restore(ctx, repo, s.Path, s.Progress.stream("disk", s.Stream))
+	res, err := disk.Restore(ctx, repo, s.Path, s.Progress.stream("disk", s.Stream))
 	if err != nil {
 		return nil, err
 	}

@@ -10,8 +10,8 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
+	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 

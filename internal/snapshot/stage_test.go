@@ -10,9 +10,9 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/vmstate"
-	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // checkpointToLayout stores a fake VM's state in a layout and returns the

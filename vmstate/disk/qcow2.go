@@ -1,4 +1,4 @@
-// Package overlay handles the VM's writable qcow2 overlay, the disk state
+// Package disk handles the VM's writable qcow2 overlay, the disk state
 // vmsnap checkpoints next to a VM's memory: it judges the overlay's header,
 // captures the overlay as an image of its own and restores it, atomically
 // and sparse. It is apart from package rootfs, which captures the container's
@@ -6,7 +6,7 @@
 // dependencies, and an overlay is a file QEMU writes, not a container's
 // filesystem. This file reads and judges the overlay's qcow2 header, written
 // from QEMU's docs/interop/qcow2.txt.
-package overlay
+package disk
 
 import (
 	"bytes"

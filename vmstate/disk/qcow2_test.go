@@ -1,4 +1,4 @@
-package overlay
+package disk
 
 import (
 	"bytes"
