@@ -24,7 +24,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/containerd"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/snapshot"
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	testcontainerd "github.com/vmsnap/vmsnap/internal/testing/containerd"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 

@@ -8,7 +8,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/snapshot"
-	"github.com/vmsnap/vmsnap/internal/testkeys"
+	testkeys "github.com/vmsnap/vmsnap/internal/testing/keys"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )

@@ -8,7 +8,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testhook"
+	"github.com/vmsnap/vmsnap/internal/testing/hook"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp"
@@ -232,7 +232,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	var parts []*part
 	if diskStore != nil {
 		parts = append(parts, &part{what: "disk", st: diskStore, capture: func(ctx context.Context, link *vmstate.Link) (ocispec.Descriptor, error) {
-			testhook.BeforeDiskCapture()
+			hook.BeforeDiskCapture()
 			var err error
 			if disk, err = vmdisk.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream)); err != nil {
 				return ocispec.Descriptor{}, err

@@ -13,7 +13,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -48,7 +48,7 @@ func resolveTag(t *testing.T, dir, tag string) string {
 // has moved: the disk's tag still names the previous checkpoint's disk.
 func TestCheckpointTagsMoveOnlyOnceEverythingIsStored(t *testing.T) {
 	ctx := context.Background()
-	overlay := testguest.NewDisk(t, t.TempDir())
+	overlay := guest.NewDisk(t, t.TempDir())
 	stateDir, diskDir := t.TempDir(), t.TempDir()
 	spec := func(vm *qmptest.FakeQEMU, mode vmstate.Mode) CheckpointSpec {
 		return CheckpointSpec{
@@ -186,7 +186,7 @@ func breakIndexLock(t *testing.T, dir string) {
 // back, and every tag names the previous checkpoint's images.
 func TestCheckpointMovesTheDiskTagBackWhenTheRootfsTagFails(t *testing.T) {
 	ctx := context.Background()
-	overlay := testguest.NewDisk(t, t.TempDir())
+	overlay := guest.NewDisk(t, t.TempDir())
 	stateDir, diskDir, rootfsDir := t.TempDir(), t.TempDir(), t.TempDir()
 	captures := 0
 	spec := func(vm *qmptest.FakeQEMU, breakRootfs bool) CheckpointSpec {
@@ -275,7 +275,7 @@ func pinned(t *testing.T, dir, d string) ocispec.Descriptor {
 // back, stays on the new disk, and the error says so.
 func TestMoveTagsMovesBackWhenTheStateTagFails(t *testing.T) {
 	ctx := context.Background()
-	overlay := testguest.NewDisk(t, t.TempDir())
+	overlay := guest.NewDisk(t, t.TempDir())
 	stateDir, diskDir := t.TempDir(), t.TempDir()
 	checkpoint := func(tagged bool) *api.CheckpointResult {
 		t.Helper()

@@ -12,7 +12,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/internal/testregistry"
+	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 
@@ -130,7 +130,7 @@ func TestLegacyLinkIsFollowedOnTheRegistryItIsReadFrom(t *testing.T) {
 			c.Close()
 		}
 	}()
-	reg := testregistry.Start(t)
+	reg := registry.Start(t)
 	opts := append(registryOpts(reg), ociimage.WithRetry(1, 0))
 	image := reg.Host + "/vms/vm1"
 	_, cps := legacyCheckpoints(t, image, opts, 1, func(s string) string { return strings.Replace(s, reg.Host, ln.Addr().String(), 1) })
@@ -211,7 +211,7 @@ func relinkIndex(t *testing.T, repo ociimage.Repository, res *api.CheckpointResu
 // referrers fallback tag sha256-HEX; prune deletes those of the disks it
 // removes and keeps the kept ones'.
 func TestPruneRegistryRemovesLegacyFallbackTags(t *testing.T) {
-	reg := testregistry.Start(t)
+	reg := registry.Start(t)
 	opts := registryOpts(reg)
 	image := reg.Host + "/vms/vm1"
 	overlay, cps := legacyCheckpoints(t, image, opts, 4, func(s string) string { return s })

@@ -8,11 +8,11 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testregistry"
+	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 
-func registryOpts(reg *testregistry.Registry) []ociimage.Option {
+func registryOpts(reg *registry.Registry) []ociimage.Option {
 	return []ociimage.Option{ociimage.WithRegistryConfig(reg.ConfigDir), ociimage.WithCAFile(reg.CAFile)}
 }
 
@@ -22,7 +22,7 @@ func registryOpts(reg *testregistry.Registry) []ociimage.Option {
 // disk images answer 404. A checkpoint index names its images, none of them
 // has a subject, so the registry holds no referrers fallback tag.
 func TestPruneRegistry(t *testing.T) {
-	reg := testregistry.Start(t)
+	reg := registry.Start(t)
 	opts := registryOpts(reg)
 	image := reg.Host + "/vms/vm1"
 	overlay, cps := fourCheckpoints(t, image, opts)
@@ -64,7 +64,7 @@ func TestPruneRegistry(t *testing.T) {
 // TestPruneRegistryThatRefusesDeletes: distribution's default config
 // refuses deletes; prune says so, with what to change, and deletes nothing.
 func TestPruneRegistryThatRefusesDeletes(t *testing.T) {
-	reg := testregistry.Start(t, testregistry.WithDeletesDisabled())
+	reg := registry.Start(t, registry.WithDeletesDisabled())
 	opts := registryOpts(reg)
 	image := reg.Host + "/vms/vm1"
 	_, cps := fourCheckpoints(t, image, opts)
@@ -93,7 +93,7 @@ func TestPruneRegistryThatRefusesDeletes(t *testing.T) {
 // checkpoints restorable, and a second prune removes everything the first
 // did not reach.
 func TestPruneRegistryInterruptedAtEveryStep(t *testing.T) {
-	reg := testregistry.Start(t)
+	reg := registry.Start(t)
 	opts := registryOpts(reg)
 	interrupted := errors.New("interrupted")
 	for stop := 1; ; stop++ {

@@ -16,7 +16,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testguest"
+	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -37,7 +37,7 @@ type taken struct {
 // own: it records when it was taken).
 func fourCheckpoints(t *testing.T, image string, opts []ociimage.Option) (overlay string, cps []taken) {
 	t.Helper()
-	overlay = testguest.NewDisk(t, t.TempDir())
+	overlay = guest.NewDisk(t, t.TempDir())
 	for i := range 4 {
 		if i == 1 || i == 3 {
 			appendToOverlay(t, overlay)

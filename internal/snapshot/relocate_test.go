@@ -16,9 +16,9 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/ocischema"
-	"github.com/vmsnap/vmsnap/internal/testguest"
-	"github.com/vmsnap/vmsnap/internal/testregistry"
+	"github.com/vmsnap/vmsnap/internal/testing/guest"
+	"github.com/vmsnap/vmsnap/internal/testing/ocischema"
+	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -73,7 +73,7 @@ func readIndex(t *testing.T, dir, d string) ocispec.Index {
 func TestCheckpointIndexListsItsImages(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
-	overlay := testguest.NewDisk(t, t.TempDir())
+	overlay := guest.NewDisk(t, t.TempDir())
 	take := func(state []byte) *CheckpointSpec {
 		return &CheckpointSpec{QMPPath: qmptest.NewFakeQEMU(t, "running", state).Path(), DiskPath: overlay,
 			Image: "oci:" + dir + ":vm", DiskImage: "oci:" + dir + ":vm-disk", RootfsImage: "oci:" + dir + ":vm-rootfs",
@@ -156,7 +156,7 @@ func sameFile(t *testing.T, a, b string) bool {
 func TestCheckpointLinksADiskBesideIt(t *testing.T) {
 	ctx := context.Background()
 	root := filepath.Join(t.TempDir(), "snaps")
-	overlay := testguest.NewDisk(t, t.TempDir())
+	overlay := guest.NewDisk(t, t.TempDir())
 	state := randomState(t, 1<<20)
 	res, err := Checkpoint(ctx, CheckpointSpec{QMPPath: qmptest.NewFakeQEMU(t, "running", state).Path(), DiskPath: overlay,
 		Image: "oci:" + root + "/vm1:vm", DiskImage: "oci:" + root + "/vm1-disk:d", Stream: chunk.StreamOptions{ChunkSize: 256 << 10}})
@@ -196,7 +196,7 @@ func TestCheckpointRefusesAnImageItCannotLink(t *testing.T) {
 		{same + ":vm", same + ":vm", "would have the checkpoint's own tag"},
 	} {
 		vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20))
-		_, err := Checkpoint(ctx, CheckpointSpec{QMPPath: vm.Path(), DiskPath: testguest.NewDisk(t, t.TempDir()),
+		_, err := Checkpoint(ctx, CheckpointSpec{QMPPath: vm.Path(), DiskPath: guest.NewDisk(t, t.TempDir()),
 			Image: "oci:" + c.state, DiskImage: "oci:" + c.disk})
 		if errcode.Of(err) != errcode.Usage || !strings.Contains(err.Error(), c.want) {
 			t.Fatalf("disk image %s beside %s: %v, want USAGE saying %q", c.disk, c.state, err, c.want)
@@ -259,8 +259,8 @@ func openRepo(t *testing.T, ref string, opts []ociimage.Option) ociimage.Reposit
 // second registry's repository.
 func TestCheckpointCopiedToAnotherRegistryRestoresFromTheCopyAlone(t *testing.T) {
 	ctx := context.Background()
-	src, dst := testregistry.Start(t), testregistry.Start(t)
-	overlay := testguest.NewDisk(t, t.TempDir())
+	src, dst := registry.Start(t), registry.Start(t)
+	overlay := guest.NewDisk(t, t.TempDir())
 	state := randomState(t, 1<<20)
 	res, err := Checkpoint(ctx, CheckpointSpec{QMPPath: qmptest.NewFakeQEMU(t, "running", state).Path(), DiskPath: overlay,
 		Image: src.Host + "/vms/state:vm", DiskImage: src.Host + "/vms/disk:vm", Stream: chunk.StreamOptions{ChunkSize: 256 << 10}, Store: registryOpts(src)})

@@ -13,8 +13,8 @@ import (
 	"github.com/opencontainers/go-digest"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testguest"
-	"github.com/vmsnap/vmsnap/internal/testkeys"
+	"github.com/vmsnap/vmsnap/internal/testing/guest"
+	"github.com/vmsnap/vmsnap/internal/testing/keys"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
@@ -23,7 +23,7 @@ import (
 // option that signs and the one that verifies.
 func signingKeys(t *testing.T) (sign, verify ociimage.Option) {
 	t.Helper()
-	priv, pub, _ := testkeys.ECPair(t, t.TempDir(), "k")
+	priv, pub, _ := keys.ECPair(t, t.TempDir(), "k")
 	sk, err := ociimage.LoadSignKey(priv, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -41,7 +41,7 @@ func signingKeys(t *testing.T) (sign, verify ociimage.Option) {
 func checkpointFake(t *testing.T, dir, tag string, opts ...ociimage.Option) (img, diskImg, diskDir string, state []byte) {
 	t.Helper()
 	state = randomState(t, 256<<10)
-	overlay := testguest.NewDisk(t, t.TempDir())
+	overlay := guest.NewDisk(t, t.TempDir())
 	res, err := Checkpoint(context.Background(), CheckpointSpec{
 		QMPPath: qmptest.NewFakeQEMU(t, "running", state).Path(), DiskPath: overlay,
 		Image: "oci:" + dir + ":" + tag, DiskImage: "oci:" + dir + ":" + tag + "-disk", Store: opts,
