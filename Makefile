@@ -4,7 +4,7 @@ GO ?= go
 BIN := bin/vmsnap
 VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 # Debian packages the tests and the demo use. The Kubernetes test cluster
-# (internal/testcluster) adds etcd, the CNI plugins, iptables and iproute2;
+# (internal/testing/cluster) adds etcd, the CNI plugins, iptables and iproute2;
 # its Kubernetes binaries are built from testdata/k8s (cached).
 DEBS := qemu-system-x86 qemu-utils busybox-static zstd cpio containerd runc docker-registry skopeo apache2-utils \
 	etcd-server containernetworking-plugins iptables iproute2
@@ -42,41 +42,41 @@ vet:
 # $(VMSNAP_TEST_CACHE)/k8s (about 6 minutes on 2 cores from a cold Go cache),
 # before the tests that measure time run beside the build.
 k8s:
-	$(GO) test -count=1 -timeout 40m -run '^TestBinaries$$' ./internal/testcluster
+	$(GO) test -count=1 -timeout 40m -run '^TestBinaries$$' ./internal/testing/cluster
 
 # The copy tools of the interop tests (crane, oras), built from the Go module
 # proxy at pinned versions into $(VMSNAP_TEST_CACHE)/tools (about a minute
 # each), before the tests that measure time run beside the build.
 tools:
-	$(GO) test -count=1 -run '^TestToolsArePinned$$/^(crane|oras)$$' ./internal/testtools
+	$(GO) test -count=1 -run '^TestToolsArePinned$$/^(crane|oras)$$' ./internal/testing/tools
 
 # All tests, including the end-to-end ones on real QEMU guests (TCG) and on
 # a real single-node Kubernetes cluster. Installs what they need first. The
 # cluster's packages run after the rest, not beside it: a cluster with QEMU
 # guests in its pods is the heaviest load on the machine, and the other
 # end-to-end tests' guests would share two cores with it.
-# The cosign CLI of the signature tests (internal/testtools, about 7 minutes
+# The cosign CLI of the signature tests (internal/testing/tools, about 7 minutes
 # on 2 cores once, then cached) builds in the background from the start of
 # the tests, beside the packages that do not need it; the tests that do
 # wait for it (a file lock), and one that finds no binary builds it itself.
-CLUSTER_PKGS := ./internal/testcluster ./internal/k8se2e
+CLUSTER_PKGS := ./internal/testing/cluster ./internal/testing/k8se2e
 test: deps guest k8s tools vet
 	@mkdir -p bin
-	$(GO) test -count=1 -timeout 60m -run '^TestToolsArePinned$$/^cosign$$' ./internal/testtools >bin/cosign-build.log 2>&1 & \
-	$(GO) test -race -timeout 45m $$($(GO) list ./... | grep -v -e /internal/testcluster -e /internal/k8se2e -e /internal/testtools); \
+	$(GO) test -count=1 -timeout 60m -run '^TestToolsArePinned$$/^cosign$$' ./internal/testing/tools >bin/cosign-build.log 2>&1 & \
+	$(GO) test -race -timeout 45m $$($(GO) list ./... | grep -v -e /internal/testing/cluster -e /internal/testing/k8se2e -e /internal/testing/tools); \
 	status=$$?; wait $$! || { cat bin/cosign-build.log; status=1; }; exit $$status
 	$(GO) test -race -timeout 20m $(CLUSTER_PKGS)
 
 # The cosign CLI alone, into the test cache.
 cosign:
-	$(GO) test -count=1 -timeout 60m -run '^TestToolsArePinned$$/^cosign$$' ./internal/testtools
+	$(GO) test -count=1 -timeout 60m -run '^TestToolsArePinned$$/^cosign$$' ./internal/testing/tools
 
 # Fast unit tests only: fakes, no guest.
 test-unit:
 	$(GO) test -race -short ./...
 
 # Benchmarks, one package at a time (-p 1: they measure CPU time on a shared
-# machine). BenchmarkE2E (internal/e2e/bench_test.go) prints a table: QEMU's
+# machine). BenchmarkE2E (internal/testing/e2e/bench_test.go) prints a table: QEMU's
 # own stream rate, a scripted zstd + skopeo baseline and vmsnap, through a
 # TLS + auth registry, plus peak RSS, live downtime and incremental uploads
 # (BenchmarkE2E/stream); it also writes a CPU profile of one checkpoint to
@@ -104,11 +104,11 @@ clean:
 FUZZTIME ?= 10s
 FUZZ_TARGETS := \
 	./ociimage:FuzzLayoutPull ./ociimage:FuzzParseDigest ./ociimage:FuzzReadCheckpoint ./ociimage:FuzzVerifySignature \
-	./vmstate/chunk:FuzzDecodeStream ./vmstate/chunk:FuzzValidateLayers ./vmstate:FuzzRecord \
+	./ociimage/chunk:FuzzDecodeStream ./ociimage/chunk:FuzzValidateLayers ./vmstate:FuzzRecord \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
-	./rootfs/overlay:FuzzReadHeader \
+	./vmstate/disk:FuzzReadHeader \
 	./cmd/vmsnap:FuzzErrorRendering
 .PHONY: fuzz
 fuzz:

@@ -1,7 +1,7 @@
 // Package agent runs checkpoints and restores of QEMU VMs on a node: the
 // daemon and the client a Job uses to reach it.
 //
-// The operations themselves are package agent/snapshot, which the CLI also
+// The operations themselves are package internal/snapshot, which the CLI also
 // calls in its own process; the daemon calls them with a VM's files opened
 // by its resolver beneath the pod's volumes (snapshot.Handles). The daemon
 // (Server) adds what a node needs:

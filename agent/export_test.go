@@ -3,7 +3,7 @@ package agent
 import (
 	"testing"
 
-	"github.com/vmsnap/vmsnap/internal/testhook"
+	"github.com/vmsnap/vmsnap/internal/testing/hook"
 )
 
 // For the tests of package agent_test, which can import agent/containerd
@@ -20,9 +20,9 @@ func SetAfterResolve(t testing.TB, f func()) {
 // SetBeforeDiskCapture runs f in every checkpoint just before the disk
 // overlay is read, the VM stopped, until the test ends.
 func SetBeforeDiskCapture(t testing.TB, f func()) {
-	old := testhook.BeforeDiskCapture
-	testhook.BeforeDiskCapture = f
-	t.Cleanup(func() { testhook.BeforeDiskCapture = old })
+	old := hook.BeforeDiskCapture
+	hook.BeforeDiskCapture = f
+	t.Cleanup(func() { hook.BeforeDiskCapture = old })
 }
 
 // StartTestAgent runs an agent with resolver until the test ends and

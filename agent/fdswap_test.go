@@ -28,12 +28,12 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/agent/containerd"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
-	"github.com/vmsnap/vmsnap/internal/testguest"
+	testcontainerd "github.com/vmsnap/vmsnap/internal/testing/containerd"
+	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
-	"github.com/vmsnap/vmsnap/rootfs/overlay"
-	"github.com/vmsnap/vmsnap/vmstate/chunk"
+	"github.com/vmsnap/vmsnap/vmstate/disk"
 )
 
 // tenant is a pod whose QEMU container has a volume (HostDir, at /run/vm)
@@ -60,7 +60,7 @@ func newTenant(t *testing.T, d *testcontainerd.Daemon, hostDir, name string) *te
 	if err := os.Rename(p.vm.Path(), p.sock); err != nil {
 		t.Fatal(err)
 	}
-	p.overlay = testguest.NewDisk(t, p.c.HostDir)
+	p.overlay = guest.NewDisk(t, p.c.HostDir)
 	// Each tenant's overlay ends in bytes of its own, to be told apart.
 	f, err := os.OpenFile(p.overlay, os.O_WRONLY|os.O_APPEND, 0)
 	if err != nil {
@@ -119,7 +119,7 @@ func storedDisk(t *testing.T, image string) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, m, _, err := overlay.LoadDiskConfig(ctx, repo)
+	_, m, _, err := disk.LoadDiskConfig(ctx, repo)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -362,17 +362,17 @@ func TestAgentQMPSocketBeyondAddressLimit(t *testing.T) {
 // and checkpoints A's guest and stores A's overlay; B's guest never stops.
 func TestAgentSwapsAgainstRealQEMU(t *testing.T) {
 	d := testcontainerd.Start(t)
-	testguest.Assets(t)
+	guest.Assets(t)
 	type pod struct {
 		dir, overlay, monitor string
-		vm                    *testguest.VM
+		vm                    *guest.VM
 		uid                   string
 	}
 	start := func() *pod {
-		p := &pod{dir: testguest.FreeShortDir(t), uid: testcontainerd.NewPodUID()}
-		p.overlay = testguest.NewDisk(t, p.dir)
+		p := &pod{dir: guest.FreeShortDir(t), uid: testcontainerd.NewPodUID()}
+		p.overlay = guest.NewDisk(t, p.dir)
 		p.monitor = filepath.Join(p.dir, "test-mon.sock")
-		p.vm = testguest.Start(t, testguest.Options{Dir: p.dir, Disk: p.overlay,
+		p.vm = guest.Start(t, guest.Options{Dir: p.dir, Disk: p.overlay,
 			ExtraArgs: []string{"-qmp", "unix:" + p.monitor + ",server=on,wait=off"}})
 		d.Create(t, testcontainerd.PodContainer{PodUID: p.uid, HostDir: p.dir})
 		return p
@@ -385,7 +385,7 @@ func TestAgentSwapsAgainstRealQEMU(t *testing.T) {
 	f.Write(bytes.Repeat([]byte("tenant-b secret "), 4096)) // QEMU ignores bytes past its tables
 	f.Close()
 	for _, p := range []*pod{a, b} {
-		if _, err := p.vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter >= 1 }); err != nil {
+		if _, err := p.vm.WaitStatus(waitCtx(t), func(s guest.Status) bool { return s.Counter >= 1 }); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -403,7 +403,7 @@ func TestAgentSwapsAgainstRealQEMU(t *testing.T) {
 		t.Fatalf("pod B's guest is %s: the agent reached it through A's swapped socket", st)
 	}
 	last, _ := b.vm.LastStatus()
-	if _, err := b.vm.WaitStatus(waitCtx(t), func(s testguest.Status) bool { return s.Counter > last.Counter }); err != nil {
+	if _, err := b.vm.WaitStatus(waitCtx(t), func(s guest.Status) bool { return s.Counter > last.Counter }); err != nil {
 		t.Fatalf("pod B's guest does not count on: %v", err)
 	}
 	if st := qmpStatus(t, a.monitor); st == "running" {
@@ -429,7 +429,7 @@ func qmpStatus(t *testing.T, monitor string) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	raw, err := testguest.QMP(ctx, monitor, "query-status", nil)
+	raw, err := guest.QMP(ctx, monitor, "query-status", nil)
 	if err != nil {
 		t.Fatalf("query-status on %s: %v", monitor, err)
 	}

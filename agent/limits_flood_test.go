@@ -21,7 +21,7 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/internal/streamflood"
+	"github.com/vmsnap/vmsnap/internal/testing/streamflood"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
@@ -38,7 +38,7 @@ const (
 
 // TestFloodChild is not a test: it is the attacker of
 // TestAgentStreamFloodFromOneCaller, run in a child process
-// (internal/streamflood). It prints what it saw and holds its streams
+// (internal/testing/streamflood). It prints what it saw and holds its streams
 // until its stdin closes.
 func TestFloodChild(t *testing.T) {
 	socket := os.Getenv(floodChildSocket)

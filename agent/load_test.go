@@ -25,8 +25,8 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
-	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 func podUID(i int) string { return fmt.Sprintf("6f1c2a4e-%04d-4c0e-9a51-0123456789ab", i) }

@@ -22,9 +22,9 @@ import (
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/agent/containerd"
-	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
+	testcontainerd "github.com/vmsnap/vmsnap/internal/testing/containerd"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 

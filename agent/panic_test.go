@@ -11,8 +11,8 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testguest"
-	"github.com/vmsnap/vmsnap/internal/testhook"
+	"github.com/vmsnap/vmsnap/internal/testing/guest"
+	"github.com/vmsnap/vmsnap/internal/testing/hook"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
@@ -56,15 +56,15 @@ func TestAgentHandlerPanicIsInternal(t *testing.T) {
 func TestAgentCheckpointPanicContinuesVM(t *testing.T) {
 	vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20))
 	res := newStaticResolver()
-	res.vms[uid1] = api.Target{PodUID: uid1, Container: "qemu", ContainerID: "c-" + uid1, QMPPath: vm.Path(), DiskPath: testguest.NewDisk(t, t.TempDir())}
+	res.vms[uid1] = api.Target{PodUID: uid1, Container: "qemu", ContainerID: "c-" + uid1, QMPPath: vm.Path(), DiskPath: guest.NewDisk(t, t.TempDir())}
 	a := startAgent(t, t.TempDir(), res, 1)
 	store := t.TempDir()
 	req := api.CheckpointRequest{VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock", DiskPath: "/run/vm/overlay.qcow2"},
 		Image: "oci:" + store + ":vm", DiskImage: "oci:" + store + ":vm-disk", Mode: "pause"}
 
-	old := testhook.BeforeDiskCapture
-	testhook.BeforeDiskCapture = func() { panic("a bug while the VM is stopped") }
-	t.Cleanup(func() { testhook.BeforeDiskCapture = old })
+	old := hook.BeforeDiskCapture
+	hook.BeforeDiskCapture = func() { panic("a bug while the VM is stopped") }
+	t.Cleanup(func() { hook.BeforeDiskCapture = old })
 	final := checkpointAndWait(t, a, req)
 	if final.State != api.StateFailed || final.Error == nil || final.Error.Code != errcode.Internal ||
 		!strings.Contains(final.Error.Message, "a bug while the VM is stopped") || !strings.Contains(final.Error.Message, "the VM was continued") {
@@ -77,7 +77,7 @@ func TestAgentCheckpointPanicContinuesVM(t *testing.T) {
 	if entries, _ := a.srv.journal.list(); len(entries) != 0 {
 		t.Fatalf("the journal holds %d entries", len(entries))
 	}
-	testhook.BeforeDiskCapture = old
+	hook.BeforeDiskCapture = old
 	if again := checkpointAndWait(t, a, req); again.State != api.StateSucceeded {
 		t.Fatalf("the next checkpoint of the VM ended %s: %+v", again.State, again.Error)
 	}

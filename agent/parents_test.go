@@ -12,9 +12,9 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/agent/snapshot"
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
-	"github.com/vmsnap/vmsnap/internal/testforge"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
+	"github.com/vmsnap/vmsnap/internal/testing/containerd"
+	"github.com/vmsnap/vmsnap/internal/testing/forge"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate"
 )
@@ -24,7 +24,7 @@ import (
 // under (a tag planted by someone else included), another VM's never
 // does, and a VM whose container is replaced starts over with a base.
 func TestAgentMemoryFileRecordsEachVMsLastCheckpoint(t *testing.T) {
-	d := testcontainerd.Start(t)
+	d := containerd.Start(t)
 	podsDir, err := os.MkdirTemp("", "p")
 	if err != nil {
 		t.Fatal(err)
@@ -67,7 +67,7 @@ func TestAgentMemoryFileRecordsEachVMsLastCheckpoint(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	forged, _, err := testforge.Parent(ctx, repo, secondDesc, 1<<20, 7, t.TempDir())
+	forged, _, err := forge.Parent(ctx, repo, secondDesc, 1<<20, 7, t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,8 +8,8 @@ import (
 	"strings"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 )
 
 // RAMCacheDir is the agent's RAM file cache of one namespace: one

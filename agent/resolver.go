@@ -4,7 +4,7 @@ import (
 	"context"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/agent/snapshot"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 )
 
 // VMRef and Target are the API's types: see package api.

@@ -15,9 +15,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testguard"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
+	"github.com/vmsnap/vmsnap/internal/testing/guard"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
@@ -71,7 +71,7 @@ func (lt *localTenants) target(t *testing.T, ns string, state []byte, memPath st
 }
 
 // restore asks, as caller, for a restore of image into the VM of pod uid
-// and waits for its end: a minute at most (testguard), whatever the agent
+// and waits for its end: a minute at most (internal/testing/guard), whatever the agent
 // opened.
 func (lt *localTenants) restore(t *testing.T, caller Caller, uid, image string) api.Operation {
 	t.Helper()
@@ -80,7 +80,7 @@ func (lt *localTenants) restore(t *testing.T, caller Caller, uid, image string) 
 	if err != nil {
 		t.Fatalf("the restore request: %v", err)
 	}
-	return testguard.Within(t, time.Minute, 1<<30, "the agent's restore", func() api.Operation {
+	return guard.Within(t, time.Minute, 1<<30, "the agent's restore", func() api.Operation {
 		for {
 			op, err := lt.s.ops.get(o.ID)
 			if err == nil && op.ended() {

@@ -14,8 +14,8 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
-	"github.com/vmsnap/vmsnap/internal/testguest"
+	testcontainerd "github.com/vmsnap/vmsnap/internal/testing/containerd"
+	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/rootfs"
@@ -46,7 +46,7 @@ func TestAgentCheckpointWithRootfsLayer(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	overlay := testguest.NewDisk(t, t.TempDir())
+	overlay := guest.NewDisk(t, t.TempDir())
 	vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20))
 	res := &ctrdResolver{newStaticResolver(), d.Client}
 	res.vms[uid1] = api.Target{PodUID: uid1, Container: "qemu", ContainerID: c.ID, QMPPath: vm.Path(), DiskPath: overlay}
@@ -164,7 +164,7 @@ func copyFile(t *testing.T, src, dst string) {
 func TestAgentCheckpointDiskInWritableLayer(t *testing.T) {
 	d := testcontainerd.Start(t)
 	c := d.Create(t, testcontainerd.PodContainer{PodUID: uid1})
-	src := testguest.NewDisk(t, t.TempDir())
+	src := guest.NewDisk(t, t.TempDir())
 	inLayer := filepath.Join(d.RootfsDir(c), "vm", "disk")
 	copyFile(t, src, filepath.Join(inLayer, "overlay.qcow2"))
 	copyFile(t, filepath.Join(filepath.Dir(src), "base.qcow2"), filepath.Join(inLayer, "base.qcow2"))
@@ -187,7 +187,7 @@ func TestAgentCheckpointDiskInWritableLayer(t *testing.T) {
 	cp := checkpointWithRootfs(t, a, req)
 	want := api.DiskInRootfs{Image: cp.Rootfs.Image, Digest: cp.Rootfs.Digest, Path: "/vm/disk/overlay.qcow2"}
 	if cp.Disk.Image != "" || cp.Disk.Digest != "" || cp.Disk.InRootfs == nil || *cp.Disk.InRootfs != want ||
-		cp.Disk.RawBytes != int64(len(overlay)) || cp.Disk.VirtualSize != testguest.DiskSizeMB<<20 || cp.Disk.BackingFile != "base.qcow2" {
+		cp.Disk.RawBytes != int64(len(overlay)) || cp.Disk.VirtualSize != guest.DiskSizeMB<<20 || cp.Disk.BackingFile != "base.qcow2" {
 		t.Fatalf("disk result %+v (in rootfs %+v), want it in the rootfs image at %s", cp.Disk, cp.Disk.InRootfs, want.Path)
 	}
 	ck := readCheckpoint(t, ctx, store, "vm")

@@ -17,7 +17,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testregistry"
+	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
@@ -25,9 +25,9 @@ import (
 // The agent, with registry credentials from a Docker config directory, never
 // puts them in its log (at debug level), in an operation's error, in its
 // events or in its metrics: checkpoints through a real registry
-// (internal/testregistry) with a wrong and with the right password.
+// (internal/testing/registry) with a wrong and with the right password.
 func TestAgentNeverShowsRegistryCredentials(t *testing.T) {
-	reg := testregistry.Start(t)
+	reg := registry.Start(t)
 	secrets := map[string]string{
 		"password":              reg.Password,
 		"base64(user:password)": base64.StdEncoding.EncodeToString([]byte(reg.User + ":" + reg.Password)),

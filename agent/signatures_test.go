@@ -6,9 +6,9 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/agent/api"
-	"github.com/vmsnap/vmsnap/agent/snapshot"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testkeys"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
+	testkeys "github.com/vmsnap/vmsnap/internal/testing/keys"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )

@@ -11,7 +11,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/ocischema"
+	"github.com/vmsnap/vmsnap/internal/testing/ocischema"
 )
 
 // twoParts stores a VM state and a disk image in repo, untagged.

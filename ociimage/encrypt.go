@@ -121,7 +121,7 @@ func (e *encrypting) AddBlob(ctx context.Context, desc ocispec.Descriptor, data 
 }
 
 // AddUndigested is AddBlob for a layer whose digest is not known yet (the
-// chunk pipeline's, vmstate/chunk): it hashes the plaintext in the same
+// chunk pipeline's, ociimage/chunk): it hashes the plaintext in the same
 // pass that encrypts it and hashes the ciphertext (sha256pair.WithPlain),
 // and returns desc with its digest and size. With a DedupSecret the key
 // derives from the digest, so the plaintext is digested first.

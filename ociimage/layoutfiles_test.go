@@ -11,7 +11,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/beneath"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testguard"
+	"github.com/vmsnap/vmsnap/internal/testing/guard"
 )
 
 // layoutWithImage is a layout in a fresh directory holding one tagged
@@ -33,10 +33,10 @@ func layoutWithImage(t *testing.T) (string, ocispec.Descriptor, ocispec.Manifest
 
 // readImage resolves the layout's image and reads its manifest and
 // layers, failing the test if that blocks and ending it if it reads without
-// bound (testguard).
+// bound (internal/testing/guard).
 func readImage(t *testing.T, repo Repository, desc ocispec.Descriptor) error {
 	t.Helper()
-	return testguard.Within(t, time.Minute, 1<<30, "reading the layout", func() error {
+	return guard.Within(t, time.Minute, 1<<30, "reading the layout", func() error {
 		if _, err := repo.Resolve(t.Context()); err != nil {
 			return err
 		}

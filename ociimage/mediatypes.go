@@ -10,7 +10,7 @@ const (
 	// MediaTypeVMStateConfig is the config of a vmstate manifest: the
 	// compatibility record and the stream's facts (vmstate.Config).
 	MediaTypeVMStateConfig = "application/vnd.vmsnap.vmstate.config.v1+json"
-	// MediaTypeDiskConfig is the config of a disk manifest (overlay.DiskConfig).
+	// MediaTypeDiskConfig is the config of a disk manifest (disk.DiskConfig).
 	MediaTypeDiskConfig = "application/vnd.vmsnap.disk.config.v1+json"
 	// MediaTypeChunk is one zstd-compressed chunk of a byte stream; the
 	// stream is the concatenation of the layers in manifest order.

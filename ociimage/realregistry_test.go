@@ -1,7 +1,7 @@
 package ociimage
 
 // Tests against a real registry: Debian's docker-registry (distribution 2.8)
-// with TLS from a test CA and htpasswd auth (internal/testregistry), and
+// with TLS from a test CA and htpasswd auth (internal/testing/registry), and
 // skopeo as an independent client.
 
 import (
@@ -16,10 +16,10 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testregistry"
+	"github.com/vmsnap/vmsnap/internal/testing/registry"
 )
 
-func openReal(t *testing.T, reg *testregistry.Registry, repo string, opts ...Option) Repository {
+func openReal(t *testing.T, reg *registry.Registry, repo string, opts ...Option) Repository {
 	t.Helper()
 	ref, err := ParseReference(reg.Host + "/" + repo)
 	if err != nil {
@@ -33,7 +33,7 @@ func openReal(t *testing.T, reg *testregistry.Registry, repo string, opts ...Opt
 }
 
 func TestRealRegistryRoundTripAndSkopeo(t *testing.T) {
-	reg := testregistry.Start(t)
+	reg := registry.Start(t)
 	ctx := context.Background()
 	repo := openReal(t, reg, "vms/web:snap-disk")
 	if err := CheckAccess(ctx, repo); err != nil {
@@ -103,7 +103,7 @@ func TestRealRegistryRoundTripAndSkopeo(t *testing.T) {
 	// skopeo, an independent client, reads both manifests byte for byte.
 	for _, want := range []ocispec.Descriptor{diskDesc, stateDesc} {
 		sctx, cancel := context.WithTimeout(ctx, time.Minute)
-		raw, err := testregistry.Skopeo(t, sctx, "inspect", "--raw", "--authfile", reg.AuthFile, "--cert-dir", reg.CertDir,
+		raw, err := registry.Skopeo(t, sctx, "inspect", "--raw", "--authfile", reg.AuthFile, "--cert-dir", reg.CertDir,
 			"docker://"+reg.Host+"/vms/web@"+string(want.Digest))
 		cancel()
 		if err != nil {
@@ -124,7 +124,7 @@ func TestRealRegistryRoundTripAndSkopeo(t *testing.T) {
 }
 
 func TestRealRegistryRefusals(t *testing.T) {
-	reg := testregistry.Start(t)
+	reg := registry.Start(t)
 	ctx := context.Background()
 	descs, datas := testChunks(t, 1, 4096)
 

@@ -14,14 +14,14 @@ import (
 	"github.com/secure-systems-lab/go-securesystemslib/encrypted"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testkeys"
+	"github.com/vmsnap/vmsnap/internal/testing/keys"
 )
 
 func TestLoadSignKeyCosignEncrypted(t *testing.T) {
 	dir := t.TempDir()
-	_, pubPath, k := testkeys.ECPair(t, dir, "plain")
+	_, pubPath, k := keys.ECPair(t, dir, "plain")
 	path := filepath.Join(dir, "cosign.key")
-	testkeys.Cosign(t, path, k, "s3cret-pass", encrypted.Legacy)
+	keys.Cosign(t, path, k, "s3cret-pass", encrypted.Legacy)
 
 	_, err := LoadSignKey(path, nil)
 	wantCode(t, err, errcode.Usage, "COSIGN_PASSWORD")

@@ -13,7 +13,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 )
 
-// The chunk pipeline's fast path (vmstate/chunk) asks its sink for this.
+// The chunk pipeline's fast path (ociimage/chunk) asks its sink for this.
 type undigestedAdder interface {
 	AddUndigested(ctx context.Context, desc ocispec.Descriptor, data []byte) (ocispec.Descriptor, bool, error)
 }

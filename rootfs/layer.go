@@ -1,6 +1,6 @@
 // Package rootfs captures the writable layer of the container QEMU runs in,
 // through containerd, as an image: the container's image plus one layer of
-// its changes. The VM's qcow2 overlay is in the subpackage rootfs/overlay:
+// its changes. The VM's qcow2 overlay is in package vmstate/disk:
 // it is a file QEMU writes, handled without containerd.
 package rootfs
 

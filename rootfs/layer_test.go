@@ -23,7 +23,7 @@ import (
 	rspecs "github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	testcontainerd "github.com/vmsnap/vmsnap/internal/testing/containerd"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/rootfs"
 )

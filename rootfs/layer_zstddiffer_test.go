@@ -19,7 +19,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	testcontainerd "github.com/vmsnap/vmsnap/internal/testing/containerd"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 

@@ -11,8 +11,8 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp"
-	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // Mode says what happens to the source VM during and after a checkpoint.
@@ -176,7 +176,7 @@ func Checkpoint(ctx context.Context, mon Monitor, repo ociimage.Repository, opts
 	if opts.Mode == "" {
 		opts.Mode = ModeSnapshot
 	}
-	// Not a cross-flag rule (agent/snapshot's CheckpointSpec.Validate
+	// Not a cross-flag rule (internal/snapshot's CheckpointSpec.Validate
 	// refuses live mode with a disk or rootfs image, before this is
 	// reached): WhileStopped is defined to run while the VM is stopped,
 	// which live mode never does, so vmstate's public API refuses the pair

@@ -14,8 +14,8 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
-	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 func openLayout(t testing.TB, ref string) ociimage.Repository {

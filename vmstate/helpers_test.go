@@ -1,6 +1,6 @@
 package vmstate
 
-// Test helpers shared with vmstate/chunk's tests (test packages cannot
+// Test helpers shared with ociimage/chunk's tests (test packages cannot
 // import each other's): a synthetic stream, random bytes, an in-memory
 // blob store and a capped writer.
 

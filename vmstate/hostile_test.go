@@ -17,7 +17,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/vmstate/chunk"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // FuzzRecord decodes an arbitrary compatibility record the way restore

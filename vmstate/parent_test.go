@@ -13,7 +13,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testforge"
+	"github.com/vmsnap/vmsnap/internal/testing/forge"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
@@ -71,11 +71,11 @@ func firstDifference(got, want []byte) string {
 
 // plantForgedParent has the attacker put, under tag, a parent whose page
 // map carries the victim's xxhash64 and the SHA-256 of the attacker's own
-// pages over the victim's first 4 MiB (testforge.Parent).
+// pages over the victim's first 4 MiB (forge.Parent).
 func (r *parentRun) plantForgedParent(victim ocispec.Descriptor, tag string) (ocispec.Descriptor, int) {
 	r.t.Helper()
 	repo := openLayout(r.t, "oci:"+r.dir)
-	forged, pages, err := testforge.Parent(context.Background(), repo, victim, 4<<20, 666, r.t.TempDir())
+	forged, pages, err := forge.Parent(context.Background(), repo, victim, 4<<20, 666, r.t.TempDir())
 	if err != nil {
 		r.t.Fatal(err)
 	}

@@ -13,7 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testguard"
+	"github.com/vmsnap/vmsnap/internal/testing/guard"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
@@ -61,7 +61,7 @@ func waitingTarget(t *testing.T, state []byte, memPath string) *qmptest.FakeQEMU
 }
 
 // restoreWithin runs a restore, failing the test if it blocks and ending
-// it if it reads without bound (testguard).
+// it if it reads without bound (internal/testing/guard).
 func restoreWithin(t *testing.T, q *qmptest.FakeQEMU, ref string, opts RestoreOptions) (*RestoreResult, error) {
 	t.Helper()
 	type result struct {
@@ -69,7 +69,7 @@ func restoreWithin(t *testing.T, q *qmptest.FakeQEMU, ref string, opts RestoreOp
 		err error
 	}
 	mon, repo := q.Dial(t), openLayout(t, ref)
-	r := testguard.Within(t, time.Minute, 1<<30, "the restore", func() result {
+	r := guard.Within(t, time.Minute, 1<<30, "the restore", func() result {
 		res, err := Restore(context.Background(), mon, repo, opts)
 		return result{res, err}
 	})

@@ -7,8 +7,8 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
-	"github.com/vmsnap/vmsnap/vmstate/chunk"
 )
 
 // waitHeldEmpty waits (a minute at most: a liveness bound, not a

@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/vmstate/chunk"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // A tenant's QEMU that ignores remove-fd keeps the staging file of each of

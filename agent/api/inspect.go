@@ -1,8 +1,8 @@
 package api
 
 import (
-	"github.com/vmsnap/vmsnap/rootfs/overlay"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/disk"
 )
 
 // InspectResult is what vmsnap inspect prints: one image, and for a VM
@@ -20,9 +20,9 @@ type InspectResult struct {
 	// Layers are the image's layers by kind ("chunk": a stream's,
 	// "ram-pagemap" and "ram-region": a memory-file image's RAM file),
 	// with their stored sizes.
-	Layers  []LayerKind         `json:"layers,omitempty"`
-	VMState *vmstate.Config     `json:"vmstate,omitempty"`
-	Disk    *overlay.DiskConfig `json:"disk,omitempty"`
+	Layers  []LayerKind      `json:"layers,omitempty"`
+	VMState *vmstate.Config  `json:"vmstate,omitempty"`
+	Disk    *disk.DiskConfig `json:"disk,omitempty"`
 	// Checkpoint lists, for a VM state image, the images of its checkpoint
 	// together.
 	Checkpoint *CheckpointImages `json:"checkpoint,omitempty"`

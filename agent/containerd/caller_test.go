@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	testcontainerd "github.com/vmsnap/vmsnap/internal/testing/containerd"
 )
 
 // CallerContainer places a container's process in its pod's namespace,

@@ -17,7 +17,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	testcontainerd "github.com/vmsnap/vmsnap/internal/testing/containerd"
 )
 
 // env is a containerd with one running pod container whose volume (HostDir,

@@ -10,7 +10,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testcontainerd"
+	testcontainerd "github.com/vmsnap/vmsnap/internal/testing/containerd"
 )
 
 var nullIO = cio.NullIO

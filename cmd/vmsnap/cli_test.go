@@ -17,7 +17,7 @@ import (
 // Command-line contract tests that need no QEMU.
 
 // cli runs vmsnap in-process with args and returns stdout and the exit
-// status. (The end-to-end tests in internal/e2e run the built binary.)
+// status. (The end-to-end tests in internal/testing/e2e run the built binary.)
 func cli(t testing.TB, args ...string) ([]byte, int) {
 	t.Helper()
 	var stdout, stderr bytes.Buffer

@@ -10,7 +10,7 @@ import (
 
 // cliProfileEnv, set to a file name, makes this test binary run as the
 // vmsnap command line it was given, under a CPU profile written to that
-// file, instead of running tests. The benchmark in internal/e2e uses it to
+// file, instead of running tests. The benchmark in internal/testing/e2e uses it to
 // profile one real checkpoint, flags and all: the vmsnap binary itself has
 // no profiling switch, and a test-only one keeps it that way.
 const cliProfileEnv = "VMSNAP_TEST_CLI_CPUPROFILE"

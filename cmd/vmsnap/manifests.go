@@ -7,8 +7,8 @@ import (
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/api/resource"
 
-	"github.com/vmsnap/vmsnap/agent/manifests"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/manifests"
 )
 
 func newManifestsCmd(out *globalOutput) *cobra.Command {

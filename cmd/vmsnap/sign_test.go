@@ -12,7 +12,7 @@ import (
 	"github.com/secure-systems-lab/go-securesystemslib/encrypted"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testkeys"
+	"github.com/vmsnap/vmsnap/internal/testing/keys"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 
@@ -22,9 +22,9 @@ import (
 func cosignKeyPair(t *testing.T, password string) (key, pub string) {
 	t.Helper()
 	dir := t.TempDir()
-	_, pub, k := testkeys.ECPair(t, dir, "plain")
+	_, pub, k := keys.ECPair(t, dir, "plain")
 	key = filepath.Join(dir, "cosign.key")
-	testkeys.Cosign(t, key, k, password, encrypted.Legacy)
+	keys.Cosign(t, key, k, password, encrypted.Legacy)
 	return key, pub
 }
 

@@ -51,7 +51,7 @@ func panicSite() string {
 	}
 }
 
-// shortFunc drops a function name's module path: vmstate/chunk.decode.
+// shortFunc drops a function name's module path: ociimage/chunk.decode.
 func shortFunc(name string) string {
 	const module = "github.com/vmsnap/vmsnap/"
 	return strings.TrimPrefix(name, module)

@@ -1,6 +1,6 @@
 //go:build tools
 
-// Package tools pins the Kubernetes commands internal/testcluster builds for
+// Package tools pins the Kubernetes commands internal/testing/cluster builds for
 // the single-node test cluster: go.mod requires k8s.io/kubernetes and
 // replaces each staging module it names with the same release (v0.x), which
 // is how k8s.io/kubernetes can be built outside its own repository.

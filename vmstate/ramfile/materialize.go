@@ -12,7 +12,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/vmstate/chunk"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // fetch gets a blob from src (which verifies its digest) and decompresses

@@ -5,7 +5,7 @@ import (
 	"os"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/vmstate/chunk"
+	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // Verify checks every page of the RAM file f (size bytes, which nothing
