@@ -18,12 +18,22 @@ func TestOnCurveRefusesAPointOffTheCurve(t *testing.T) {
 	if !onCurve(&k.PublicKey) {
 		t.Fatal("a generated P-256 key is not on its curve")
 	}
-	//lint:ignore SA1019 a hostile header's raw coordinates are what is under test
-	off := &ecdsa.PublicKey{Curve: elliptic.P256(), X: new(big.Int).Set(k.X), Y: new(big.Int).Add(k.Y, big.NewInt(1))}
-	if onCurve(off) {
+	raw, err := k.PublicKey.Bytes() // 0x04 || X || Y
+	if err != nil {
+		t.Fatal(err)
+	}
+	x, y := new(big.Int).SetBytes(raw[1:33]), new(big.Int).SetBytes(raw[33:])
+	if onCurve(rawPoint(x, new(big.Int).Add(y, big.NewInt(1)))) {
 		t.Fatal("a point off P-256 passed as on the curve")
 	}
-	if onCurve(&ecdsa.PublicKey{Curve: elliptic.P256(), X: big.NewInt(0), Y: big.NewInt(0)}) {
+	if onCurve(rawPoint(big.NewInt(0), big.NewInt(0))) {
 		t.Fatal("the point (0, 0) passed as on P-256")
 	}
+}
+
+// rawPoint is a P-256 public key with the coordinates a hostile JWE header
+// could carry.
+func rawPoint(x, y *big.Int) *ecdsa.PublicKey {
+	//lint:ignore SA1019 raw coordinates are what a hostile header carries
+	return &ecdsa.PublicKey{Curve: elliptic.P256(), X: x, Y: y}
 }
