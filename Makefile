@@ -67,8 +67,8 @@ k8s:
 tools:
 	$(GO) test -count=1 -run '^TestToolsArePinned$$/^(crane|oras)$$' ./internal/testtools
 
-# Lint (make lint), then all tests, including the end-to-end ones on real QEMU guests (TCG) and on
-# a real single-node Kubernetes cluster. Installs what they need first. The
+# Lint (make lint), then all tests, including the end-to-end ones on real
+# QEMU guests (TCG) and on a real single-node Kubernetes cluster. Installs what they need first. The
 # cluster's packages run after the rest, not beside it: a cluster with QEMU
 # guests in its pods is the heaviest load on the machine, and the other
 # end-to-end tests' guests would share two cores with it.
