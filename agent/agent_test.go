@@ -168,7 +168,9 @@ const (
 
 func waitOp(t testing.TB, c *Client, id string) api.Operation {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	// A guard against a hang only: operations under -race on a loaded
+	// machine take what they take.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	o, err := c.Wait(ctx, id, nil)
 	if err != nil {

@@ -81,7 +81,7 @@ func (p *tenant) ref() api.VMRef {
 // startAgent runs an agent with the containerd resolver.
 func startAgent(t *testing.T, d *testcontainerd.Daemon) *agent.Client {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	defer cancel()
 	r, err := containerd.New(ctx, d.Address, "")
 	if err != nil {
@@ -94,7 +94,7 @@ func startAgent(t *testing.T, d *testcontainerd.Daemon) *agent.Client {
 // checkpoint runs req through the agent and returns the operation's end.
 func checkpoint(t *testing.T, c *agent.Client, req api.CheckpointRequest) (api.Operation, error) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	defer cancel()
 	op, err := c.Checkpoint(ctx, req)
 	if err != nil {
@@ -418,8 +418,13 @@ func TestAgentSwapsAgainstRealQEMU(t *testing.T) {
 	}
 }
 
+// hangGuard bounds the waits of the tests on real guests: it catches a hang,
+// never a slow machine (two TCG guests booting beside other work on two
+// loaded cores take minutes, not the seconds they take on a quiet one).
+const hangGuard = 5 * time.Minute
+
 func waitCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	t.Cleanup(cancel)
 	return ctx
 }
@@ -427,7 +432,7 @@ func waitCtx(t *testing.T) context.Context {
 // qmpStatus is a guest's run state, asked on the test's own monitor.
 func qmpStatus(t *testing.T, monitor string) string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	defer cancel()
 	raw, err := guest.QMP(ctx, monitor, "query-status", nil)
 	if err != nil {

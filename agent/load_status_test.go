@@ -3,9 +3,10 @@
 package agent
 
 // A crowd of status clients while a checkpoint runs. The test asserts what
-// load cannot break: every status request is answered, correctly, and none
-// waits long enough to mean it was blocked behind the checkpoint; the
-// checkpoint completes and its image restores byte for byte. How much the
+// load cannot break: every status request is answered, correctly, every
+// client's at least once while the checkpoint is held in the middle of its
+// stream (so none was blocked behind it); the checkpoint completes and its
+// image restores byte for byte. How much the
 // crowd slows the checkpoint down depends on the machine and what else it
 // runs, so it is measured by BenchmarkAgentCheckpointUnderStatusLoad
 // (make bench), never asserted.
@@ -30,15 +31,12 @@ import (
 const (
 	statusClients   = 100
 	statusPollEvery = 20 * time.Millisecond
-	// notBlocked bounds one status answer under any load the test machine
-	// may have: an answer this late means the request waited for the
-	// checkpoint, not for a CPU.
-	notBlocked = 10 * time.Second
 )
 
 // crowdStats is what the status clients saw.
 type crowdStats struct {
 	served, failed atomic.Int64
+	clients        atomic.Int64 // clients answered at least once
 	slowest        atomic.Int64 // nanoseconds
 	firstErr       atomic.Value
 }
@@ -50,10 +48,10 @@ func (s *crowdStats) fail(err error) {
 
 // startCrowd starts clients that each ask, every statusPollEvery, for the
 // operation list, the operation id and the metrics, checking each answer,
-// until the returned stop is called.
-func startCrowd(tb testing.TB, a *testAgent, id string, clients int) (stop func() *crowdStats) {
+// until stop is called.
+func startCrowd(tb testing.TB, a *testAgent, id string, clients int) (st *crowdStats, stop func()) {
 	tb.Helper()
-	st := &crowdStats{}
+	st = &crowdStats{}
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	for i := range clients {
@@ -63,6 +61,7 @@ func startCrowd(tb testing.TB, a *testAgent, id string, clients int) (stop func(
 		}
 		wg.Go(func() {
 			paths := []string{"/v1/operations", "/v1/operations/" + id, "/metrics"}
+			answered := false
 			for j := i; ctx.Err() == nil; j++ {
 				t0 := time.Now()
 				err := askStatus(ctx, c, paths[j%len(paths)], id)
@@ -75,6 +74,10 @@ func startCrowd(tb testing.TB, a *testAgent, id string, clients int) (stop func(
 					st.fail(err)
 				default:
 					st.served.Add(1)
+					if !answered {
+						answered = true
+						st.clients.Add(1)
+					}
 				}
 				select {
 				case <-time.After(statusPollEvery):
@@ -83,7 +86,7 @@ func startCrowd(tb testing.TB, a *testAgent, id string, clients int) (stop func(
 			}
 		})
 	}
-	return func() *crowdStats { cancel(); wg.Wait(); return st }
+	return st, func() { cancel(); wg.Wait() }
 }
 
 // askStatus asks for path and checks that the answer is about operation id.
@@ -120,12 +123,13 @@ func askStatus(ctx context.Context, c *Client, path, id string) error {
 }
 
 // statusLoadAgent is an agent with one VM of stateSize bytes of state.
-func statusLoadAgent(tb testing.TB, stateSize int) (*testAgent, []byte) {
+func statusLoadAgent(tb testing.TB, stateSize int) (*testAgent, []byte, *qmptest.FakeQEMU) {
 	state := randomState(tb, stateSize)
 	res := newStaticResolver()
-	res.add(uid1, qmptest.NewFakeQEMU(tb, "running", state).Path())
+	vm := qmptest.NewFakeQEMU(tb, "running", state)
+	res.add(uid1, vm.Path())
 	// The crowd is one caller (this process) with a connection each.
-	return startAgentConfig(tb, Config{StateDir: tb.TempDir(), Resolver: res, MaxConcurrent: 2, Limits: Limits{Connections: 2 * statusClients}}), state
+	return startAgentConfig(tb, Config{StateDir: tb.TempDir(), Resolver: res, MaxConcurrent: 2, Limits: Limits{Connections: 2 * statusClients}}), state, vm
 }
 
 // timedCheckpoint checkpoints the VM into a new layout, with during (if
@@ -160,23 +164,38 @@ func TestAgentLoadStatusRequestsDoNotDisturbCheckpoint(t *testing.T) {
 	if testing.Short() {
 		stateSize = 16 * mib
 	}
-	a, state := statusLoadAgent(t, stateSize)
+	a, state, vm := statusLoadAgent(t, stateSize)
+	held, release := make(chan struct{}), make(chan struct{})
+	vm.MidStream = func() { close(held); <-release }
+	// A guard against a hang only.
+	guard, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
 	var st *crowdStats
 	busy, o := timedCheckpoint(t, a, func(id string) func() {
-		stop := startCrowd(t, a, id, statusClients)
-		return func() { st = stop() }
+		var stop func()
+		st, stop = startCrowd(t, a, id, statusClients)
+		defer close(release)
+		select {
+		case <-held:
+		case <-guard.Done():
+			t.Fatal("the checkpoint never reached the middle of its stream")
+		}
+		// Every client is answered while the checkpoint is held: none waits
+		// for it.
+		for st.clients.Load() < statusClients && st.failed.Load() == 0 {
+			select {
+			case <-time.After(statusPollEvery):
+			case <-guard.Done():
+				t.Fatalf("%d of %d status clients answered while the checkpoint was held", st.clients.Load(), statusClients)
+			}
+		}
+		return stop
 	})
 	slowest := time.Duration(st.slowest.Load())
 	t.Logf("checkpoint of %d MiB with %d clients polling every %v: %v; %d status requests answered, the slowest in %v",
 		stateSize/mib, statusClients, statusPollEvery, busy.Round(time.Millisecond), st.served.Load(), slowest.Round(time.Millisecond))
 	if f := st.failed.Load(); f > 0 {
 		t.Fatalf("%d status requests failed or were answered wrongly, first: %v", f, st.firstErr.Load())
-	}
-	if st.served.Load() < statusClients {
-		t.Fatalf("only %d status requests were answered, fewer than the %d clients", st.served.Load(), statusClients)
-	}
-	if slowest > notBlocked {
-		t.Fatalf("a status request took %v: blocked behind the checkpoint", slowest)
 	}
 
 	// The checkpoint taken under load is whole: it restores byte for byte
@@ -205,7 +224,7 @@ func TestAgentLoadStatusRequestsDoNotDisturbCheckpoint(t *testing.T) {
 // checkpoint: slowdown-x is the checkpoint's time with the crowd over its
 // time without (the mean of one run before and one after).
 func BenchmarkAgentCheckpointUnderStatusLoad(b *testing.B) {
-	a, _ := statusLoadAgent(b, 48*mib)
+	a, _, _ := statusLoadAgent(b, 48*mib)
 	timedCheckpoint(b, a, nil) // warm up
 	var quiet, busy, slowest time.Duration
 	var served int64
@@ -214,8 +233,9 @@ func BenchmarkAgentCheckpointUnderStatusLoad(b *testing.B) {
 		q1, _ := timedCheckpoint(b, a, nil)
 		var st *crowdStats
 		d, _ := timedCheckpoint(b, a, func(id string) func() {
-			stop := startCrowd(b, a, id, statusClients)
-			return func() { st = stop() }
+			var stop func()
+			st, stop = startCrowd(b, a, id, statusClients)
+			return stop
 		})
 		q2, _ := timedCheckpoint(b, a, nil)
 		quiet += (q1 + q2) / 2

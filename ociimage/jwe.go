@@ -362,7 +362,7 @@ func unwrapCEK(k DecryptionKey, alg jose.KeyAlgorithm, epk, apu, apv, ek []byte)
 			return nil, errUnwrap
 		}
 		pub, ok := jwk.Key.(*ecdsa.PublicKey)
-		if !ok || pub.Curve != priv.Curve || !priv.Curve.IsOnCurve(pub.X, pub.Y) {
+		if !ok || pub.Curve != priv.Curve || !onCurve(pub) {
 			return nil, errUnwrap
 		}
 		kek, err := aes.NewCipher(josecipher.DeriveECDHES(string(alg), apu, apv, priv, pub, size))

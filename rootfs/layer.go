@@ -611,9 +611,11 @@ func ociLayerType(mt string) string {
 	case images.MediaTypeDockerSchema2LayerZstd:
 		return ocispec.MediaTypeImageLayerZstd
 	case images.MediaTypeDockerSchema2LayerForeign:
-		return ocispec.MediaTypeImageLayerNonDistributable //nolint:staticcheck // the OCI name of a foreign layer
+		//lint:ignore SA1019 the OCI name of a foreign layer, which an image may still hold
+		return ocispec.MediaTypeImageLayerNonDistributable
 	case images.MediaTypeDockerSchema2LayerForeignGzip:
-		return ocispec.MediaTypeImageLayerNonDistributableGzip //nolint:staticcheck
+		//lint:ignore SA1019 as above
+		return ocispec.MediaTypeImageLayerNonDistributableGzip
 	}
 	return mt
 }

@@ -38,11 +38,12 @@ import (
 //     them, and writes stay in the VM. Restore then loads the device
 //     state, which takes milliseconds whatever the guest's size.
 
+// FormatMemoryFile is the guest's RAM stored page-addressed beside the
+// device state (package ramfile). It needs a shared memory-backend-file.
+const FormatMemoryFile Format = "memory-file"
+
 const (
-	// FormatMemoryFile is the guest's RAM stored page-addressed beside the
-	// device state (package ramfile). It needs a shared memory-backend-file.
-	FormatMemoryFile Format = "memory-file"
-	capIgnoreShared         = "x-ignore-shared"
+	capIgnoreShared = "x-ignore-shared"
 	// DefaultMaxChain is how many deltas a chain holds before the next
 	// checkpoint is a fresh base: every delta adds its layers to what a
 	// cold restore fetches and writes, a base resets that.

@@ -67,15 +67,15 @@ func TestResolverOpensOnlyThePodsOwnVolumes(t *testing.T) {
 		return agent.VMRef{PodUID: uid, Container: "qemu", QMPPath: "/run/vm/qmp.sock", DiskPath: "/run/vm/disk.qcow2"}
 	}
 	for _, uid := range []string{victimUID, tenantUID} {
-		if tg, err, _ := resolve(t, r, ref(uid)); err != nil || filepath.Dir(tg.QMPPath) != filepath.Join(podsDir, uid, "volumes", "kubernetes.io~empty-dir", "vm") {
+		if tg, _, err := resolve(t, r, ref(uid)); err != nil || filepath.Dir(tg.QMPPath) != filepath.Join(podsDir, uid, "volumes", "kubernetes.io~empty-dir", "vm") {
 			t.Errorf("a pod's own emptyDir: %+v, %v", tg, err)
 		}
 	}
 	for what, uid := range map[string]string{"another pod's volume": hostPathUID, "a node directory": nodeUID} {
-		if _, err, _ := resolve(t, r, ref(uid)); errcode.Of(err) != errcode.Forbidden {
+		if _, _, err := resolve(t, r, ref(uid)); errcode.Of(err) != errcode.Forbidden {
 			t.Errorf("%s as a hostPath volume: %v, want FORBIDDEN", what, err)
 		}
-		if _, err, _ := resolve(t, r, agent.VMRef{PodUID: uid, Container: "qemu", QMPPath: "/run/vm/qmp.sock"}); errcode.Of(err) != errcode.Forbidden {
+		if _, _, err := resolve(t, r, agent.VMRef{PodUID: uid, Container: "qemu", QMPPath: "/run/vm/qmp.sock"}); errcode.Of(err) != errcode.Forbidden {
 			t.Errorf("%s as a hostPath volume, the QMP socket alone: %v, want FORBIDDEN", what, err)
 		}
 	}
@@ -87,7 +87,7 @@ func TestResolverOpensOnlyThePodsOwnVolumes(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { open.Close() })
-	if _, err, _ := resolve(t, open, ref(nodeUID)); err != nil {
+	if _, _, err := resolve(t, open, ref(nodeUID)); err != nil {
 		t.Errorf("without WithPodsDir: %v", err)
 	}
 }

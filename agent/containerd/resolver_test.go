@@ -76,7 +76,7 @@ func (e *env) ref() agent.VMRef {
 	return agent.VMRef{PodUID: e.uid, Container: "qemu", QMPPath: "/run/vm/qmp.sock", DiskPath: "/run/vm/disk.qcow2"}
 }
 
-func resolve(t *testing.T, r *Resolver, ref agent.VMRef) (agent.Target, error, time.Duration) {
+func resolve(t *testing.T, r *Resolver, ref agent.VMRef) (agent.Target, time.Duration, error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -87,7 +87,7 @@ func resolve(t *testing.T, r *Resolver, ref agent.VMRef) (agent.Target, error, t
 		if vm != nil {
 			t.Fatalf("Resolve returned an error (%v) and a VM", err)
 		}
-		return agent.Target{}, err, took
+		return agent.Target{}, took, err
 	}
 	defer vm.Close()
 	checkOpened(t, "QMP socket", vm.QMP, vm.QMPPath, fs.ModeSocket)
@@ -97,7 +97,7 @@ func resolve(t *testing.T, r *Resolver, ref agent.VMRef) (agent.Target, error, t
 	if vm.Disk != nil {
 		checkOpened(t, "disk", vm.Disk, vm.DiskPath, 0)
 	}
-	return vm.Target, nil, took
+	return vm.Target, took, nil
 }
 
 // checkOpened fails unless f is open on the file of type typ at host.
@@ -123,7 +123,7 @@ func wantCode(t *testing.T, what string, err error, code errcode.Code, msgPart s
 
 func TestResolveMapsPathsToVolume(t *testing.T) {
 	e := newEnv(t)
-	tg, err, took := resolve(t, e.r, e.ref())
+	tg, took, err := resolve(t, e.r, e.ref())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -150,7 +150,7 @@ func TestResolveMapsPathsToVolume(t *testing.T) {
 
 	// Untidy but harmless spellings map to the same place; no disk is fine.
 	ref := agent.VMRef{PodUID: e.uid, Container: "qemu", QMPPath: "/run//vm/./qmp.sock"}
-	if tg, err, _ = resolve(t, e.r, ref); err != nil || tg.QMPPath != want.QMPPath || tg.DiskPath != "" {
+	if tg, _, err = resolve(t, e.r, ref); err != nil || tg.QMPPath != want.QMPPath || tg.DiskPath != "" {
 		t.Errorf("untidy path: %+v, %v", tg, err)
 	}
 
@@ -160,7 +160,7 @@ func TestResolveMapsPathsToVolume(t *testing.T) {
 	uid2 := testcontainerd.NewPodUID()
 	e.d.Create(t, testcontainerd.PodContainer{PodUID: uid2, Name: "vm-1",
 		Mounts: []specs.Mount{{Destination: "/run/vm/inner", Type: "bind", Source: inner, Options: []string{"rbind"}}}})
-	tg, err, _ = resolve(t, e.r, agent.VMRef{PodUID: uid2, Container: "vm-1", QMPPath: "/run/vm/inner/qmp.sock"})
+	tg, _, err = resolve(t, e.r, agent.VMRef{PodUID: uid2, Container: "vm-1", QMPPath: "/run/vm/inner/qmp.sock"})
 	if err != nil || tg.QMPPath != filepath.Join(inner, "qmp.sock") {
 		t.Errorf("nested volume: %+v, %v", tg, err)
 	}
@@ -169,13 +169,13 @@ func TestResolveMapsPathsToVolume(t *testing.T) {
 func TestResolveNotFound(t *testing.T) {
 	e := newEnv(t)
 	// Warm up the connection so the timings below are of the lookups only.
-	if _, err, _ := resolve(t, e.r, e.ref()); err != nil {
+	if _, _, err := resolve(t, e.r, e.ref()); err != nil {
 		t.Fatal(err)
 	}
 
 	ref := e.ref()
 	ref.PodUID = testcontainerd.NewPodUID()
-	_, err, took := resolve(t, e.r, ref)
+	_, took, err := resolve(t, e.r, ref)
 	wantCode(t, "unknown pod UID", err, errcode.VMNotFound, ref.PodUID)
 	t.Logf("unknown UID: VM_NOT_FOUND in %v", took)
 	if took > time.Second {
@@ -183,11 +183,11 @@ func TestResolveNotFound(t *testing.T) {
 	}
 
 	ref.PodUID = "0123456789abcdef0123456789abcdef" // a static pod's UID form
-	_, err, _ = resolve(t, e.r, ref)
+	_, _, err = resolve(t, e.r, ref)
 	wantCode(t, "unknown static pod UID", err, errcode.VMNotFound, "no pod")
 
 	ref.PodUID = ""
-	_, err, took = resolve(t, e.r, ref)
+	_, took, err = resolve(t, e.r, ref)
 	wantCode(t, "empty UID", err, errcode.VMNotFound, "pod UID")
 	if took > 100*time.Millisecond {
 		t.Errorf("empty UID took %v", took)
@@ -195,13 +195,13 @@ func TestResolveNotFound(t *testing.T) {
 
 	for _, bad := range []string{"not-a-uid", strings.ToUpper(e.uid) + "0", e.uid[:35], "../" + e.uid[3:], `" || true`, e.uid[:8] + "_" + e.uid[9:]} {
 		ref.PodUID = bad
-		_, err, _ = resolve(t, e.r, ref)
+		_, _, err = resolve(t, e.r, ref)
 		wantCode(t, "malformed UID "+bad, err, errcode.InvalidInput, "malformed")
 	}
 
 	ref = e.ref()
 	ref.Container = "sidecar"
-	_, err, took = resolve(t, e.r, ref)
+	_, took, err = resolve(t, e.r, ref)
 	wantCode(t, "wrong container name", err, errcode.VMNotFound, `"sidecar"`)
 	if err != nil && !strings.Contains(err.Error(), "qemu") {
 		t.Errorf("wrong container: message %q does not list the pod's containers", err)
@@ -210,16 +210,16 @@ func TestResolveNotFound(t *testing.T) {
 		t.Errorf("wrong container took %v", took)
 	}
 	ref.Container = ""
-	_, err, _ = resolve(t, e.r, ref)
+	_, _, err = resolve(t, e.r, ref)
 	wantCode(t, "no container name", err, errcode.InvalidInput, "container")
 	ref.Container = "Bad_Name"
-	_, err, _ = resolve(t, e.r, ref)
+	_, _, err = resolve(t, e.r, ref)
 	wantCode(t, "malformed container name", err, errcode.InvalidInput, "malformed")
 
 	// The pod's name is not a way in.
 	ref = e.ref()
 	ref.PodUID = "vm"
-	_, err, _ = resolve(t, e.r, ref)
+	_, _, err = resolve(t, e.r, ref)
 	wantCode(t, "pod name as UID", err, errcode.InvalidInput, "")
 }
 
@@ -260,7 +260,7 @@ func TestResolvePathErrors(t *testing.T) {
 		{"", "", errcode.InvalidInput, "QMP"},
 	} {
 		ref := agent.VMRef{PodUID: e.uid, Container: "qemu", QMPPath: tc.qmp, DiskPath: tc.disk}
-		tg, err, _ := resolve(t, e.r, ref)
+		tg, _, err := resolve(t, e.r, ref)
 		if err == nil {
 			t.Errorf("qmp %q disk %q: resolved to %+v, want %s", tc.qmp, tc.disk, tg, tc.code)
 			continue
@@ -283,7 +283,7 @@ func TestResolveDiskInWritableLayer(t *testing.T) {
 	}, " && "))
 	ref := e.ref()
 	ref.DiskPath = "/vm//disk/./overlay.qcow2"
-	tg, err, _ := resolve(t, e.r, ref)
+	tg, _, err := resolve(t, e.r, ref)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -303,7 +303,7 @@ func TestResolveDiskInWritableLayer(t *testing.T) {
 		t.Fatalf("the container sees %q, not what was written at %s", b, tg.DiskPath)
 	}
 	// A disk on a volume is not in the writable layer.
-	if tg, err, _ := resolve(t, e.r, e.ref()); err != nil || tg.DiskInRootfs {
+	if tg, _, err := resolve(t, e.r, e.ref()); err != nil || tg.DiskInRootfs {
 		t.Fatalf("disk on the volume: %+v, %v", tg, err)
 	}
 	for _, tc := range []struct {
@@ -319,7 +319,7 @@ func TestResolveDiskInWritableLayer(t *testing.T) {
 		{"/dev/shm/x", errcode.InvalidInput, "tmpfs"},          // on a mount that is no volume
 	} {
 		ref.DiskPath = tc.disk
-		tg, err, _ := resolve(t, e.r, ref)
+		tg, _, err := resolve(t, e.r, ref)
 		if err == nil {
 			t.Errorf("disk %s: resolved to %+v, want %s", tc.disk, tg, tc.code)
 			continue
@@ -363,21 +363,21 @@ func TestResolvePicksNewestRunning(t *testing.T) {
 	// A restart: the kubelet keeps the exited container next to the new
 	// one, with the same labels and volume.
 	e.d.Kill(t, e.c)
-	_, err, _ := resolve(t, e.r, e.ref())
+	_, _, err := resolve(t, e.r, e.ref())
 	wantCode(t, "only container stopped", err, errcode.VMNotFound, "not running")
 
 	second := e.d.Create(t, testcontainerd.PodContainer{PodUID: e.uid, Name: "qemu", HostDir: e.c.HostDir})
-	tg, err, _ := resolve(t, e.r, e.ref())
+	tg, _, err := resolve(t, e.r, e.ref())
 	if err != nil || tg.ContainerID != second.ID {
 		t.Fatalf("after restart: %+v, %v; want container %s", tg, err, second.ID)
 	}
 	// Two running (not what a kubelet does, but possible): the newest.
 	third := e.d.Create(t, testcontainerd.PodContainer{PodUID: e.uid, Name: "qemu", HostDir: e.c.HostDir})
-	if tg, err, _ = resolve(t, e.r, e.ref()); err != nil || tg.ContainerID != third.ID {
+	if tg, _, err = resolve(t, e.r, e.ref()); err != nil || tg.ContainerID != third.ID {
 		t.Fatalf("two running: %+v, %v; want the newest, %s", tg, err, third.ID)
 	}
 	e.d.Kill(t, third)
-	if tg, err, _ = resolve(t, e.r, e.ref()); err != nil || tg.ContainerID != second.ID {
+	if tg, _, err = resolve(t, e.r, e.ref()); err != nil || tg.ContainerID != second.ID {
 		t.Fatalf("newest stopped: %+v, %v; want %s", tg, err, second.ID)
 	}
 	// Another namespace is another world.
@@ -386,7 +386,7 @@ func TestResolvePicksNewestRunning(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer other.Close()
-	_, err, _ = resolve(t, other, e.ref())
+	_, _, err = resolve(t, other, e.ref())
 	wantCode(t, "other namespace", err, errcode.VMNotFound, "namespace other")
 }
 

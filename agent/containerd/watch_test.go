@@ -65,7 +65,7 @@ func gone(uid string, c *testcontainerd.Container) agent.Gone {
 
 func TestWatchDelete(t *testing.T) {
 	e := newEnv(t)
-	if _, err, _ := resolve(t, e.r, e.ref()); err != nil {
+	if _, _, err := resolve(t, e.r, e.ref()); err != nil {
 		t.Fatal(err)
 	}
 	ch, _ := watch(t, e.r)
@@ -84,7 +84,7 @@ func TestWatchDelete(t *testing.T) {
 	// all arrive.
 	quiet(t, ch, 500*time.Millisecond, "after the Gone")
 
-	_, err, took := resolve(t, e.r, e.ref())
+	_, took, err := resolve(t, e.r, e.ref())
 	wantCode(t, "deleted container", err, errcode.VMNotFound, "no pod")
 	if took > time.Second {
 		t.Errorf("resolving a deleted VM took %v", took)
@@ -93,7 +93,7 @@ func TestWatchDelete(t *testing.T) {
 
 func TestWatchReplace(t *testing.T) {
 	e := newEnv(t)
-	tg, err, _ := resolve(t, e.r, e.ref())
+	tg, _, err := resolve(t, e.r, e.ref())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,7 +101,7 @@ func TestWatchReplace(t *testing.T) {
 	n := e.d.Replace(t, e.c)
 	nextGone(t, ch, gone(e.uid, e.c), 5*time.Second)
 	quiet(t, ch, 300*time.Millisecond, "after the replacement")
-	tg2, err, _ := resolve(t, e.r, e.ref())
+	tg2, _, err := resolve(t, e.r, e.ref())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,7 +144,7 @@ func TestWatchExitAndSupersede(t *testing.T) {
 // reports what happened while containerd was down.
 func TestWatchReconnect(t *testing.T) {
 	e := newEnv(t)
-	if _, err, _ := resolve(t, e.r, e.ref()); err != nil {
+	if _, _, err := resolve(t, e.r, e.ref()); err != nil {
 		t.Fatal(err)
 	}
 	ch, _ := watch(t, e.r)
@@ -163,7 +163,7 @@ func TestWatchReconnect(t *testing.T) {
 
 	// And the stream works again.
 	other := e.d.Create(t, testcontainerd.PodContainer{PodUID: e.uid, Name: "qemu", HostDir: e.c.HostDir})
-	if tg, err, _ := resolve(t, e.r, e.ref()); err != nil || tg.ContainerID != other.ID {
+	if tg, _, err := resolve(t, e.r, e.ref()); err != nil || tg.ContainerID != other.ID {
 		t.Fatalf("after restart: %+v, %v", tg, err)
 	}
 	e.d.Delete(t, other)
@@ -174,7 +174,7 @@ func TestWatchReconnect(t *testing.T) {
 // reports nobody read, and also while containerd is down.
 func TestWatchStops(t *testing.T) {
 	e := newEnv(t)
-	if _, err, _ := resolve(t, e.r, e.ref()); err != nil {
+	if _, _, err := resolve(t, e.r, e.ref()); err != nil {
 		t.Fatal(err)
 	}
 	ch, cancel := watch(t, e.r)
@@ -185,7 +185,7 @@ func TestWatchStops(t *testing.T) {
 
 	// Gone before Watch started: reported at once, from what Resolve saw.
 	e2 := e.d.Create(t, testcontainerd.PodContainer{PodUID: e.uid, Name: "qemu", HostDir: e.c.HostDir})
-	if _, err, _ := resolve(t, e.r, e.ref()); err != nil {
+	if _, _, err := resolve(t, e.r, e.ref()); err != nil {
 		t.Fatal(err)
 	}
 	e.d.Delete(t, e2)

@@ -9,7 +9,8 @@ import (
 )
 
 // progress prints a self-overwriting line with bytes and MB/s while a long
-// phase runs, on a terminal only: logs and scripts get the result alone.
+// phase runs, on a terminal only (phasedProgress makes one per phase): logs
+// and scripts get the result alone.
 type progress struct {
 	w     io.Writer
 	label string
@@ -19,13 +20,6 @@ type progress struct {
 	last  time.Time
 	done  int64
 	shown bool
-}
-
-func newProgress(w io.Writer, label string) *progress {
-	if f, ok := w.(*os.File); !ok || !isTerminal(f) {
-		return nil
-	}
-	return &progress{w: w, label: label, start: time.Now()}
 }
 
 func isTerminal(f *os.File) bool {

@@ -38,6 +38,7 @@ func withCommand(c *cobra.Command) func(*globalOutput) *cobra.Command {
 // line on stderr, the JSON object with --json, no stack trace.
 func TestPanicInACommandIsInternal(t *testing.T) {
 	for name, boom := range map[string]func(){
+		//lint:ignore SA5000 the write to a nil map is the panic under test
 		"a nil map": func() { var m map[string]int; m["x"] = 1 },
 		"an error":  func() { panic(errors.New("something impossible")) },
 		"nil deref": func() { var e *api.Error; _ = e.Message },

@@ -189,7 +189,7 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 	}
 	if f.toDir != "" {
 		st, err := snapshot.Stage(ctx, snapshot.StageSpec{
-			Image: f.image, Dir: f.toDir, AllowTag: f.allowTag, MaxBytes: f.maxBytes, Jobs: f.stream.workers, Store: store,
+			Image: f.image, Dir: f.toDir, AllowTag: f.allowTag, MaxBytes: f.maxBytes, Workers: f.stream.workers, Store: store,
 		})
 		if err != nil {
 			return err

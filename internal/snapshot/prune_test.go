@@ -384,17 +384,6 @@ func TestPruneKeepsUndatedCheckpoints(t *testing.T) {
 	}
 }
 
-func restoresExactlyState(t *testing.T, image string, state []byte) {
-	t.Helper()
-	target := qmptest.NewFakeQEMU(t, "inmigrate", state)
-	if _, err := RestoreState(context.Background(), RestoreSpec{QMPPath: target.Path(), Image: image}); err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(received(target), state) {
-		t.Fatal("the restored state differs")
-	}
-}
-
 func received(vm *qmptest.FakeQEMU) []byte {
 	vm.Lock()
 	defer vm.Unlock()

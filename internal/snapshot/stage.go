@@ -26,7 +26,7 @@ type StageSpec struct {
 	Dir      string
 	AllowTag bool
 	MaxBytes int64
-	Jobs     int
+	Workers  int // blobs fetched at once (0: defaultStageWorkers)
 	Store    []ociimage.Option
 }
 
@@ -64,7 +64,7 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if cfg.Format == vmstate.FormatMemoryFile {
 		keep = func(l ocispec.Descriptor) bool { return !ramfile.IsRAMLayer(l) }
 	}
-	copied, err := ociimage.CopyLayers(ctx, pinned, dst, s.MaxBytes, max(s.Jobs, 4), keep)
+	copied, err := ociimage.CopyLayers(ctx, pinned, dst, s.MaxBytes, stageWorkers(s.Workers), keep)
 	if err != nil {
 		return nil, err
 	}
@@ -73,6 +73,19 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	}
 	st := &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Checkpoint: checkpointRef(cp), Dir: dir, Bytes: sizeOf(m, keep), Format: string(cfg.Format)}
 	return st, nil
+}
+
+// defaultStageWorkers is how many blobs Stage fetches at once unless told:
+// an init container has nothing else to do, and each holds one chunk.
+const defaultStageWorkers = 4
+
+// stageWorkers honours a caller's count (--workers 1 fetches one blob at a
+// time) and defaults the unset one.
+func stageWorkers(n int) int {
+	if n <= 0 {
+		return defaultStageWorkers
+	}
+	return n
 }
 
 func sizeOf(m ocispec.Manifest, keep func(ocispec.Descriptor) bool) int64 {

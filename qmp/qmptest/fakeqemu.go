@@ -40,6 +40,11 @@ type FakeQEMU struct {
 	// LieStream makes an outgoing migration into a descriptor write State
 	// and then zeros without end, until a write fails.
 	LieStream bool
+	// MidStream, if set, is called by an outgoing migration into a
+	// descriptor once half of the state is written, and the rest is
+	// written when it returns: a test holds a checkpoint in the middle of
+	// its stream with it, for as long as it needs, instead of racing it.
+	MidStream func()
 	// RefuseMigrate makes the migrate command itself fail.
 	RefuseMigrate bool
 	// FailFirstMigrations makes the next outgoing migrations into a
@@ -378,7 +383,15 @@ func (f *FakeQEMU) migrateOut(fd *os.File, state []byte, was string, fail bool) 
 	if f.FailMigrate > 0 {
 		n = f.FailMigrate
 	}
-	_, err := fd.Write(state[:n])
+	half := n
+	if f.MidStream != nil {
+		half = n / 2
+	}
+	_, err := fd.Write(state[:half])
+	if err == nil && half < n {
+		f.MidStream()
+		_, err = fd.Write(state[half:n])
+	}
 	if err == nil && f.LieStream {
 		zeros := make([]byte, 1<<20)
 		for err == nil {

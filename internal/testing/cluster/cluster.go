@@ -436,7 +436,7 @@ func (c *Cluster) nodeReady() (bool, error) {
 	}
 	for _, cond := range n.Status.Conditions {
 		if cond.Type == corev1.NodeReady {
-			return cond.Status == corev1.ConditionTrue, fmt.Errorf("Ready=%s: %s", cond.Status, cond.Message)
+			return cond.Status == corev1.ConditionTrue, fmt.Errorf("node condition Ready=%s: %s", cond.Status, cond.Message)
 		}
 	}
 	return false, nil

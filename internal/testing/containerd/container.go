@@ -71,7 +71,6 @@ type Container struct {
 	opts   PodContainer
 	exit   <-chan client.ExitStatus
 	status *client.ExitStatus // once received from exit
-	io     cio.IO
 }
 
 // NewID returns a random container ID in the form CRI uses (64 hex digits).

@@ -935,12 +935,10 @@ func (bb *bench) profileCheckpoint(vm *guest.VM, encrypted bool) {
 	if fi, err := os.Stat(profile); err != nil || fi.Size() == 0 {
 		b.Fatalf("the profiled checkpoint wrote no profile to %s: %v", profile, err)
 	}
-	goTool, err := exec.LookPath("go")
-	if err != nil {
-		goTool = filepath.Join(runtime.GOROOT(), "bin", "go")
-	}
+	// The go command the tests run under is on PATH; without it, the
+	// summary says so.
 	pp := func(args ...string) string {
-		out, err := exec.Command(goTool, append(append([]string{"tool", "pprof"}, args...), profile)...).CombinedOutput()
+		out, err := exec.Command("go", append(append([]string{"tool", "pprof"}, args...), profile)...).CombinedOutput()
 		if err != nil {
 			return fmt.Sprintf("(go tool pprof: %v: %s)", err, out)
 		}
