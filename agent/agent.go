@@ -1,7 +1,7 @@
 // Package agent runs checkpoints and restores of QEMU VMs on a node: the
 // daemon and the client a Job uses to reach it.
 //
-// The operations themselves are package agent/snapshot, which the CLI also
+// The operations themselves are package internal/snapshot, which the CLI also
 // calls in its own process; the daemon calls them with a VM's files opened
 // by its resolver beneath the pod's volumes (snapshot.Handles). The daemon
 // (Server) adds what a node needs:
@@ -18,7 +18,18 @@
 //   - an event stream (server-sent events), health, readiness and
 //     Prometheus metrics.
 //
-// It is not a controller: it acts only on requests, for VMs on its node.
+// It also decides who may ask for what (caller.go: a caller placed by its
+// peer pid through containerd; policy.go: --allow-repository and
+// --layout-root), bounds what each caller may hold (limits.go), and holds
+// the decryption keys per namespace (keys.go). docs/security-model.md says
+// what this means for an operator.
+//
+// It is not a controller: it acts only on requests, for VMs on its node. It
+// does not hold the operations (internal/snapshot), the JSON documents
+// (agent/api), the Kubernetes YAML (internal/manifests) or the finding of
+// VMs in containerd (agent/containerd, behind the Resolver interface). It
+// must never open a path a request, a pod or a QEMU names other than
+// through its resolver, beneath the pod's own volumes.
 package agent
 
 import (
