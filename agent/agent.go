@@ -18,7 +18,18 @@
 //   - an event stream (server-sent events), health, readiness and
 //     Prometheus metrics.
 //
-// It is not a controller: it acts only on requests, for VMs on its node.
+// It also decides who may ask for what (caller.go: a caller placed by its
+// peer pid through containerd; policy.go: --allow-repository and
+// --layout-root), bounds what each caller may hold (limits.go), and holds
+// the decryption keys per namespace (keys.go). docs/security-model.md says
+// what this means for an operator.
+//
+// It is not a controller: it acts only on requests, for VMs on its node. It
+// does not hold the operations (internal/snapshot), the JSON documents
+// (agent/api), the Kubernetes YAML (internal/manifests) or the finding of
+// VMs in containerd (agent/containerd, behind the Resolver interface). It
+// must never open a path a request, a pod or a QEMU names other than
+// through its resolver, beneath the pod's own volumes.
 package agent
 
 import (

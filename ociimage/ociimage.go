@@ -7,8 +7,23 @@
 // returns has been checked against its digest and declared size; every limit
 // on sizes lives in mediatypes.go.
 //
-// It is not a general image library: it writes one manifest per snapshot and
-// reads only the manifests vmsnap writes (image manifests, no indexes).
+// It owns: references (oci:DIR[:TAG|@DIGEST], HOST[:PORT]/REPO[:TAG|@DIGEST]);
+// the Repository interface over a layout (layout*.go) and a registry
+// (registry*.go; credentials from a Docker config directory, TLS verified,
+// plain HTTP only for a host named insecure, per-request deadlines and
+// retries); the checkpoint index that ties a checkpoint's images together and
+// the links between repositories (checkpoint*.go, link.go, legacy.go);
+// retention's optional interfaces (retention.go); encryption in the OCI
+// image encryption convention of containers/ocicrypt (Encrypt, Decrypt);
+// cosign-compatible signatures (Sign, VerifySignature); and every media
+// type, annotation key and size limit (mediatypes.go). docs/image-format.md
+// specifies what it writes.
+//
+// It is not a general image library: it writes one image manifest per image
+// of a checkpoint and one image index per checkpoint, and reads only those
+// (no platforms, no foreign indexes). It must not tag before everything a
+// tag names is stored (PutManifest never tags; TagManifest is a call of its
+// own), and must not return a byte it has not checked against its digest.
 package ociimage
 
 import (

@@ -41,5 +41,14 @@
 // everything else. Refusals by QEMU wrap *Error, which keeps QEMU's error
 // class.
 //
-// Package qmptest provides a fake QEMU monitor for tests.
+// It is not a typed binding of the QMP schema (callers define the few
+// argument and result structs they need), not a transport for TCP monitors,
+// HMP or the guest agent, and not a reconnecting client: when QEMU closes
+// the socket, Done closes, Err says why and the caller dials again if it
+// wants to. DialFile dials a socket through a descriptor opened on it, so
+// that a socket swapped after it was checked is not the one dialed, and a
+// path longer than a socket address still works.
+//
+// Package qmptest provides a fake QEMU monitor for tests (real wire
+// protocol, SCM_RIGHTS, events on demand, and hostile peers).
 package qmp

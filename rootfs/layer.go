@@ -1,7 +1,14 @@
 // Package rootfs captures the writable layer of the container QEMU runs in,
 // through containerd, as an image: the container's image plus one layer of
-// its changes. The VM's qcow2 overlay is in package vmstate/disk:
-// it is a file QEMU writes, handled without containerd.
+// its changes, with whiteouts for deleted files and without volumes, as
+// nerdctl commit would. The diff is computed by containerd's diff service
+// under a lease, so nothing in flight is garbage-collected; the layer is
+// zstd on every containerd (1.6 hands over a plain tar, which this package
+// compresses in one streaming pass that also computes the diffID).
+//
+// It is not for the VM's qcow2 overlay (package vmstate/disk: a file QEMU
+// writes, handled without containerd), for volumes (they are not in the
+// writable layer), or for building images from scratch.
 package rootfs
 
 import (

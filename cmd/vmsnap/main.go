@@ -1,7 +1,10 @@
 // Command vmsnap checkpoints a running QEMU VM into OCI images and restores
-// it, possibly on another node. It is a thin layer over the vmstate,
-// ociimage, rootfs and qmp packages: flags in, JSON out, error codes as exit
-// statuses.
+// it, possibly on another node. It is a thin layer over the operations in
+// internal/snapshot (run in this process, or by the node agent with
+// --agent) and the agent's daemon: flags in, JSON out, error codes as exit
+// statuses. It holds flags and their hints, never an operation's logic.
+// Every command's --help is docs/cli.md, which TestCLIReference keeps equal
+// to the commands.
 package main
 
 import (

@@ -12,8 +12,13 @@
 // over the plaintext's own schedule, fits in the same way). Elsewhere it
 // falls back to crypto/sha256 and crypto/hmac.
 //
-// It is not a general hash package: the only caller is ociimage's
-// encrypting store.
+// Use: New(key), Write(ct), Sums() (digest, MAC); NewWithPlain(key),
+// Write2(plain, ct), Sums() (plaintext digest, ciphertext digest, MAC).
+// -tags purego or another architecture takes the fallback.
+//
+// It is not a general hash package (use crypto/sha256), nor a MAC check
+// (use crypto/hmac's Equal on what Sums returns): the only caller is
+// ociimage's encrypting store.
 package sha256pair
 
 import (

@@ -23,6 +23,15 @@
 // region layer is verified by its sha256 digest before a byte of it is
 // used, and the materialized file, page by page, against the image's map
 // (Verify).
+//
+// It owns Scan and Shadow (the pages to store, from the stopped file or a
+// pre-copy), Capture.Store (region and page-map layers), SplitLayers and
+// LoadPageMap (a manifest's RAM layers checked before anything is fetched),
+// Materialize, Verify, and Cache (the node's RAM files, one per image,
+// named by its manifest digest, complete or absent, in a directory that
+// must be the caller's own). It is not for QMP, QEMU's arguments or the
+// compatibility check (package vmstate), nor for manifests and tags
+// (package ociimage).
 package ramfile
 
 import (
