@@ -14,6 +14,12 @@
 // ambiguity and in a header block per object in any case.
 //
 // Options' zero value gives working defaults; see the Default* constants.
+//
+// Options.Validate (called by Render, not by the constructors) refuses
+// unsafe or broken manifests. Every host path and privilege carries a
+// comment naming its line, and rendering fails if a note matches no line or
+// several. Not for applying objects to a cluster or watching them: it is no
+// controller.
 package manifests
 
 import (
