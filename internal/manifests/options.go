@@ -152,7 +152,7 @@ type Options struct {
 	// the system's roots.
 	RegistryCAConfigMap string
 	// DecryptionKeySecret names a Secret whose key key.pem is the PEM
-	// private key that decrypts encrypted snapshots (README "Encryption").
+	// private key that decrypts encrypted snapshots (docs/encryption-and-signing.md).
 	// It is mounted in the restore init container only, mode 0440 (group
 	// read: the container is not root, so the restored pod needs an
 	// fsGroup, which RestorePod sets), and passed as --decryption-key.
@@ -203,7 +203,7 @@ type Options struct {
 	KubeletPodsDir   string // where the kubelet keeps pods' volumes
 
 	// AgentExtraCapabilities are added to the agent's one capability,
-	// DAC_OVERRIDE. None are needed today; see the README.
+	// DAC_OVERRIDE. None are needed today; see docs/kubernetes.md.
 	AgentExtraCapabilities []corev1.Capability
 
 	// JobUser is the UID and GID of the checkpoint Job (default 65532).

@@ -47,7 +47,7 @@ type StreamOptions struct {
 	// Workers is how many chunks are compressed, fetched or decompressed at
 	// once (default 2, whatever the machine: each worker holds up to two
 	// chunk buffers, and two compressors at SpeedFastest outrun a registry;
-	// see the README's Performance section).
+	// see docs/performance.md).
 	Workers int
 	// Uploads is how many compressed chunks are being stored at once
 	// (default 3). Uploads wait on the network and the registry, not on our
