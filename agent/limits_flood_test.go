@@ -30,7 +30,7 @@ const (
 	floodResultMark  = "FLOOD-RESULT: "
 	floodAttempts    = 20000
 	floodWorkers     = 64
-	// floodHeapBound is what the README promises one caller at its
+	// floodHeapBound is what docs/security-model.md promises one caller at its
 	// default limits can make the agent's live heap grow by, with the
 	// other caller's small checkpoint running beside it.
 	floodHeapBound = 16 << 20

@@ -13,7 +13,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
-// A checkpoint is stored as one image index (README "Image layout"): in the
+// A checkpoint is stored as one image index (docs/image-format.md): in the
 // repository of its VM state image, listing that image and the disk and
 // rootfs images stored in the same repository, each entry marked with its
 // part (AnnotationPart); parts in another repository of the same registry

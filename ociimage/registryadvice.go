@@ -16,8 +16,8 @@ import (
 )
 
 // What a registry's failure means for the user, and what to do about it:
-// the words describe adds to the registry's own. The README's table of
-// registry failures lists them.
+// the words describe adds to the registry's own. The table of registry
+// failures in docs/errors-and-guarantees.md lists them.
 
 // statusAdvice is what to do about a registry's answer with this status
 // (other than 401 and 403, which are AUTH_FAILED).

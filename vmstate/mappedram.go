@@ -107,7 +107,7 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 	// runs again once QEMU has written the file, before the upload. In
 	// pause mode the VM stays stopped anyway, and the stream, which
 	// compresses while QEMU saves, is as fast to take and faster to
-	// restore (measured on QEMU 10, see the README).
+	// restore (measured on QEMU 10, see docs/performance.md).
 	if opts.Mode == ModeLive || (!explicit && opts.Mode != ModeSnapshot) {
 		return FormatStream, nil
 	}

@@ -32,7 +32,7 @@ type parentImage struct {
 }
 
 // findParent picks the parent of a memory-file checkpoint of the VM whose
-// RAM file is f (README "Trust in the parent"):
+// RAM file is f ("Trust in the parent" in docs/memory-file.md):
 //
 //   - opts.Parent if given: trusted if it is the checkpoint the node
 //     recorded for this VM, else verified against the VM's memory;

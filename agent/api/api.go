@@ -16,7 +16,7 @@ import (
 // CheckpointResult is what a checkpoint produced.
 type CheckpointResult struct {
 	// Checkpoint is the checkpoint index: the one reference that names
-	// every image of the checkpoint (README "Image layout").
+	// every image of the checkpoint (docs/image-format.md).
 	Checkpoint *CheckpointRef `json:"checkpoint,omitempty"`
 	VMState    VMStateResult  `json:"vmstate"`
 	Disk       *DiskResult    `json:"disk,omitempty"`

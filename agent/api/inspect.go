@@ -15,7 +15,7 @@ type InspectResult struct {
 	StoredBytes  int64             `json:"storedBytes"`
 	Annotations  map[string]string `json:"annotations,omitempty"`
 	// EncryptedFor lists the key IDs an encrypted image's layers are
-	// encrypted for (README "Encryption"); empty for a plaintext image.
+	// encrypted for (docs/encryption-and-signing.md); empty for a plaintext image.
 	EncryptedFor []string `json:"encryptedFor,omitempty"`
 	// Layers are the image's layers by kind ("chunk": a stream's,
 	// "ram-pagemap" and "ram-region": a memory-file image's RAM file),

@@ -68,7 +68,7 @@ checkpoint reads the RAM file QEMU names as its mem-path, opened as the disk
 is: on a volume of the VM's own pod (below --kubelet-pods-dir/POD_UID; an
 emptyDir with medium: Memory), without following links, mounts or "..", a
 regular file, read-only; anything else is refused before the VM is stopped.
-Encryption (the README's "Encryption"): --decryption-key-dir DIR holds each
+Encryption (docs/encryption-and-signing.md): --decryption-key-dir DIR holds each
 namespace's private keys in DIR/NAMESPACE and the node's directly in DIR.
 A restore, prepare or memory-file delta decrypts with the keys of the
 namespace its VM or cache is in, and for an --admin-namespace caller also
@@ -87,7 +87,7 @@ cache. The request is synchronous and takes one of the --max-concurrent slots.
 Registry credentials come from $DOCKER_CONFIG or --registry-config (a mounted
 dockerconfigjson secret), never from flags.
 
-Who may do what (the README's "Security model"): a caller is placed by its
+Who may do what (docs/security-model.md): a caller is placed by its
 peer credentials. A process in a pod's container acts only on VMs in that
 pod's namespace and sees and cancels only their operations; a process in a
 namespace named with --admin-namespace, or on the node outside any
@@ -105,7 +105,7 @@ layout root (admins the whole root). Plain entries are shared by every
 caller. Every directory from --layout-root down must be the agent's alone
 (its owner, not writable by group or others).
 
-Signatures (the README's "Signing"): with --sign-key every checkpoint's
+Signatures (docs/encryption-and-signing.md): with --sign-key every checkpoint's
 manifests are signed as cosign sign --key signs them. A restore or prepare
 request's image must carry a cosign signature by one of the keys that apply
 to it: every --verify-key, and the KEY of every --require-signature

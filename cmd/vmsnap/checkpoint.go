@@ -84,7 +84,7 @@ repository, the checkpoint index, lists them all: its digest (checkpoint.image)
 names the whole checkpoint, and the --image tag names it. Give --disk-image
 the same repository (with a tag of its own, or none) for a checkpoint that any
 OCI copy tool copies whole; another repository of the same registry is linked
-by its path, never by the registry's host (see "Image layout" in the README).
+by its path, never by the registry's host (see docs/image-format.md).
 
 Modes:
   snapshot  stop the VM, capture, continue it (the default)
@@ -152,7 +152,7 @@ does not fail the checkpoint: "pruned.error" says why.
 With --sign-key, every manifest the checkpoint stores (state, disk, rootfs)
 is signed as cosign sign --key signs an image, before any tag moves: the
 signature is at the tag sha256-HEX.sig in the image's repository, where
-cosign verify --key finds it (see README "Signing").`,
+cosign verify --key finds it (see docs/encryption-and-signing.md).`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			f.parentRecordsSet = c.Flags().Changed("parent-records")

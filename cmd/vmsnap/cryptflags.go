@@ -16,7 +16,7 @@ type encryptFlags struct {
 
 func (f *encryptFlags) add(c *cobra.Command) {
 	c.Flags().StringArrayVar(&f.recipients, "encrypt-recipient", nil,
-		"encrypt the images' layers for `jwe:PUB.pem`, an RSA or EC public key (repeatable; any one recipient's private key decrypts; see README \"Encryption\")")
+		"encrypt the images' layers for `jwe:PUB.pem`, an RSA or EC public key (repeatable; any one recipient's private key decrypts; see docs/encryption-and-signing.md)")
 	c.Flags().StringVar(&f.dedupKey, "encrypt-dedup-key", "",
 		"with --encrypt-recipient: `FILE` of a secret (32+ random bytes, mode 0600) from which each chunk's key is derived, so that an unchanged chunk is not uploaded again; "+
 			"reveals to registry readers which chunks are equal between checkpoints made with the same secret (default: a random key per chunk, every checkpoint uploads everything)")

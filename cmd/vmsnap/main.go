@@ -131,7 +131,8 @@ loading its memory: vmsnap prepare REF@sha256:... prints the QEMU arguments
 that map the snapshot's RAM file; start QEMU with them and -incoming defer,
 then vmsnap restore --qmp as above (see vmsnap prepare --help).
 
-Exit status: 0 on success, otherwise the error code's status (see README).`,
+Exit status: 0 on success, otherwise the error code's status (see
+docs/errors-and-guarantees.md).`,
 		SilenceErrors:     true,
 		SilenceUsage:      true,
 		Version:           version,

@@ -96,7 +96,7 @@ Not with --restore-via-agent.`,
 	c.Flags().StringVar(&o.AgentDecryptionKeySecret, "agent-decryption-key-secret", "", "Secret (in the agent's namespace) whose keys are the node's private keys, which the agent decrypts admin callers' restores with, mounted 0440 root:root in the agent only (--decryption-key-dir)")
 	c.Flags().Var(namespaceKeysFlag{&o.NamespaceKeySecrets}, "namespace-key-secret", "`NAMESPACE=SECRET`: a Secret (in the agent's namespace) whose key.pem is a private key of NAMESPACE; "+
 		"the agent decrypts that namespace's restores with its keys alone and encrypts its checkpoints for them (repeatable)")
-	c.Flags().StringVar(&o.DecryptionKeySecret, "decryption-key-secret", "", "Secret whose key.pem is the private key that decrypts encrypted snapshots, mounted 0440 in the restore init container only (--decryption-key; README \"Encryption\")")
+	c.Flags().StringVar(&o.DecryptionKeySecret, "decryption-key-secret", "", "Secret whose key.pem is the private key that decrypts encrypted snapshots, mounted 0440 in the restore init container only (--decryption-key; docs/encryption-and-signing.md)")
 	c.Flags().StringArrayVar(&o.AllowRepositories, "allow-repository", nil, "agent: a registry target HOST[:PORT]/PREFIX it may use (repeatable; with none, every registry target is refused)")
 	c.Flags().StringArrayVar(&o.AdminNamespaces, "admin-namespace", nil, "agent: a namespace whose callers may act on any VM, besides --namespace (repeatable)")
 	c.Flags().StringVar(&o.LayoutRoot, "layout-root", "", "agent: host directory under which oci: layouts are allowed over the API (default: none)")

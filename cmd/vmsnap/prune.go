@@ -56,7 +56,8 @@ Exit status: 0 on success; 2 (USAGE) for bad flags or a REPO with a tag or
 digest; 8 (AUTH_FAILED) when the registry refuses the credentials; 9
 (REGISTRY_ERROR) for any other failure of the store, among them a registry
 that does not allow deletes ("enable storage.delete in its config"); 11
-(INVALID_INPUT) for a malformed manifest or tag list (see the README).`,
+(INVALID_INPUT) for a malformed manifest or tag list (see
+docs/errors-and-guarantees.md).`,
 		Example: `  vmsnap prune oci:/var/lib/snapshots --keep 3 --dry-run
   vmsnap prune registry.example:5000/vms/vm1 --keep 5 --json`,
 		Args: cobra.ExactArgs(1),

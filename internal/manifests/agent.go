@@ -49,8 +49,8 @@ const (
 // is an ordinary user to file permission checks, so it could neither
 // connect() to a QMP socket owned by the VM's user (connecting needs write
 // permission on the socket) nor read that user's disk overlay, nor search
-// the VM's directories in the pod's volume. See the README for what the
-// agent does not need.
+// the VM's directories in the pod's volume. docs/kubernetes.md ("The agent's
+// privileges") says what the agent does not need.
 const AgentCapability corev1.Capability = "DAC_OVERRIDE"
 
 func labels(o Options, component string) map[string]string {

@@ -14,6 +14,12 @@
 // ambiguity and in a header block per object in any case.
 //
 // Options' zero value gives working defaults; see the Default* constants.
+//
+// Options.Validate (called by Render, not by the constructors) refuses
+// unsafe or broken manifests. Every host path and privilege carries a
+// comment naming its line, and rendering fails if a note matches no line or
+// several. Not for applying objects to a cluster or watching them: it is no
+// controller.
 package manifests
 
 import (
@@ -146,7 +152,7 @@ type Options struct {
 	// the system's roots.
 	RegistryCAConfigMap string
 	// DecryptionKeySecret names a Secret whose key key.pem is the PEM
-	// private key that decrypts encrypted snapshots (README "Encryption").
+	// private key that decrypts encrypted snapshots (docs/encryption-and-signing.md).
 	// It is mounted in the restore init container only, mode 0440 (group
 	// read: the container is not root, so the restored pod needs an
 	// fsGroup, which RestorePod sets), and passed as --decryption-key.
@@ -197,7 +203,7 @@ type Options struct {
 	KubeletPodsDir   string // where the kubelet keeps pods' volumes
 
 	// AgentExtraCapabilities are added to the agent's one capability,
-	// DAC_OVERRIDE. None are needed today; see the README.
+	// DAC_OVERRIDE. None are needed today; see docs/kubernetes.md.
 	AgentExtraCapabilities []corev1.Capability
 
 	// JobUser is the UID and GID of the checkpoint Job (default 65532).

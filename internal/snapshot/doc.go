@@ -1,17 +1,10 @@
-// Package snapshot is what a checkpoint, a restore, an inspect or a prune
-// is, whoever asks: the CLI runs these operations in its own process, the
-// agent's daemon runs them for requests on its socket, and other Go code
-// may call them too. One file per verb: checkpoint.go, restore.go,
-// stage.go (staging a state image for an init container and streaming it
-// to QEMU), inspect.go and prune.go.
-//
-// The VM's files come opened (Handles): the daemon's resolver opens a pod's
-// files beneath their volumes; the CLI's own paths are opened once here
-// (OpenLocal). Paths are names for messages and annotations only.
-//
-// It sits in internal/ because the top level is fixed and it is the one
-// layer above vmstate, rootfs and ociimage, which it composes; it does
-// not import package agent (TestSnapshotDoesNotImportTheDaemon): a program
-// that runs operations locally does not link the daemon. The JSON documents
-// the operations return are package agent/api's, as the daemon's are.
+// Package snapshot is what a checkpoint, restore, prepare, stage/stream,
+// inspect or prune is, whoever asks: the CLI runs these operations in its
+// own process, the agent's daemon for requests, any Go program too. One file
+// per verb. The VM's files come opened (Handles: the daemon's resolver opens
+// them beneath the pod's volumes; OpenLocal for the CLI's paths); paths are
+// names for messages only. It is the one layer above vmstate, rootfs and
+// ociimage, which it composes, and must not import package agent
+// (TestSnapshotDoesNotImportTheDaemon); its results are agent/api's
+// documents. Not for flags (cmd/vmsnap) or finding VMs (agent).
 package snapshot

@@ -1,6 +1,10 @@
 // Package chunk is the chunk codec: any byte stream into content-addressed,
-// zstd-compressed chunks in an image store (EncodeStream), and back
-// (DecodeStream). See README.md.
+// zstd-compressed chunks in an image store, and back (EncodeStream,
+// DecodeStream). Cuts are content-defined, between a quarter and 1.5x the
+// average. Memory is bounded by two fixed buffer pools. A caller implements
+// BlobSink (HasBlob, PutBlob) and BlobSource (Blob, which must verify
+// digests); a sink with AddUndigested hashes chunks itself. Not for what the
+// bytes are (vmstate, vmstate/disk) or for manifests and tags (ociimage).
 package chunk
 
 import (
@@ -43,7 +47,7 @@ type StreamOptions struct {
 	// Workers is how many chunks are compressed, fetched or decompressed at
 	// once (default 2, whatever the machine: each worker holds up to two
 	// chunk buffers, and two compressors at SpeedFastest outrun a registry;
-	// see the README's Performance section).
+	// see docs/performance.md).
 	Workers int
 	// Uploads is how many compressed chunks are being stored at once
 	// (default 3). Uploads wait on the network and the registry, not on our

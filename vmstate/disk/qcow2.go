@@ -1,12 +1,12 @@
-// Package disk handles the VM's writable qcow2 overlay, the disk state
-// vmsnap checkpoints next to a VM's memory: it judges the overlay's header,
-// captures the overlay as an image of its own and restores it, atomically
-// and sparse. It is apart from package rootfs, which captures the container's
-// writable layer through containerd: the two share no code and no
-// dependencies, and an overlay is a file QEMU writes, not a container's
-// filesystem. This file reads and judges the overlay's qcow2 header, written
-// from QEMU's docs/interop/qcow2.txt.
+// Package disk is the VM's writable qcow2 overlay: ReadHeader/Validate
+// refuse what cannot be carried safely (docs/errors-and-guarantees.md lists
+// it), CheckBacking, Capture, and Restore (atomic and sparse, before QEMU
+// starts). Not for base images, a running VM's disk, repairing qcow2
+// metadata, or formats other than qcow2.
 package disk
+
+// This file reads and judges the overlay's qcow2 header, written from
+// QEMU's docs/interop/qcow2.txt.
 
 import (
 	"bytes"

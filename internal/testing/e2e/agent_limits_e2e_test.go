@@ -20,7 +20,7 @@ import (
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
-// e2eFloodRSSBound is what the README promises the flood below can add to
+// e2eFloodRSSBound is what docs/security-model.md promises the flood below can add to
 // the agent's peak RSS, another tenant's small checkpoint included.
 const e2eFloodRSSBound = 32 << 20
 

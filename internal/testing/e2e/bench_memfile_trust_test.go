@@ -11,7 +11,7 @@ import (
 )
 
 // trustCost is what trusting a parent only as far as a checkpoint verified
-// it costs (README "Trust in the parent"): pairs of deltas of the same
+// it costs ("Trust in the parent" in docs/memory-file.md): pairs of deltas of the same
 // running guest, back to back, one on the parent the node recorded (its
 // map taken as is), one on the same kind of parent named with --parent
 // and no record (every page it vouches for hashed with SHA-256 and

@@ -2,7 +2,7 @@
 
 package e2e
 
-// The signing overhead in make bench's stream section (README "Signing"):
+// The signing overhead in make bench's stream section (docs/performance.md):
 // the pause-mode checkpoint signed (--sign-key) against the plain one, and
 // the restore verified (--verify-key) against the plain one, back to back
 // in the same run, taking turns going first; and, measured apart in this

@@ -141,7 +141,7 @@ type benchReport struct {
 	baseHash                  []time.Duration
 	baseSize                  int64
 	ckpt, restore, layout     []timed
-	encCkpt, encRestore       []timed // encrypted for an RSA-2048 recipient (README "Encryption")
+	encCkpt, encRestore       []timed // encrypted for an RSA-2048 recipient (docs/encryption-and-signing.md)
 	restorePre, encRestorePre []timed // restore pairs into targets with preallocated RAM
 	load0, load1              string
 	ckptStored                int64

@@ -159,7 +159,7 @@ func TestMappedRAME2EQEMU10(t *testing.T) {
 	}
 }
 
-// Figures for the README (not run by default): a 1 GiB guest with 256 MiB
+// Figures for docs/performance.md (not run by default): a 1 GiB guest with 256 MiB
 // of random data on QEMU 10, checkpointed into an OCI layout with each
 // format in turn, in snapshot and pause modes, and restored.
 //
