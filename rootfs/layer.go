@@ -34,8 +34,6 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/klauspost/compress/zstd"
 	"github.com/opencontainers/go-digest"
-	"github.com/opencontainers/image-spec/identity"
-	"github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -138,18 +136,8 @@ func CaptureLayer(ctx context.Context, client *containerd.Client, namespace, con
 	if client == nil || containerID == "" || repo == nil {
 		return nil, errcode.New(errcode.Usage, "capturing a container's writable layer needs a containerd client, a container ID and a repository")
 	}
-	switch opts.Compression {
-	case "":
-		opts.Compression = LayerZstd
-	case LayerZstd, LayerGzip:
-	default:
-		return nil, errcode.New(errcode.Usage, "layer compression %q: use %s or %s", opts.Compression, LayerZstd, LayerGzip)
-	}
-	if opts.LeaseExpiry <= 0 {
-		opts.LeaseExpiry = time.Hour
-	}
-	if opts.CreatedBy == "" {
-		opts.CreatedBy = "vmsnap checkpoint"
+	if err := opts.setDefaults(); err != nil {
+		return nil, err
 	}
 	if namespace != "" {
 		ctx = namespaces.WithNamespace(ctx, namespace)
@@ -164,170 +152,31 @@ func CaptureLayer(ctx context.Context, client *containerd.Client, namespace, con
 	}
 	defer endLease(context.WithoutCancel(ctx))
 
-	cont, err := client.LoadContainer(ctx, containerID)
+	b, err := loadLayerBase(ctx, client, namespace, containerID)
 	if err != nil {
-		if errdefs.IsNotFound(err) {
-			return nil, errcode.Wrap(errcode.VMNotFound, err, "container %s is not in containerd (namespace %s): it was deleted", containerID, namespace)
-		}
-		return nil, ctdErr(err, "loading container %s", containerID)
-	}
-	info, err := cont.Info(ctx)
-	if err != nil {
-		return nil, ctdErr(err, "reading container %s", containerID)
-	}
-	if info.Image == "" || info.SnapshotKey == "" || info.Snapshotter == "" {
-		return nil, errcode.New(errcode.InvalidInput,
-			"container %s has no image or no snapshot (image %q, snapshot %q): only a container created from an image has a writable layer to capture", containerID, info.Image, info.SnapshotKey)
-	}
-	img, err := client.GetImage(ctx, info.Image)
-	if err != nil {
-		if errdefs.IsNotFound(err) {
-			return nil, errcode.Wrap(errcode.InvalidInput, err, "the image %s of container %s is no longer in containerd: the new image needs its layers", info.Image, containerID)
-		}
-		return nil, ctdErr(err, "reading image %s", info.Image)
-	}
-	cs := client.ContentStore()
-	base, err := images.Manifest(ctx, cs, img.Target(), img.Platform())
-	if err != nil {
-		return nil, ctdErr(err, "reading the manifest of image %s", info.Image)
-	}
-	if err := holdContent(ctx, client, append([]ocispec.Descriptor{img.Target(), base.Config}, base.Layers...)); err != nil {
 		return nil, err
 	}
-	if base.Config.Size < 0 || base.Config.Size > ociimage.MaxConfigSize {
-		return nil, errcode.New(errcode.InvalidInput, "the config of image %s is %d bytes, more than the %d vmsnap reads", info.Image, base.Config.Size, ociimage.MaxConfigSize)
-	}
-	configJSON, err := content.ReadBlob(ctx, cs, base.Config)
-	if err != nil {
-		return nil, ctdErr(err, "reading the config of image %s", info.Image)
-	}
-	var cfg map[string]json.RawMessage
-	var rootFS ocispec.RootFS
-	var history []ocispec.History
-	if err := json.Unmarshal(configJSON, &cfg); err != nil {
-		return nil, errcode.Wrap(errcode.InvalidInput, err, "the config of image %s is not a JSON object", info.Image)
-	}
-	if err := json.Unmarshal(cfg["rootfs"], &rootFS); err != nil || rootFS.Type != "layers" {
-		return nil, errcode.New(errcode.InvalidInput, "the config of image %s has no layers rootfs (%v)", info.Image, err)
-	}
-	if raw, ok := cfg["history"]; ok {
-		if err := json.Unmarshal(raw, &history); err != nil {
-			return nil, errcode.Wrap(errcode.InvalidInput, err, "the config of image %s has an unreadable history", info.Image)
-		}
-	}
-	if len(rootFS.DiffIDs) != len(base.Layers) {
-		return nil, errcode.New(errcode.InvalidInput, "image %s has %d layers but %d diff_ids", info.Image, len(base.Layers), len(rootFS.DiffIDs))
-	}
-
-	sn := client.SnapshotService(info.Snapshotter)
-	sinfo, err := sn.Stat(ctx, info.SnapshotKey)
-	if err != nil {
-		return nil, ctdErr(err, "reading snapshot %s of container %s", info.SnapshotKey, containerID)
-	}
-	// The diff is taken against the snapshot's parent: it must be the
-	// image's top layer, or the new layer would not apply on the image.
-	if chain := identity.ChainID(rootFS.DiffIDs); len(rootFS.DiffIDs) > 0 && sinfo.Parent != chain.String() {
-		return nil, errcode.New(errcode.InvalidInput,
-			"the writable layer of container %s sits on snapshot %q, not on its image %s (%s): cannot express it as a layer of that image", containerID, sinfo.Parent, info.Image, chain)
-	}
-
-	// The diff, with the task frozen if asked while containerd reads the
-	// snapshot (not while vmsnap compresses the tar containerd stored).
-	tDiff := time.Now()
-	res := &LayerResult{ContainerID: containerID, BaseImage: info.Image, BaseDigest: img.Target().Digest, BaseLayers: len(base.Layers), Compression: opts.Compression}
-	tmp := &scratch{cs: cs, token: randomRef()}
+	res := &LayerResult{ContainerID: containerID, BaseImage: b.info.Image, BaseDigest: b.img.Target().Digest, BaseLayers: len(b.manifest.Layers), Compression: opts.Compression}
+	// The capture's scratch content lives until the push has read it.
+	tmp := &scratch{cs: b.cs, token: randomRef()}
 	defer tmp.cleanup(ctx)
-	d := layerDiff{svc: diffService(client), sn: sn, key: info.SnapshotKey, containerID: containerID, tmp: tmp}
-	resume := func() {}
-	if opts.PauseTask {
-		if resume, err = pauseTask(ctx, cont); err != nil {
-			return nil, err
-		}
-	}
-	layer, tarDesc, err := d.make(ctx, opts.Compression, opts.Progress)
-	resume()
+	layer, err := b.takeDiff(ctx, client, tmp, opts, res)
 	if err != nil {
 		return nil, err
-	}
-	res.Durations.Diff = time.Since(tDiff)
-	if tarDesc.Digest != "" {
-		tCompress := time.Now()
-		if layer, err = d.compress(ctx, tarDesc, opts.Compression, opts.Progress); err != nil {
-			return nil, err
-		}
-		res.Durations.Compress = time.Since(tCompress)
 	}
 	res.DiffID = layer.DiffID
 
-	// The new config: the base's, every field kept, with the layer added.
 	now := time.Now().UTC()
-	rootFS.DiffIDs = append(rootFS.DiffIDs, layer.DiffID)
-	if err := setJSON(cfg, "rootfs", rootFS); err != nil {
-		return nil, err
-	}
-	if consistentHistory(history, len(base.Layers)) && len(history) > 0 {
-		history = append(history, ocispec.History{Created: &now, CreatedBy: opts.CreatedBy, Comment: "writable layer of container " + containerID})
-		if err := setJSON(cfg, "history", history); err != nil {
-			return nil, err
-		}
-	}
-	if err := setJSON(cfg, "created", now); err != nil {
-		return nil, err
-	}
-	newConfig, err := json.Marshal(cfg)
+	newConfig, err := b.newConfig(layer.DiffID, opts.CreatedBy, now)
 	if err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "encoding the new image config")
+		return nil, err
 	}
-	configDesc := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: digest.FromBytes(newConfig), Size: int64(len(newConfig))}
+	res.Config = ocispec.Descriptor{MediaType: ocispec.MediaTypeImageConfig, Digest: digest.FromBytes(newConfig), Size: int64(len(newConfig))}
 	res.Layer = ocispec.Descriptor{MediaType: layer.MediaType, Digest: layer.Digest, Size: layer.Size}
-	res.Config = configDesc
-
-	m := ocispec.Manifest{
-		Versioned: specs.Versioned{SchemaVersion: 2},
-		MediaType: ocispec.MediaTypeImageManifest,
-		Config:    configDesc,
-		Annotations: map[string]string{
-			ociimage.AnnotationCreated:        now.Format(time.RFC3339),
-			ocispec.AnnotationBaseImageName:   info.Image,
-			ocispec.AnnotationBaseImageDigest: img.Target().Digest.String(),
-		},
-	}
-	for k, v := range opts.Annotations {
-		m.Annotations[k] = v
-	}
-	for _, l := range base.Layers {
-		m.Layers = append(m.Layers, ocispec.Descriptor{MediaType: ociLayerType(l.MediaType), Digest: l.Digest, Size: l.Size, URLs: l.URLs})
-	}
-	m.Layers = append(m.Layers, res.Layer)
-
-	// Push: layers (streamed from containerd's content store), config,
-	// manifest last.
-	tPush := time.Now()
-	for i, l := range m.Layers {
-		src := res.Layer // the new one, last, in containerd's content store
-		if i < len(base.Layers) {
-			src = base.Layers[i]
-		}
-		res.StoredBytes += l.Size
-		n, err := pushFromContent(ctx, cs, repo, l, src)
-		if err != nil {
-			return nil, err
-		}
-		res.UploadedBytes += n
-	}
-	if err := repo.PutBlob(ctx, configDesc, newConfig); err != nil {
+	m := b.newManifest(res.Config, res.Layer, opts.Annotations, now)
+	if err := b.push(ctx, repo, m, newConfig, res); err != nil {
 		return nil, err
 	}
-	res.UploadedBytes += configDesc.Size
-	mdesc, err := repo.PutManifest(ctx, m)
-	if err != nil {
-		return nil, err
-	}
-	res.StoredBytes += configDesc.Size + mdesc.Size
-	res.UploadedBytes += mdesc.Size
-	res.Manifest = mdesc
-	res.Image = repo.Reference().WithDigest(mdesc.Digest)
-	res.Durations.Push = time.Since(tPush)
 	res.Durations.Total = time.Since(t0)
 	return res, nil
 }

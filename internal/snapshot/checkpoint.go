@@ -2,13 +2,9 @@ package snapshot
 
 import (
 	"context"
-	"time"
-
-	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/internal/testing/hook"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp"
@@ -141,51 +137,13 @@ func (s CheckpointSpec) diskName() string {
 // it was: a disk or rootfs tag that had already moved is moved back, as far
 // as the store allows (moveTags says when it cannot be).
 func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, error) {
-	// The one check that the writable layer can be captured at all, first:
-	// the CLI relies on it, as the agent gives CaptureRootfs and refuses
-	// earlier where it cannot (Validate runs before it does).
-	if s.RootfsImage != "" && s.CaptureRootfs == nil {
-		return nil, errcode.New(errcode.Usage, "%s captures a container's writable layer through the node's containerd: use it with %s",
-			errcode.Field("rootfsImage"), errcode.Field("agent"))
-	}
-	if err := s.Validate(); err != nil {
+	if err := s.checkAll(); err != nil {
 		return nil, err
 	}
-	if err := s.CheckDiskPlace(); err != nil {
-		return nil, err
-	}
-	state, err := openStore(ctx, s.Image, s.Store)
+	c, err := openCheckpointStores(ctx, s)
 	if err != nil {
 		return nil, err
 	}
-	// Retention's link to the checkpoint this one follows (prune.go).
-	previous, err := state.previousLink(ctx)
-	if err != nil {
-		return nil, err
-	}
-	var rootfsStore *store
-	if s.RootfsImage != "" {
-		if rootfsStore, err = openStore(ctx, s.RootfsImage, s.Store); err != nil {
-			return nil, err
-		}
-	}
-	var diskStore *store
-	if s.DiskImage != "" {
-		if diskStore, err = openStore(ctx, s.DiskImage, s.Store); err != nil {
-			return nil, err
-		}
-	}
-	// Each image beside the state must be one the checkpoint index can
-	// list or link (parts.go): refused before the VM is touched.
-	if err := state.canHold("disk", diskStore); err != nil {
-		return nil, err
-	}
-	if err := state.canHold("rootfs", rootfsStore); err != nil {
-		return nil, err
-	}
-	// The overlay rides in the rootfs image when it is in the writable layer
-	// that image captures.
-	diskInRootfs := s.DiskPath != "" && s.DiskInRootfs && rootfsStore != nil
 	h, err := s.handles()
 	if err != nil {
 		return nil, err
@@ -193,6 +151,7 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	if s.Handles == nil {
 		defer h.Close()
 	}
+	c.h = h
 	if h.Disk != nil {
 		// Refuse a bad overlay before the VM is touched.
 		if _, _, err := vmdisk.Inspect(h.Disk, s.DiskPath); err != nil {
@@ -213,119 +172,15 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 			return nil, err
 		}
 	}
-
-	opts := vmstate.CheckpointOptions{Mode: s.Mode, Stream: s.Progress.stream("vmstate", s.Stream), Format: s.Format, StagingDir: s.StagingDir, StagingOwner: s.StagingOwner,
-		MaxChain: s.MaxChain, Records: s.Records, OpenRAMFile: h.OpenRAMFile}
-	opts.Annotations = previous
-	if s.Parent != "" {
-		if opts.Parent, err = state.parent(ctx, s.Parent, s.Store); err != nil {
-			return nil, err
-		}
-	}
-	var (
-		disk       *vmdisk.CaptureResult
-		layer      *rootfs.LayerResult
-		ovl        vmdisk.Header // of an overlay captured in the rootfs image only
-		overlaySz  int64
-		overlayDur time.Duration
-	)
-	// The images beside the state, each captured while the VM is stopped
-	// and linked from the state manifest; their tags move before the
-	// state's (parts.go).
-	var parts []*part
-	if diskStore != nil {
-		parts = append(parts, &part{what: "disk", st: diskStore, capture: func(ctx context.Context, link *vmstate.Link) (ocispec.Descriptor, error) {
-			hook.BeforeDiskCapture()
-			var err error
-			if disk, err = vmdisk.Capture(ctx, h.Disk, s.DiskPath, diskStore.repo, s.Progress.stream("disk", s.Stream)); err != nil {
-				return ocispec.Descriptor{}, err
-			}
-			return disk.Manifest, state.join(link, ociimage.PartDisk, diskStore, disk.Manifest)
-		}})
-	}
-	if rootfsStore != nil {
-		parts = append(parts, &part{what: "rootfs", st: rootfsStore, capture: func(ctx context.Context, link *vmstate.Link) (ocispec.Descriptor, error) {
-			var err error
-			if diskInRootfs && disk == nil {
-				// What the rootfs image will hold, as it is now.
-				t0 := time.Now()
-				if ovl, overlaySz, err = vmdisk.Inspect(h.Disk, s.DiskPath); err != nil {
-					return ocispec.Descriptor{}, err
-				}
-				overlayDur = time.Since(t0)
-			}
-			if layer, err = s.CaptureRootfs(ctx, rootfsStore.repo, s.Progress.bytes("rootfs")); err != nil {
-				return ocispec.Descriptor{}, err
-			}
-			if diskInRootfs {
-				link.Annotations[ociimage.AnnotationDiskRootfsPath] = s.DiskRootfsPath
-			}
-			return layer.Manifest, state.join(link, ociimage.PartRootfs, rootfsStore, layer.Manifest)
-		}})
-	}
-	if len(parts) > 0 {
-		opts.WhileStopped = captureParts(parts)
-	}
-	opts.Commit = commitParts(parts, state)
-	res, err := vmstate.Checkpoint(ctx, mon, state.repo, opts)
+	opts, err := c.options(ctx)
 	if err != nil {
 		return nil, err
 	}
-	out := &api.CheckpointResult{
-		Checkpoint: &api.CheckpointRef{Image: res.CheckpointImage.String(), Digest: res.Checkpoint.Digest.String()},
-		VMState: api.VMStateResult{
-			Image:         res.Image.String(),
-			Digest:        res.Manifest.Digest.String(),
-			RawBytes:      res.Stream.RawBytes,
-			StoredBytes:   res.Stream.StoredBytes,
-			UploadedBytes: res.Stream.UploadedBytes,
-			Chunks:        len(res.Stream.Layers),
-			QEMUVersion:   res.Config.Record.QEMUVersion,
-			Machine:       res.Config.Record.Machine,
-			MemoryBytes:   res.Config.Record.MemoryBytes,
-			Format:        formatName(res.Config.Format),
-			RAM:           ramResult(res),
-			DurationsMs: map[string]float64{
-				"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream),
-				"disk": api.Ms(res.Durations.Stopped), "push": api.Ms(res.Durations.Push), "total": api.Ms(res.Durations.Total),
-				// mapped-ram: QEMU writing its file; memory-file: scanning the
-				// RAM file while the VM is stopped (both part of stream).
-				"save": api.Ms(res.Durations.Save),
-				// memory-file, snapshot mode: the pre-copy, the VM running
-				// until its final pass (precopy is before stream).
-				"precopy": api.Ms(res.Durations.Precopy),
-			},
-		},
-		Mode:       string(s.Mode),
-		DowntimeMs: api.Ms(res.Downtime),
-		VMRunning:  res.VMRunning,
-		TotalMs:    api.Ms(res.Durations.Total),
+	res, err := vmstate.Checkpoint(ctx, mon, c.state.repo, opts)
+	if err != nil {
+		return nil, err
 	}
-	switch {
-	case disk != nil:
-		out.Disk = &api.DiskResult{
-			Image: disk.Image.String(), Digest: disk.Manifest.Digest.String(), Path: s.DiskPath,
-			RawBytes: disk.Stream.RawBytes, StoredBytes: disk.Stream.StoredBytes, UploadedBytes: disk.Stream.UploadedBytes,
-			Chunks: len(disk.Stream.Layers), VirtualSize: disk.Config.VirtualSize, BackingFile: disk.Config.BackingFile,
-			DurationsMs: map[string]float64{"total": api.Ms(disk.Duration)},
-		}
-	case diskInRootfs:
-		out.Disk = &api.DiskResult{
-			Path: s.DiskPath, RawBytes: overlaySz, VirtualSize: ovl.VirtualSize, BackingFile: ovl.BackingFile,
-			DurationsMs: map[string]float64{"total": api.Ms(overlayDur)},
-		}
-	}
-	if layer != nil {
-		out.Rootfs = &api.RootfsResult{
-			Image: layer.Image.String(), Digest: layer.Manifest.Digest.String(), ContainerID: layer.ContainerID,
-			BaseImage: layer.BaseImage, Layer: layer.Layer.Digest.String(), LayerBytes: layer.Layer.Size, Compression: layer.Compression,
-			StoredBytes: layer.StoredBytes, UploadedBytes: layer.UploadedBytes,
-			DurationsMs: map[string]float64{"diff": api.Ms(layer.Durations.Diff), "compress": api.Ms(layer.Durations.Compress), "push": api.Ms(layer.Durations.Push), "total": api.Ms(layer.Durations.Total)},
-		}
-		if diskInRootfs {
-			out.Disk.InRootfs = &api.DiskInRootfs{Image: out.Rootfs.Image, Digest: out.Rootfs.Digest, Path: s.DiskRootfsPath}
-		}
-	}
+	out := c.result(res)
 	if s.Keep > 0 {
 		out.Pruned = PruneAfterCheckpoint(ctx, s.Image, s.Keep, s.Store)
 	}
