@@ -115,7 +115,25 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 	if err := f.agent.check(); err != nil {
 		return err
 	}
-	diskForm := f.disk != "" || f.diskImage != ""
+	if err := f.check(); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, f.timeout)
+	defer cancel()
+	if f.agent.address != "" {
+		return restoreViaAgent(ctx, out, f)
+	}
+	return restoreHere(ctx, out, f)
+}
+
+// diskForm reports whether the command restores a disk overlay.
+func (f *restoreFlags) diskForm() bool {
+	return f.disk != "" || f.diskImage != ""
+}
+
+// check refuses the flag combinations that name no single restore.
+func (f *restoreFlags) check() error {
+	diskForm := f.diskForm()
 	switch {
 	case diskForm && (f.disk == "" || f.diskImage == ""):
 		return errcode.New(errcode.Usage, "restoring a disk overlay needs both --disk-image REF@DIGEST and --disk PATH")
@@ -146,22 +164,23 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 	case f.stagingDir != "" && (f.qmp == "" || f.agent.address != ""):
 		return errcode.New(errcode.Usage, "--staging-dir is where a local restore into a waiting QEMU (--qmp) stages a mapped-ram snapshot")
 	}
-	ctx, cancel := context.WithTimeout(ctx, f.timeout)
-	defer cancel()
+	return nil
+}
 
-	if f.agent.address != "" {
-		o, err := viaAgent(ctx, out, f.agent.address, func(c *agent.Client) (api.Operation, error) {
-			return c.Restore(ctx, api.RestoreRequest{
-				VM: f.agent.vm(f.qmp, ""), Image: f.image, AllowTag: f.allowTag, Paused: f.paused, Workers: f.stream.workers,
-			})
+func restoreViaAgent(ctx context.Context, out *globalOutput, f restoreFlags) error {
+	o, err := viaAgent(ctx, out, f.agent.address, func(c *agent.Client) (api.Operation, error) {
+		return c.Restore(ctx, api.RestoreRequest{
+			VM: f.agent.vm(f.qmp, ""), Image: f.image, AllowTag: f.allowTag, Paused: f.paused, Workers: f.stream.workers,
 		})
-		if err != nil {
-			return err
-		}
-		report(out, o.Restore, func(w io.Writer) { printRestore(w, o.Restore) })
-		return nil
+	})
+	if err != nil {
+		return err
 	}
+	report(out, o.Restore, func(w io.Writer) { printRestore(w, o.Restore) })
+	return nil
+}
 
+func restoreHere(ctx context.Context, out *globalOutput, f restoreFlags) error {
 	mark, done, err := restoredBefore(out, f)
 	if err != nil || done {
 		return err
@@ -178,7 +197,7 @@ func runRestore(ctx context.Context, out *globalOutput, f restoreFlags) error {
 		return err
 	}
 	store := append(append(f.registry.options(), decrypt...), verify...)
-	if diskForm {
+	if f.diskForm() {
 		d, err := snapshot.RestoreDisk(ctx, snapshot.DiskRestoreSpec{
 			Image: f.diskImage, Path: f.disk, AllowTag: f.allowTag, Stream: f.stream.options(), Store: store, Progress: p.update,
 		})
