@@ -155,127 +155,47 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 	if opts.Fixed {
 		ck.min, ck.max = ck.avg, ck.avg // cut then returns min(len, avg)
 	}
-	var (
-		mu       sync.Mutex
-		layers   []ocispec.Descriptor
-		seen     = map[digest.Digest]bool{} // chunks put (or being put) by this stream
-		stored   atomic.Int64
-		uploaded atomic.Int64
-	)
-	record := func(index int, desc ocispec.Descriptor) (first bool) {
-		mu.Lock()
-		defer mu.Unlock()
-		for len(layers) <= index {
-			layers = append(layers, ocispec.Descriptor{})
-		}
-		layers[index] = desc
-		first = !seen[desc.Digest]
-		seen[desc.Digest] = true
-		return first
+	e := &encodeRun{
+		ctx:     ctx,
+		cancel:  cancel,
+		opts:    opts,
+		sink:    sink,
+		rawBufs: newBufferPool(opts.Workers+1, ck.max),
+		// Sized for the worst case, so that incompressible data never
+		// grows a buffer.
+		compBufs: newBufferPool(opts.Workers+opts.Uploads, maxEncodedSize(ck.max)),
+		jobs:     make(chan chunkJob),
+		uploads:  make(chan uploadJob),
+		seen:     map[digest.Digest]bool{},
 	}
-	rawBufs := newBufferPool(opts.Workers+1, ck.max)
-	// Sized for the worst case, so that incompressible data never grows a
-	// buffer.
-	compBufs := newBufferPool(opts.Workers+opts.Uploads, maxEncodedSize(ck.max))
-	jobs := make(chan chunkJob)
-	uploads := make(chan uploadJob)
-
-	// The first store failure. When the caller's deadline cuts a put short,
-	// it says what we were waiting for, with its code; the context's cause
-	// is only a bare deadline then.
-	var storeErr atomic.Pointer[error]
-	// A sink that digests what it stores in its own pass over the bytes
-	// (ociimage's encrypting store) gets the chunks undigested: the
-	// compressors leave the digest to it, and a chunk is recorded once
-	// stored.
-	digesting, _ := sink.(undigestedAdder)
+	e.digesting, _ = sink.(undigestedAdder)
 	var upWG sync.WaitGroup
 	for range opts.Uploads {
 		upWG.Add(1)
 		go func() {
 			defer upWG.Done()
-			for job := range uploads {
-				if ctx.Err() == nil {
-					// Safely: the store reads what a registry answers.
-					err := errcode.Safely(func() error {
-						if digesting == nil {
-							return Put(ctx, sink, job.desc, job.data, &uploaded)
-						}
-						desc, err := putUndigested(ctx, digesting, job.desc, job.data, &uploaded)
-						if err == nil {
-							record(job.index, desc)
-						}
-						return err
-					})
-					if err != nil {
-						storeErr.CompareAndSwap(nil, &err)
-						cancel(err)
-					}
-				}
-				compBufs.put(job.data)
-			}
+			e.uploader()
 		}()
 	}
-
 	var wg sync.WaitGroup
 	for range opts.Workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			enc, err := NewEncoder(opts.Level)
-			if err != nil {
-				cancel(errcode.Wrap(errcode.Internal, err, "zstd encoder"))
-				return
-			}
-			defer enc.Close()
-			for job := range jobs {
-				out, err := compBufs.get(ctx)
-				if err != nil {
-					rawBufs.put(job.raw)
-					continue // drain
-				}
-				out = enc.EncodeAll(job.raw, out[:0])
-				desc := ocispec.Descriptor{
-					MediaType: ociimage.MediaTypeChunk,
-					Size:      int64(len(out)),
-					Annotations: map[string]string{
-						ociimage.AnnotationRawSize:   strconv.Itoa(len(job.raw)),
-						ociimage.AnnotationRawOffset: strconv.FormatInt(job.offset, 10),
-					},
-				}
-				rawBufs.put(job.raw)
-				if desc.Size > ociimage.MaxChunkSize { // cannot happen with maxAverageChunk; never store it
-					cancel(errcode.New(errcode.Internal, "chunk %d compressed to %d bytes, over the %d a chunk may have", job.index, desc.Size, ociimage.MaxChunkSize))
-					compBufs.put(out)
-					continue
-				}
-				stored.Add(desc.Size)
-				if digesting == nil {
-					desc.Digest = digest.NewDigestFromBytes(digest.SHA256, sha256Sum(out))
-					if !record(job.index, desc) {
-						compBufs.put(out) // a repeat of a chunk already on its way
-						continue
-					}
-				}
-				select {
-				case uploads <- uploadJob{index: job.index, desc: desc, data: out}:
-				case <-ctx.Done():
-					compBufs.put(out)
-				}
-			}
+			e.compressor()
 		}()
 	}
 
-	raw, readErr := readChunks(ctx, r, ck, rawBufs, jobs, opts.Progress)
-	close(jobs)
+	raw, readErr := readChunks(ctx, r, ck, e.rawBufs, e.jobs, opts.Progress)
+	close(e.jobs)
 	wg.Wait()
-	close(uploads)
+	close(e.uploads)
 	upWG.Wait()
 
 	// A worker's failure (or the caller's cancellation) is the cause; the
 	// reader's error is only the symptom then.
 	if err := context.Cause(ctx); err != nil {
-		if p := storeErr.Load(); p != nil && !errcode.Has(err) {
+		if p := e.storeErr.Load(); p != nil && !errcode.Has(err) {
 			err = *p
 		}
 		return StreamResult{}, err
@@ -283,7 +203,7 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 	if readErr != nil {
 		return StreamResult{}, readErr
 	}
-	return StreamResult{Layers: layers, RawBytes: raw, StoredBytes: stored.Load(), UploadedBytes: uploaded.Load()}, nil
+	return StreamResult{Layers: e.layers, RawBytes: raw, StoredBytes: e.stored.Load(), UploadedBytes: e.uploaded.Load()}, nil
 }
 
 // readChunks reads r into buffers of ck.max bytes, cuts each chunk where
