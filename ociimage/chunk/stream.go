@@ -415,98 +415,18 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 
-	// One result slot per chunk in the window; the writer takes them in
-	// order. The semaphore bounds how far fetching runs ahead of writing.
-	type result struct {
-		data []byte // decompressed, in buf
-		buf  []byte // from bufs
-		err  error
-	}
-	slots := make([]chan result, len(layers))
-	for i := range slots {
-		slots[i] = make(chan result, 1)
-	}
-	window := make(chan struct{}, 2*opts.Workers)
-	next := make(chan int)
-	// A chunk's buffer is taken after its window token and given back once
-	// it is written, so one buffer per token is enough, reused throughout.
-	largest := 0
-	for _, l := range layers {
-		n, _ := rawSize(l) // validated above
-		largest = max(largest, n)
-	}
-	bufs := newBufferPool(cap(window), largest)
-
+	d := newDecodeRun(ctx, cancel, layers, src, opts.Workers)
 	var wg sync.WaitGroup
 	for range opts.Workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			dec, err := NewDecoder()
-			if err != nil {
-				cancel(errcode.Wrap(errcode.Internal, err, "zstd decoder"))
-				return
-			}
-			defer dec.Close()
-			for i := range next {
-				buf, err := bufs.get(ctx)
-				var data []byte
-				if err == nil {
-					// Safely: a chunk is what the store gave, untrusted.
-					err = errcode.Safely(func() (err error) {
-						data, err = fetchChunk(ctx, src, dec, layers[i], buf)
-						return err
-					})
-				}
-				slots[i] <- result{data, buf, err}
-			}
+			d.decompressor()
 		}()
 	}
-	go func() {
-		defer close(next)
-		for i := range layers {
-			select {
-			case window <- struct{}{}:
-			case <-ctx.Done():
-				return
-			}
-			select {
-			case next <- i:
-			case <-ctx.Done():
-				return
-			}
-		}
-	}()
+	go d.feed()
 
-	var written int64
-	var err error
-	for i := range layers {
-		var res result
-		select {
-		case res = <-slots[i]:
-		case <-ctx.Done():
-			// We were waiting for the store (a worker's own failure has
-			// its code already).
-			err = errcode.Ensure(errcode.RegistryError, context.Cause(ctx), "waiting for chunk %d of %d from the image store", i+1, len(layers))
-		}
-		if err == nil {
-			err = res.err
-		}
-		if err == nil {
-			if _, werr := w.Write(res.data); werr != nil {
-				err = errcode.Ensure(errcode.Internal, werr, "writing chunk %d of %d", i+1, len(layers))
-			}
-		}
-		if err != nil {
-			break
-		}
-		written += int64(len(res.data))
-		bufs.put(res.buf)
-		<-window
-		if opts.Progress != nil {
-			opts.Progress(written)
-		}
-	}
+	written, err := d.writeInOrder(w, opts.Progress)
 	// Workers never block on a slot (each has room for its one result), and
 	// the feeder gives up on cancellation, so this returns promptly.
 	cancel(err)
