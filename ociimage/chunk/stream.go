@@ -159,127 +159,47 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 	if opts.Fixed {
 		ck.min, ck.max = ck.avg, ck.avg // cut then returns min(len, avg)
 	}
-	var (
-		mu       sync.Mutex
-		layers   []ocispec.Descriptor
-		seen     = map[digest.Digest]bool{} // chunks put (or being put) by this stream
-		stored   atomic.Int64
-		uploaded atomic.Int64
-	)
-	record := func(index int, desc ocispec.Descriptor) (first bool) {
-		mu.Lock()
-		defer mu.Unlock()
-		for len(layers) <= index {
-			layers = append(layers, ocispec.Descriptor{})
-		}
-		layers[index] = desc
-		first = !seen[desc.Digest]
-		seen[desc.Digest] = true
-		return first
+	e := &encodeRun{
+		ctx:     ctx,
+		cancel:  cancel,
+		opts:    opts,
+		sink:    sink,
+		rawBufs: newBufferPool(opts.Workers+1, ck.max),
+		// Sized for the worst case, so that incompressible data never
+		// grows a buffer.
+		compBufs: newBufferPool(opts.Workers+opts.Uploads, maxEncodedSize(ck.max)),
+		jobs:     make(chan chunkJob),
+		uploads:  make(chan uploadJob),
+		seen:     map[digest.Digest]bool{},
 	}
-	rawBufs := newBufferPool(opts.Workers+1, ck.max)
-	// Sized for the worst case, so that incompressible data never grows a
-	// buffer.
-	compBufs := newBufferPool(opts.Workers+opts.Uploads, maxEncodedSize(ck.max))
-	jobs := make(chan chunkJob)
-	uploads := make(chan uploadJob)
-
-	// The first store failure. When the caller's deadline cuts a put short,
-	// it says what we were waiting for, with its code; the context's cause
-	// is only a bare deadline then.
-	var storeErr atomic.Pointer[error]
-	// A sink that digests what it stores in its own pass over the bytes
-	// (ociimage's encrypting store) gets the chunks undigested: the
-	// compressors leave the digest to it, and a chunk is recorded once
-	// stored.
-	digesting, _ := sink.(undigestedAdder)
+	e.digesting, _ = sink.(undigestedAdder)
 	var upWG sync.WaitGroup
 	for range opts.Uploads {
 		upWG.Add(1)
 		go func() {
 			defer upWG.Done()
-			for job := range uploads {
-				if ctx.Err() == nil {
-					// Safely: the store reads what a registry answers.
-					err := errcode.Safely(func() error {
-						if digesting == nil {
-							return Put(ctx, sink, job.desc, job.data, &uploaded)
-						}
-						desc, err := putUndigested(ctx, digesting, job.desc, job.data, &uploaded)
-						if err == nil {
-							record(job.index, desc)
-						}
-						return err
-					})
-					if err != nil {
-						storeErr.CompareAndSwap(nil, &err)
-						cancel(err)
-					}
-				}
-				compBufs.put(job.data)
-			}
+			e.uploader()
 		}()
 	}
-
 	var wg sync.WaitGroup
 	for range opts.Workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			enc, err := NewEncoder(opts.Level)
-			if err != nil {
-				cancel(errcode.Wrap(errcode.Internal, err, "zstd encoder"))
-				return
-			}
-			defer enc.Close()
-			for job := range jobs {
-				out, err := compBufs.get(ctx)
-				if err != nil {
-					rawBufs.put(job.raw)
-					continue // drain
-				}
-				out = enc.EncodeAll(job.raw, out[:0])
-				desc := ocispec.Descriptor{
-					MediaType: ociimage.MediaTypeChunk,
-					Size:      int64(len(out)),
-					Annotations: map[string]string{
-						ociimage.AnnotationRawSize:   strconv.Itoa(len(job.raw)),
-						ociimage.AnnotationRawOffset: strconv.FormatInt(job.offset, 10),
-					},
-				}
-				rawBufs.put(job.raw)
-				if desc.Size > ociimage.MaxChunkSize { // cannot happen with maxAverageChunk; never store it
-					cancel(errcode.New(errcode.Internal, "chunk %d compressed to %d bytes, over the %d a chunk may have", job.index, desc.Size, ociimage.MaxChunkSize))
-					compBufs.put(out)
-					continue
-				}
-				stored.Add(desc.Size)
-				if digesting == nil {
-					desc.Digest = digest.NewDigestFromBytes(digest.SHA256, sha256Sum(out))
-					if !record(job.index, desc) {
-						compBufs.put(out) // a repeat of a chunk already on its way
-						continue
-					}
-				}
-				select {
-				case uploads <- uploadJob{index: job.index, desc: desc, data: out}:
-				case <-ctx.Done():
-					compBufs.put(out)
-				}
-			}
+			e.compressor()
 		}()
 	}
 
-	raw, readErr := readChunks(ctx, r, ck, rawBufs, jobs, opts.Progress)
-	close(jobs)
+	raw, readErr := readChunks(ctx, r, ck, e.rawBufs, e.jobs, opts.Progress)
+	close(e.jobs)
 	wg.Wait()
-	close(uploads)
+	close(e.uploads)
 	upWG.Wait()
 
 	// A worker's failure (or the caller's cancellation) is the cause; the
 	// reader's error is only the symptom then.
 	if err := context.Cause(ctx); err != nil {
-		if p := storeErr.Load(); p != nil && !errcode.Has(err) {
+		if p := e.storeErr.Load(); p != nil && !errcode.Has(err) {
 			err = *p
 		}
 		return StreamResult{}, err
@@ -287,7 +207,7 @@ func EncodeStream(ctx context.Context, r io.Reader, sink BlobSink, opts StreamOp
 	if readErr != nil {
 		return StreamResult{}, readErr
 	}
-	return StreamResult{Layers: layers, RawBytes: raw, StoredBytes: stored.Load(), UploadedBytes: uploaded.Load()}, nil
+	return StreamResult{Layers: e.layers, RawBytes: raw, StoredBytes: e.stored.Load(), UploadedBytes: e.uploaded.Load()}, nil
 }
 
 // readChunks reads r into buffers of ck.max bytes, cuts each chunk where
@@ -499,98 +419,18 @@ func DecodeStream(ctx context.Context, layers []ocispec.Descriptor, src BlobSour
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 
-	// One result slot per chunk in the window; the writer takes them in
-	// order. The semaphore bounds how far fetching runs ahead of writing.
-	type result struct {
-		data []byte // decompressed, in buf
-		buf  []byte // from bufs
-		err  error
-	}
-	slots := make([]chan result, len(layers))
-	for i := range slots {
-		slots[i] = make(chan result, 1)
-	}
-	window := make(chan struct{}, 2*opts.Workers)
-	next := make(chan int)
-	// A chunk's buffer is taken after its window token and given back once
-	// it is written, so one buffer per token is enough, reused throughout.
-	largest := 0
-	for _, l := range layers {
-		n, _ := rawSize(l) // validated above
-		largest = max(largest, n)
-	}
-	bufs := newBufferPool(cap(window), largest)
-
+	d := newDecodeRun(ctx, cancel, layers, src, opts.Workers)
 	var wg sync.WaitGroup
 	for range opts.Workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			dec, err := NewDecoder()
-			if err != nil {
-				cancel(errcode.Wrap(errcode.Internal, err, "zstd decoder"))
-				return
-			}
-			defer dec.Close()
-			for i := range next {
-				buf, err := bufs.get(ctx)
-				var data []byte
-				if err == nil {
-					// Safely: a chunk is what the store gave, untrusted.
-					err = errcode.Safely(func() (err error) {
-						data, err = fetchChunk(ctx, src, dec, layers[i], buf)
-						return err
-					})
-				}
-				slots[i] <- result{data, buf, err}
-			}
+			d.decompressor()
 		}()
 	}
-	go func() {
-		defer close(next)
-		for i := range layers {
-			select {
-			case window <- struct{}{}:
-			case <-ctx.Done():
-				return
-			}
-			select {
-			case next <- i:
-			case <-ctx.Done():
-				return
-			}
-		}
-	}()
+	go d.feed()
 
-	var written int64
-	var err error
-	for i := range layers {
-		var res result
-		select {
-		case res = <-slots[i]:
-		case <-ctx.Done():
-			// We were waiting for the store (a worker's own failure has
-			// its code already).
-			err = errcode.Ensure(errcode.RegistryError, context.Cause(ctx), "waiting for chunk %d of %d from the image store", i+1, len(layers))
-		}
-		if err == nil {
-			err = res.err
-		}
-		if err == nil {
-			if _, werr := w.Write(res.data); werr != nil {
-				err = errcode.Ensure(errcode.Internal, werr, "writing chunk %d of %d", i+1, len(layers))
-			}
-		}
-		if err != nil {
-			break
-		}
-		written += int64(len(res.data))
-		bufs.put(res.buf)
-		<-window
-		if opts.Progress != nil {
-			opts.Progress(written)
-		}
-	}
+	written, err := d.writeInOrder(w, opts.Progress)
 	// Workers never block on a slot (each has room for its one result), and
 	// the feeder gives up on cancellation, so this returns promptly.
 	cancel(err)

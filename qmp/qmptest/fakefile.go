@@ -6,8 +6,6 @@ import (
 	"maps"
 	"os"
 	"slices"
-	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -156,67 +154,23 @@ const fdsetPrefix = "file:/dev/fdset/"
 // returns handled false for the others (and for migrate-set-parameters,
 // which the main handler finishes).
 func (f *FakeQEMU) handleFile(cmd Command, files []*os.File) (any, *qmp.Error, bool) {
-	gerr := func(desc string) *qmp.Error { return &qmp.Error{Class: "GenericError", Desc: desc} }
 	switch cmd.Execute {
 	case "add-fd":
-		if len(files) != 1 {
-			return nil, gerr("No file descriptor supplied via SCM_RIGHTS"), true
-		}
-		if f.fdsets == nil {
-			f.fdsets = map[int64]*os.File{}
-		}
-		id := f.nextFDSet
-		f.nextFDSet++
-		f.fdsets[id] = files[0]
-		return map[string]int64{"fdset-id": id, "fd": 100 + id}, nil, true
+		return f.addFD(files)
 	case "remove-fd":
-		var a struct {
-			ID int64 `json:"fdset-id"`
-		}
-		_ = cmd.Args(&a)
-		file, ok := f.fdsets[a.ID]
-		if !ok {
-			return nil, gerr("File descriptor named 'fdset-id:" + strconv.FormatInt(a.ID, 10) + "' not found"), true
-		}
-		if f.holdFDs && f.UpgradeHeld {
-			if w, err := os.OpenFile("/proc/self/fd/"+strconv.Itoa(int(file.Fd())), os.O_WRONLY, 0); err == nil {
-				file.Close()
-				file = w
-			}
-		}
-		if f.holdFDs {
-			f.held = append(f.held, file)
-		} else {
-			file.Close()
-		}
-		delete(f.fdsets, a.ID)
-		return nil, nil, true
+		return nil, f.removeFD(cmd), true
 	case "query-fdsets":
-		out := []map[string]any{}
-		for id := range f.fdsets {
-			out = append(out, map[string]any{"fdset-id": id, "fds": []map[string]int64{{"fd": 100 + id}}})
-		}
-		return out, nil, true
+		return f.queryFDSets(), nil, true
 	case "query-migrate-parameters":
 		if f.MultifdChannels == 0 {
 			return nil, nil, false
 		}
 		return map[string]any{"max-bandwidth": f.Bandwidth, "downtime-limit": f.DowntimeLimit, "multifd-channels": f.MultifdChannels}, nil, true
 	case "migrate-set-parameters":
-		var a struct {
-			Channels *int64 `json:"multifd-channels"`
-		}
-		_ = cmd.Args(&a)
-		if a.Channels != nil {
-			if f.MultifdChannels == 0 {
-				return nil, gerr("Parameter 'multifd-channels' is unexpected"), true
-			}
-			f.MultifdChannels = *a.Channels
-		}
-		return nil, nil, false
+		return f.setMultifdChannels(cmd)
 	case "cont":
 		if f.status == "finish-migrate" {
-			return nil, gerr("Migration is not finalized yet"), true
+			return nil, genericError("Migration is not finalized yet"), true
 		}
 		return nil, nil, false
 	case "migrate_cancel":
@@ -235,30 +189,7 @@ func (f *FakeQEMU) handleFile(cmd Command, files []*os.File) (any, *qmp.Error, b
 		}
 		return nil, nil, false
 	case "migrate", "migrate-incoming":
-		var a struct{ URI string }
-		_ = cmd.Args(&a)
-		f.MigrateURIs = append(f.MigrateURIs, a.URI)
-		mapped := f.Caps["mapped-ram"]
-		if !strings.HasPrefix(a.URI, fdsetPrefix) {
-			if mapped && strings.HasPrefix(a.URI, "fd:") {
-				return nil, gerr("Migration requires seekable transport (e.g. file)"), true
-			}
-			return nil, nil, false
-		}
-		id, err := strconv.ParseInt(strings.TrimPrefix(a.URI, fdsetPrefix), 10, 64)
-		file := f.fdsets[id]
-		if err != nil || file == nil {
-			return nil, gerr("Outgoing migration needs an fdset: " + a.URI + " not found"), true
-		}
-		f.migration = "active"
-		f.errorDesc = ""
-		f.done.Add(1)
-		if cmd.Execute == "migrate" {
-			go f.migrateFileOut(file, mapped)
-		} else {
-			go f.migrateFileIn(file)
-		}
-		return nil, nil, true
+		return f.fileMigrate(cmd)
 	}
 	return nil, nil, false
 }

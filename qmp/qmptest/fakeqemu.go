@@ -169,184 +169,45 @@ func (f *FakeQEMU) event(status string) {
 	f.srv.Load().Emit(goqmp.Event{Event: "MIGRATION", Data: map[string]any{"status": status}})
 }
 
+// handle answers one command with f.mu held throughout: the commands of
+// fileMigration first (they take over some of QEMU 7.2's), then the rest.
 func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.Error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	gerr := func(desc string) *qmp.Error { return &qmp.Error{Class: "GenericError", Desc: desc} }
 	if res, qerr, handled := f.handleFile(cmd, files); handled {
 		return res, qerr
 	}
+	if res, ok := f.query(cmd.Execute); ok {
+		return res, nil
+	}
 	switch cmd.Execute {
-	case "query-status":
-		return map[string]any{"status": f.status, "running": f.status == "running"}, nil
-	case "query-version":
-		return map[string]any{"qemu": map[string]int{"major": f.Version[0], "minor": f.Version[1], "micro": f.Version[2]}, "package": "fake"}, nil
-	case "query-kvm":
-		return map[string]bool{"enabled": f.KVM, "present": f.KVM}, nil
-	case "query-target":
-		return map[string]string{"arch": "x86_64"}, nil
 	case "qom-get":
-		var a struct{ Path, Property string }
-		_ = cmd.Args(&a)
-		if b := f.RAMBackend; b != nil && a.Path == "/objects/"+b.ID {
-			switch a.Property {
-			case "type":
-				return b.Type, nil
-			case "mem-path":
-				return b.MemPath, nil
-			case "readonly":
-				return false, nil
-			}
-			return nil, gerr("Property '" + a.Property + "' not found")
-		}
-		if b := f.RAMBackend; b != nil && a.Path == "/objects/"+b.ID+"/"+b.ID+"[0]" && a.Property == "addr" {
-			return 0, nil // the backend's memory region, mapped through aliases on a pc
-		}
-		if a.Path == "/machine" && a.Property == "memory-backend" {
-			if f.RAMBackend == nil {
-				return "", nil
-			}
-			return "/objects/" + f.RAMBackend.ID, nil
-		}
-		if a.Path == "/machine" {
-			return "pc-i440fx-7.2-machine", nil
-		}
-		switch a.Property {
-		case "feature-words", "filtered-features":
-			words := f.FeatureWords
-			if a.Property == "filtered-features" {
-				words = f.FilteredFeatures
-			}
-			if words == nil {
-				return nil, gerr("Property 'qemu64-x86_64-cpu." + a.Property + "' not found")
-			}
-			return words, nil
-		}
-		return "qemu64-x86_64-cpu", nil
-	case "query-cpus-fast":
-		return []map[string]any{{"cpu-index": 0, "qom-path": "/machine/unattached/device[0]"}}, nil
-	case "query-memdev":
-		out := []map[string]any{}
-		if b := f.RAMBackend; b != nil {
-			size := b.Size
-			if size == 0 {
-				size = f.Memory
-			}
-			out = append(out, map[string]any{"id": b.ID, "size": size, "share": b.Share, "merge": true, "dump": true, "prealloc": false, "policy": "default", "host-nodes": []int{}})
-		}
-		for _, id := range f.SharedMemdevs {
-			out = append(out, map[string]any{"id": id, "size": 1 << 20, "share": true, "merge": true, "dump": true, "prealloc": false, "policy": "default", "host-nodes": []int{}})
-		}
-		return out, nil
-	case "query-memory-size-summary":
-		return map[string]int64{"base-memory": f.Memory, "plugged-memory": 0}, nil
-	case "query-pci":
-		return []map[string]any{{"bus": 0, "devices": []map[string]any{
-			{"bus": 0, "slot": 0, "function": 0, "qdev_id": "", "class_info": map[string]any{"class": 1536}, "id": map[string]any{"vendor": 32902, "device": 4663}},
-		}}}, nil
-	case "query-block":
-		return []map[string]any{}, nil
-	case "query-migrate-parameters":
-		return map[string]any{"max-bandwidth": f.Bandwidth, "downtime-limit": f.DowntimeLimit}, nil
+		return f.qomGet(cmd)
 	case "migrate-set-parameters":
-		var a struct {
-			MaxBandwidth  *int64 `json:"max-bandwidth"`
-			DowntimeLimit *int64 `json:"downtime-limit"`
-		}
-		_ = cmd.Args(&a)
-		if a.MaxBandwidth != nil {
-			f.Bandwidth = *a.MaxBandwidth
-		}
-		if a.DowntimeLimit != nil {
-			if *a.DowntimeLimit > 2000000 {
-				return nil, gerr("Parameter 'downtime_limit' expects an integer in the range of 0 to 2000000 milliseconds")
-			}
-			f.DowntimeLimit = *a.DowntimeLimit
-		}
-		return nil, nil
-	case "query-migrate-capabilities":
-		var out []map[string]any
-		for c, s := range f.Caps {
-			out = append(out, map[string]any{"capability": c, "state": s})
-		}
-		return out, nil
+		return nil, f.setMigrateParameters(cmd)
 	case "migrate-set-capabilities":
-		var a struct {
-			Capabilities []struct {
-				Capability string
-				State      bool
-			}
-		}
-		_ = cmd.Args(&a)
-		for _, c := range a.Capabilities {
-			f.Caps[c.Capability] = c.State
-		}
+		f.setMigrateCapabilities(cmd)
 		return nil, nil
 	case "getfd":
-		var a struct{ Fdname string }
-		_ = cmd.Args(&a)
-		if len(files) != 1 {
-			return nil, gerr("No file descriptor supplied via SCM_RIGHTS")
-		}
-		f.fds[a.Fdname] = files[0]
-		return nil, nil
+		return nil, f.getFD(cmd, files)
+	case "closefd":
+		return nil, f.closeFD(cmd)
 	case "stop":
 		f.status = "paused"
 		return nil, nil
 	case "cont":
 		if f.status == "inmigrate" {
-			return nil, gerr("migration is not done")
+			return nil, genericError("migration is not done")
 		}
 		f.status = "running"
-		return nil, nil
-	case "closefd":
-		var a struct{ Fdname string }
-		_ = cmd.Args(&a)
-		fd, ok := f.fds[a.Fdname]
-		if !ok {
-			return nil, gerr("File descriptor named '" + a.Fdname + "' not found")
-		}
-		fd.Close()
-		delete(f.fds, a.Fdname)
 		return nil, nil
 	case "quit":
 		f.status = "shutdown"
 		return nil, nil
 	case "migrate":
-		if f.RefuseMigrate {
-			return nil, gerr("There's a migration process in progress")
-		}
-		var a struct{ URI string }
-		_ = cmd.Args(&a)
-		fd := f.fds[a.URI[len("fd:"):]]
-		if fd == nil {
-			return nil, gerr("unknown fd")
-		}
-		if f.status == "postmigrate" {
-			return nil, gerr("Can't migrate the vm that was paused due to previous migration")
-		}
-		delete(f.fds, a.URI[len("fd:"):])
-		f.migration = "active"
-		f.done.Add(1)
-		fail := f.FailFirstMigrations > 0
-		if fail {
-			f.FailFirstMigrations--
-		}
-		go f.migrateOut(fd, f.outgoing(), f.status, fail)
-		return nil, nil
+		return nil, f.migrate(cmd)
 	case "migrate-incoming":
-		var a struct{ URI string }
-		_ = cmd.Args(&a)
-		fd := f.fds[a.URI[len("fd:"):]]
-		if fd == nil {
-			return nil, gerr("unknown fd")
-		}
-		f.migration = "active"
-		f.done.Add(1)
-		go f.migrateIn(fd)
-		return nil, nil
-	case "query-migrate":
-		return map[string]any{"status": f.migration}, nil
+		return nil, f.migrateIncoming(cmd)
 	case "migrate_cancel":
 		return nil, nil
 	}

@@ -204,102 +204,18 @@ func ReadHeader(r io.ReaderAt, fileSize int64) (Header, error) {
 		return h, errcode.New(errcode.InvalidInput,
 			"not a qcow2 image: the file is only %d bytes long; vmsnap needs the VM's qcow2 overlay", fileSize)
 	}
-	b, err := hr.read(0, 8, "magic and version")
-	if err != nil {
+	if err := h.readFixed(hr); err != nil {
 		return h, err
 	}
-	be := binary.BigEndian
-	if !bytes.Equal(b[:4], []byte("QFI\xfb")) {
-		return h, errcode.New(errcode.InvalidInput,
-			"not a qcow2 image (magic %q): vmsnap needs the VM's qcow2 overlay; create one with `qemu-img create -f qcow2 -b BASE -F FMT OVERLAY`", b[:4])
-	}
-	h.Version = uint64(be.Uint32(b[4:8]))
-	var fixed int
-	switch h.Version {
-	case 2:
-		fixed = v2HeaderLength
-	case 3:
-		fixed = v3MinHeaderLength
-	default:
-		return h, errcode.New(errcode.InvalidInput,
-			"unsupported qcow2 version %d: vmsnap reads versions 2 and 3; convert the image with `qemu-img convert -O qcow2 -o compat=1.1`", h.Version)
-	}
-	b, err = hr.read(0, fixed, "fixed header")
-	if err != nil {
+	if err := h.checkFixed(hr); err != nil {
 		return h, err
-	}
-
-	h.BackingFileOffset = be.Uint64(b[8:16])
-	h.BackingFileSize = be.Uint32(b[16:20])
-	h.ClusterBits = uint64(be.Uint32(b[20:24]))
-	h.VirtualSize = be.Uint64(b[24:32])
-	h.CryptMethod = be.Uint32(b[32:36])
-	h.L1Size = be.Uint32(b[36:40])
-	h.L1TableOffset = be.Uint64(b[40:48])
-	h.RefcountTableOffset = be.Uint64(b[48:56])
-	h.RefcountTableClusters = be.Uint32(b[56:60])
-	h.NbSnapshots = be.Uint32(b[60:64])
-	h.SnapshotsOffset = be.Uint64(b[64:72])
-	if h.Version == 2 {
-		// Version 2 has no feature fields; its refcounts are always 16 bits.
-		h.HeaderLength = v2HeaderLength
-		h.RefcountOrder = 4
-	} else {
-		h.IncompatibleFeatures = be.Uint64(b[72:80])
-		h.CompatibleFeatures = be.Uint64(b[80:88])
-		h.AutoclearFeatures = be.Uint64(b[88:96])
-		h.RefcountOrder = be.Uint32(b[96:100])
-		h.HeaderLength = be.Uint32(b[100:104])
-	}
-
-	if h.ClusterBits < MinClusterBits || h.ClusterBits > MaxClusterBits {
-		return h, malformed("cluster_bits %d is outside %d..%d", h.ClusterBits, MinClusterBits, MaxClusterBits)
-	}
-	cluster := h.ClusterSize()
-	if h.Version == 3 {
-		if h.HeaderLength < v3MinHeaderLength || h.HeaderLength%8 != 0 {
-			return h, malformed("header_length %d is not a multiple of 8 of at least %d", h.HeaderLength, v3MinHeaderLength)
-		}
-		if uint64(h.HeaderLength) > cluster {
-			return h, malformed("header_length %d exceeds the %d-byte cluster", h.HeaderLength, cluster)
-		}
-		if uint64(h.HeaderLength) > uint64(fileSize) {
-			return h, malformed("the %d-byte file is shorter than its %d-byte header", fileSize, h.HeaderLength)
-		}
-		if h.RefcountOrder > 6 {
-			return h, malformed("refcount_order %d is above 6 (64-bit refcounts)", h.RefcountOrder)
-		}
-		if h.HeaderLength > v3MinHeaderLength {
-			c, err := hr.read(v3MinHeaderLength, 1, "compression type")
-			if err != nil {
-				return h, err
-			}
-			h.CompressionType = c[0]
-		}
-	}
-	if h.VirtualSize > MaxVirtualSize {
-		return h, malformed("virtual size %d is above vmsnap's limit of 2^56 bytes", h.VirtualSize)
-	}
-	if h.CryptMethod > CryptLUKS {
-		return h, malformed("crypt_method %d is not 0 (none), 1 (AES) or 2 (LUKS)", h.CryptMethod)
 	}
 	if err := h.checkTables(); err != nil {
 		return h, err
 	}
-
-	// The extension area runs from the end of the header to the end of the
-	// first cluster, or to the backing file name if that comes first.
-	areaEnd := cluster
-	if h.BackingFileOffset != 0 && h.BackingFileOffset < areaEnd {
-		areaEnd = h.BackingFileOffset
-	}
-	if uint64(fileSize) < areaEnd {
-		areaEnd = uint64(fileSize)
-	}
-	if err := h.readExtensions(hr, uint64(h.HeaderLength), areaEnd); err != nil {
+	if err := h.readExtensions(hr, uint64(h.HeaderLength), h.extensionAreaEnd(fileSize)); err != nil {
 		return h, err
 	}
-
 	if err := h.checkFeatures(); err != nil {
 		return h, err
 	}
