@@ -16,6 +16,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
+	"github.com/vmsnap/vmsnap/qmp"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
@@ -184,20 +185,9 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 	save := func(ctx context.Context) error {
 		g.phase = "saving the VM state into the staging file"
 		saveStart := time.Now()
-		g.migrating = true // set before asking: if the reply is lost, the migration may still run
-		if err := mon.Execute(ctx, "migrate", map[string]any{"uri": staging.uri()}, nil); err != nil {
-			return errcode.Ensure(errcode.QMPError, err, "starting the migration into the staging file")
-		}
-		if _, err := waitMigration(ctx, mon, sub, nil); err != nil {
-			switch desc := err.Error(); {
-			case strings.Contains(desc, "No space left"):
-				err = staging.qemuFull(syscall.ENOSPC)
-			case strings.Contains(desc, "quota exceeded"):
-				err = staging.qemuFull(syscall.EDQUOT)
-			}
+		if err := migrateIntoStaging(ctx, mon, g, sub, staging); err != nil {
 			return err
 		}
-		g.migrating = false
 		if err := waitFinalized(ctx, mon); err != nil {
 			return err
 		}
@@ -246,6 +236,28 @@ func checkpointMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Reposit
 		return nil, err
 	}
 	return res, nil
+}
+
+// migrateIntoStaging has QEMU migrate the VM's state into the staging
+// file and waits for the migration to complete. A QEMU that ran out of
+// room says so only in its error's text: that becomes the staging file's
+// error, which tells what to do.
+func migrateIntoStaging(ctx context.Context, mon Monitor, g *sourceGuard, sub *qmp.Subscription, staging *stagingFile) error {
+	g.migrating = true // set before asking: if the reply is lost, the migration may still run
+	if err := mon.Execute(ctx, "migrate", map[string]any{"uri": staging.uri()}, nil); err != nil {
+		return errcode.Ensure(errcode.QMPError, err, "starting the migration into the staging file")
+	}
+	if _, err := waitMigration(ctx, mon, sub, nil); err != nil {
+		switch desc := err.Error(); {
+		case strings.Contains(desc, "No space left"):
+			err = staging.qemuFull(syscall.ENOSPC)
+		case strings.Contains(desc, "quota exceeded"):
+			err = staging.qemuFull(syscall.EDQUOT)
+		}
+		return err
+	}
+	g.migrating = false
+	return nil
 }
 
 // waitFinalized waits until QEMU has left the finish-migrate run state: it

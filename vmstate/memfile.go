@@ -2,9 +2,7 @@ package vmstate
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path"
 	"strconv"
@@ -16,7 +14,6 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
-	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
@@ -219,20 +216,11 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	if be.Bytes != res.Config.Record.MemoryBytes {
 		return nil, errcode.New(errcode.Usage, "the memory backend %s holds %d MiB but the VM has %d MiB of memory (hotplugged memory?): use %s stream", be.ID, be.Bytes>>20, res.Config.Record.MemoryBytes>>20, errcode.Field("format"))
 	}
-	open := opts.OpenRAMFile
-	if open == nil {
-		open = func(p string) (*os.File, error) { return openRAMFile(ctx, mon, p) }
-	}
-	f, err := open(be.MemPath)
+	f, err := openCheckpointRAMFile(ctx, mon, opts, be)
 	if err != nil {
-		return nil, errcode.Ensure(errcode.InvalidInput, err, "opening the VM's RAM file %s (QEMU's mem-path)", be.MemPath)
+		return nil, err
 	}
 	defer f.Close()
-	if fi, err := f.Stat(); err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "reading the VM's RAM file %s", be.MemPath)
-	} else if fi.Size() < be.Bytes {
-		return nil, errcode.New(errcode.InvalidInput, "the VM's RAM file %s holds %d bytes, less than its memory backend's %d", be.MemPath, fi.Size(), be.Bytes)
-	}
 	// What it stages (pages, device state) is bounded by the VM's memory:
 	// that room is reserved until the staging files are gone.
 	release, err := reserveStaging(stagingDir(opts.StagingDir), maxStateBytes(res.Config.Record.MemoryBytes), false, opts.StagingOwner)
@@ -240,14 +228,9 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		return nil, err
 	}
 	defer release()
-	parent, why, err := findParent(ctx, repo, opts, be, f)
-	if err != nil {
+	c := &memFileCheckpoint{mon: mon, repo: repo, opts: opts, res: res, be: be, f: f}
+	if err := c.findParent(ctx); err != nil {
 		return nil, err
-	}
-	res.RAMParentNote = why
-	var parentMap *ramfile.Parent
-	if parent != nil {
-		parentMap, res.RAMParentTrust = &parent.Parent, parent.trust
 	}
 
 	// No stoppedMemory: with x-ignore-shared QEMU sends only its few
@@ -262,155 +245,26 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	if err != nil {
 		return nil, err
 	}
-	var capture *ramfile.Capture
-	defer func() {
-		if capture != nil {
-			capture.Close()
-		}
-	}()
-	// A running VM in snapshot mode: its pages and device state come from
-	// a pre-copy, and QEMU stops it only for the final pass (precopy.go).
-	// In pause mode the VM stays stopped anyway, and a scan of the file is
-	// the faster way; it is also the way back from a pre-copy that failed
-	// before QEMU stopped the VM, and the only way where QEMU's dirty log
-	// misses the guest's writes (precopyUntrusted).
-	var pre *precopied
-	defer func() {
-		if pre != nil {
-			pre.close()
-		}
-	}()
-	res.RAMCapture = CaptureScan
-	tryPrecopy := opts.Mode == ModeSnapshot && st.Running
-	if tryPrecopy {
-		if why := precopyUntrusted(ctx, mon, res.Config.Record.QEMUVersion); why != "" {
-			res.RAMCaptureNote, tryPrecopy = why, false
-		}
+	c.g = g
+	defer c.close()
+	if err := c.tryPrecopy(ctx, st); err != nil {
+		return nil, err
 	}
-	if tryPrecopy {
-		precopyStart := time.Now()
-		var perr error
-		pre, perr = precopy(ctx, mon, g, be, f, parentMap, stagingDir(opts.StagingDir))
-		res.Durations.Precopy = time.Since(precopyStart)
-		if perr != nil {
-			if ctx.Err() != nil || errors.Is(perr, errNoFallback) {
-				return nil, perr
-			}
-			if now, qerr := queryStatus(ctx, mon); qerr != nil || !now.Running {
-				return nil, perr // completed: QEMU migrates it again only once it ran
-			}
-			res.RAMCaptureNote = precopyNote(perr)
-		} else {
-			res.RAMCapture = CapturePrecopy
-			capture, pre.capture = pre.capture, nil
-			g.stoppedAt = pre.stoppedAt
-			if pre.unsent > 0 {
-				res.RAMCaptureNote = fmt.Sprintf("%d pages QEMU did not send (free-page hints) were read from the RAM file, the VM stopped", pre.unsent)
-			}
-		}
-	}
-	var saveDevices func(context.Context) error
-	if pre == nil {
+	if c.pre == nil {
 		sub := mon.Subscribe()
 		defer sub.Close()
 		var closeStream func()
-		saveDevices, closeStream, err = streamSaver(ctx, mon, g, sub, repo, opts, res)
+		c.saveDevices, closeStream, err = streamSaver(ctx, mon, g, sub, repo, opts, res)
 		defer closeStream()
 		if err != nil {
 			return nil, err
 		}
 	}
-	save := func(ctx context.Context) error {
-		if saveDevices != nil {
-			if err := saveDevices(ctx); err != nil {
-				return err
-			}
-		}
-		g.phase = "copying the changed RAM pages aside"
-		scanStart := time.Now()
-		var err error
-		if capture == nil {
-			capture, err = ramfile.Scan(f, be.Bytes, parentMap, stagingDir(opts.StagingDir))
-		}
-		if err == nil && parent != nil && len(parent.ram.Regions)+capture.Regions() > ramfile.MaxRegionLayers {
-			// The delta would list more layers than a manifest holds:
-			// a fresh base instead (rare: a chain of large deltas). The VM
-			// is stopped, so the file is the RAM of this checkpoint.
-			res.RAMParentNote = fmt.Sprintf("the chain would list %d region layers, more than %d: a fresh base", len(parent.ram.Regions)+capture.Regions(), ramfile.MaxRegionLayers)
-			capture.Close()
-			parent, res.RAMParentTrust = nil, ""
-			res.RAMCapture = CaptureScan // a pre-copy kept only the pages that changed
-			capture, err = ramfile.Scan(f, be.Bytes, nil, stagingDir(opts.StagingDir))
-		}
-		res.Durations.Save = time.Since(scanStart)
-		if err == nil {
-			res.RAMRefutedPages = capture.Refuted
-		}
-		return err
-	}
-	// storeDevices stores a pre-copy's device state, once the VM runs.
-	storeDevices := func(ctx context.Context) error {
-		if pre == nil {
-			return nil
-		}
-		g.phase = "storing the device state"
-		start := time.Now()
-		stream, err := chunk.EncodeStream(ctx, newBoundedStream(io.LimitReader(pre.devices, pre.deviceLen), res.Config.Record.MemoryBytes), repo, opts.Stream)
-		if err != nil {
-			return err
-		}
-		if stream.RawBytes == 0 {
-			return errcode.New(errcode.QMPError, "QEMU's pre-copy carried no device state")
-		}
-		res.Stream, res.Config.RawBytes = stream, stream.RawBytes
-		res.Durations.Stream = time.Since(start)
-		return nil
-	}
-	var recorded *ramfile.PageMap // the page map of this checkpoint, stored
-	store := func(ctx context.Context) error {
-		if err := storeDevices(ctx); err != nil {
-			return err
-		}
-		g.phase = "storing the RAM pages"
-		storeStart := time.Now()
-		devices := res.Stream.RawBytes
-		progress := opts.Stream.Progress
-		stored, err := capture.Store(ctx, repo, ramfile.StoreOptions{Workers: opts.Stream.Workers, Level: opts.Stream.Level, Progress: func(pages int64) {
-			if progress != nil {
-				progress(devices + pages*ramfile.PageSize)
-			}
-		}})
-		if err != nil {
-			return err
-		}
-		dataBytes := int64(capture.Map.DataPages()) * ramfile.PageSize
-		link := ChainLink{Created: res.Config.Created, Regions: len(stored.Regions), StoredBytes: stored.StoredBytes - layerBytes(stored.PageMap), ChangedPages: capture.Changed()}
-		var chain []ChainLink
-		var parentRegions []ocispec.Descriptor
-		if parent != nil {
-			chain = append(chain, parent.cfg.RAM.Chain...)
-			chain[len(chain)-1].Manifest = parent.desc.Digest
-			parentRegions = parent.ram.Regions
-		}
-		res.Config.RAM = &RAMConfig{Backend: be.ID, Bytes: be.Bytes, DataBytes: dataBytes, Chain: append(chain, link)}
-		layers := append([]ocispec.Descriptor(nil), res.Stream.Layers...)
-		layers = append(layers, stored.PageMap...)
-		layers = append(layers, parentRegions...)
-		layers = append(layers, stored.Regions...)
-		res.Stream.Layers = layers
-		res.Stream.StoredBytes += stored.StoredBytes + layerBytes(parentRegions)
-		res.Stream.UploadedBytes += stored.UploadedBytes
-		res.Durations.Stream += time.Since(storeStart)
-		recorded = capture.Map
-		capture.Close()
-		capture = nil
-		return nil
-	}
-	if err = stopAndSave(ctx, mon, g, repo, opts, res, start, save, store); err != nil {
+	if err = stopAndSave(ctx, mon, g, repo, opts, res, start, c.save, c.store); err != nil {
 		return nil, err
 	}
 	// Committed: the VM's next checkpoint builds on this one.
-	if err := opts.Records.save(f, be, repo, res.Manifest, recorded); err != nil {
+	if err := opts.Records.save(f, be, repo, res.Manifest, c.recorded); err != nil {
 		res.RAMRecordNote = fmt.Sprintf("this checkpoint could not be recorded as the VM's next parent (%v): the next is a base", err)
 	}
 	return res, nil

@@ -9,10 +9,7 @@ import (
 	"io"
 	"os"
 	"strings"
-	"sync"
 	"time"
-
-	goqmp "github.com/digitalocean/go-qemu/qmp"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
@@ -527,49 +524,12 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f
 	if err != nil {
 		return nil, err
 	}
-	setIgnoreShared := func(ctx context.Context, on bool) error {
-		return errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "migrate-set-capabilities", map[string]any{
-			"capabilities": []map[string]any{{"capability": capIgnoreShared, "state": on}}}, nil), "setting %s", capIgnoreShared)
-	}
-	var params struct {
-		DowntimeLimit *int64 `json:"downtime-limit"`
-	}
-	if err := mon.Execute(ctx, "query-migrate-parameters", nil, &params); err != nil {
-		return nil, errcode.Ensure(errcode.QMPError, err, "query-migrate-parameters")
-	}
-	if params.DowntimeLimit == nil {
-		return nil, errcode.New(errcode.QMPError, "QEMU reports no downtime-limit")
-	}
-	if err := setIgnoreShared(ctx, false); err != nil {
+	limit, err := enterPrecopySettings(ctx, mon)
+	if err != nil {
 		return nil, err
 	}
-	// The downtime limit is set here and by the force timer; whichever
-	// comes last, the limit is put back after both.
-	var limitMu sync.Mutex
-	limitDone := false
-	setLimit := func(ctx context.Context, ms int64) error {
-		limitMu.Lock()
-		defer limitMu.Unlock()
-		if limitDone {
-			return nil
-		}
-		return mon.Execute(ctx, "migrate-set-parameters", map[string]any{"downtime-limit": ms}, nil)
-	}
-	defer func() {
-		// Back to the guard's settings, which it puts back in turn. A
-		// checkpoint that cannot have x-ignore-shared back must not go on:
-		// its device state would carry the whole RAM.
-		cctx, cancel := g.cleanupCtx(10 * time.Second)
-		defer cancel()
-		limitMu.Lock()
-		limitDone = true
-		_ = mon.Execute(cctx, "migrate-set-parameters", map[string]any{"downtime-limit": *params.DowntimeLimit}, nil)
-		limitMu.Unlock()
-		if serr := setIgnoreShared(cctx, true); serr != nil {
-			err = errors.Join(err, errNoFallback, serr)
-		}
-	}()
-	if err := setLimit(ctx, precopyDowntimeMs); err != nil {
+	defer limit.restore(g, &err)
+	if err := limit.set(ctx, precopyDowntimeMs); err != nil {
 		return nil, errcode.Ensure(errcode.QMPError, err, "setting the downtime limit")
 	}
 
@@ -598,33 +558,11 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f
 	defer events.Close()
 	sub := mon.Subscribe()
 	defer sub.Close()
-
-	// Bounds: the RAM file's pages are rewritten in place, so a QEMU that
-	// sends them again and again is cut off at three times the file plus
-	// the most state a VM of its size may have. The staging files hold at
-	// most that state: the pages at their offsets in the shadow (the file's
-	// size at most), and the device state in what is left (and 1 GiB).
-	parse := func(_ context.Context, r io.Reader) error {
-		br := bufio.NewReaderSize(&boundedStream{r: r, left: 3*be.Bytes + maxStateBytes(be.Bytes), tooMuch: func() error {
-			return streamErr("QEMU sent more than a pre-copy of this VM may take")
-		}}, 1<<20)
-		bw := bufio.NewWriterSize(&limitedWriter{w: p.devices, left: min(maxPrecopyDevices, maxStateBytes(be.Bytes)-be.Bytes)}, 1<<20)
-		err := readPrecopy(br, bw, be.ID, be.Bytes, addr, sh)
-		if err == nil {
-			// The devices, copied as they are, to the end.
-			if _, cerr := io.Copy(bw, br); cerr != nil {
-				err = errcode.Ensure(errcode.QMPError, cerr, "reading QEMU's pre-copy stream")
-			}
-		}
-		if ferr := bw.Flush(); ferr != nil && err == nil {
-			err = errcode.Ensure(errcode.Internal, ferr, "writing the device state's staging file")
-		}
-		return err
-	}
+	parse := precopyParser(be, addr, sh, p.devices)
 
 	g.phase = "pre-copying the RAM file's pages"
 	forceAfter := precopyForceAfter + time.Duration(be.Bytes/(256<<20))*time.Second
-	force := time.AfterFunc(forceAfter, func() { _ = setLimit(ctx, 2000000) })
+	force := time.AfterFunc(forceAfter, func() { _ = limit.set(ctx, 2000000) })
 	defer force.Stop()
 	wctx, cancelWait := context.WithTimeoutCause(ctx, 2*forceAfter, errcode.New(errcode.QMPError, "QEMU did not complete the pre-copy within %v", 2*forceAfter))
 	defer cancelWait()
@@ -638,42 +576,10 @@ func precopy(ctx context.Context, mon Monitor, g *sourceGuard, be *RAMBackend, f
 		}
 		return nil, err
 	}
-
-	// QEMU stopped the VM: it must still be stopped (the disk is captured
-	// next, and must match), and it stopped with the last STOP event QEMU
-	// sent (one per stop: an earlier stop someone else made and undid
-	// does not count), already queued once the completion was seen.
-	if st, err := queryStatus(ctx, mon); err != nil {
-		return nil, err
-	} else if st.Running {
-		return nil, errcode.New(errcode.QMPError, "QEMU completed the pre-copy, but the VM is running (status %s): memory and disk would not match", st.Status)
-	}
-	for wait := 2 * time.Second; ; wait = 20 * time.Millisecond {
-		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait)
-		ev, err := events.Wait(wctx, func(ev goqmp.Event) bool { return ev.Event == "STOP" })
-		cancel()
-		if err != nil {
-			break
-		}
-		at := time.Unix(ev.Timestamp.Seconds, ev.Timestamp.Microseconds*1000)
-		if now := time.Now(); at.After(now) || now.Sub(at) > time.Minute {
-			at = now // a clock QEMU does not share
-		}
-		p.stoppedAt = at
-	}
-	if p.stoppedAt.IsZero() {
-		return nil, errcode.New(errcode.QMPError, "QEMU completed the pre-copy without a STOP event")
-	}
-	if p.unsent, err = sh.FillUnsent(f); err != nil {
+	if p.stoppedAt, err = precopyStoppedAt(ctx, mon, events); err != nil {
 		return nil, err
 	}
-	if p.deviceLen, err = p.devices.Seek(0, io.SeekCurrent); err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "reading the device state's staging file")
-	}
-	if _, err := p.devices.Seek(0, io.SeekStart); err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "reading the device state's staging file")
-	}
-	if p.capture, err = sh.Capture(); err != nil {
+	if err := p.finish(sh, f); err != nil {
 		return nil, err
 	}
 	return p, nil

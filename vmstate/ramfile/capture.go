@@ -8,7 +8,6 @@ import (
 	"errors"
 	"math/bits"
 	"os"
-	"sync"
 	"sync/atomic"
 	"syscall"
 
@@ -265,139 +264,29 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 		opts.Level = zstd.SpeedFastest
 	}
 	var uploaded atomic.Int64
-	put := func(ctx context.Context, enc *zstd.Encoder, raw []byte, desc func([]byte) ocispec.Descriptor) (ocispec.Descriptor, error) {
-		data := enc.EncodeAll(raw, make([]byte, 0, len(raw)/2+1024))
-		d := desc(data)
-		return d, chunk.Put(ctx, sink, d, data, &uploaded)
-	}
-
-	// The regions: a reader builds each region's blob from the staging
-	// file in order, workers compress and store them.
-	type job struct {
-		index  int
-		offset int64
-		raw    []byte
-		pages  []uint32 // the pages raw holds, in order
-	}
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	jobs := make(chan job)
-	bufs := make(chan []byte, opts.Workers+1)
+	s := &regionStore{c: c, sink: sink, opts: opts, ctx: ctx, cancel: cancel, uploaded: &uploaded,
+		jobs: make(chan regionJob), bufs: make(chan []byte, opts.Workers+1), regions: map[int]ocispec.Descriptor{}}
 	for range opts.Workers + 1 {
-		bufs <- make([]byte, 0, maxRegionRaw)
+		s.bufs <- make([]byte, 0, maxRegionRaw)
 	}
-	var (
-		mu      sync.Mutex
-		regions = map[int]ocispec.Descriptor{}
-		wg      sync.WaitGroup
-		done    atomic.Int64
-	)
-	for range opts.Workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			enc, err := chunk.NewEncoder(opts.Level)
-			if err != nil {
-				cancel(errcode.Wrap(errcode.Internal, err, "zstd encoder"))
-				return
-			}
-			for j := range jobs {
-				for k, page := range j.pages {
-					if !c.Map.IsZero(int(page)) {
-						at := headerSize + k*PageSize
-						c.Map.strong[c.Map.index(int(page))] = strongHashOf(j.raw[at : at+PageSize])
-					}
-				}
-				if ctx.Err() == nil {
-					var d ocispec.Descriptor
-					err := errcode.Safely(func() (err error) { // the store reads a registry's answers
-						d, err = put(ctx, enc, j.raw, func(data []byte) ocispec.Descriptor { return regionDesc(j.offset, len(j.raw), data) })
-						return err
-					})
-					if err != nil {
-						cancel(err)
-					} else {
-						mu.Lock()
-						regions[j.index] = d
-						mu.Unlock()
-					}
-				}
-				bufs <- j.raw[:0]
-			}
-		}()
-	}
-	readErr := func() error {
-		defer close(jobs)
-		var staged int64 // offset in the staging file of the next non-zero page
-		for i, index := 0, 0; i < len(c.changed); index++ {
-			region := int64(c.changed[i]) * PageSize / RegionSize
-			var bitmap [pagesPerRegion / 8]byte
-			var raw []byte
-			select {
-			case raw = <-bufs:
-			case <-ctx.Done():
-				return context.Cause(ctx)
-			}
-			raw = raw[:headerSize]
-			first := i
-			for ; i < len(c.changed) && int64(c.changed[i])*PageSize/RegionSize == region; i++ {
-				p := int(c.changed[i]) % pagesPerRegion
-				bitmap[p/8] |= 1 << (p % 8)
-				n := len(raw)
-				raw = raw[:n+PageSize]
-				if c.Map.IsZero(int(c.changed[i])) {
-					clear(raw[n:])
-					continue
-				}
-				at := staged
-				if c.shadow {
-					at = int64(c.changed[i]) * PageSize
-				}
-				if _, err := c.staging.ReadAt(raw[n:], at); err != nil {
-					return errcode.Wrap(errcode.Internal, err, "reading the RAM staging file")
-				}
-				staged += PageSize
-			}
-			copy(raw, regionHeader(region*RegionSize, &bitmap))
-			if opts.Progress != nil {
-				opts.Progress(done.Add(int64(len(raw)-headerSize) / PageSize))
-			}
-			select {
-			case jobs <- job{index: index, offset: region * RegionSize, raw: raw, pages: c.changed[first:i]}:
-			case <-ctx.Done():
-				return context.Cause(ctx)
-			}
-		}
-		return nil
-	}()
-	wg.Wait()
+	s.startWorkers()
+	readErr := s.readRegions()
+	s.wg.Wait()
 	if readErr != nil {
 		return out, readErr
 	}
 	if err := context.Cause(ctx); err != nil {
 		return out, err
 	}
-	// The page map, in pieces, once the workers have filled in the strong
-	// hashes of the pages they stored.
-	enc, err := chunk.NewEncoder(opts.Level)
-	if err != nil {
-		return out, errcode.Wrap(errcode.Internal, err, "zstd encoder")
-	}
-	for first := 0; first < c.Map.Len(); first += pageMapPiece {
-		n := min(pageMapPiece, c.Map.Len()-first)
-		data, err := encodePageMap(enc, c.Map, first, n)
-		if err != nil {
-			return out, err
-		}
-		d := pageMapDesc(first, n, data)
-		if err := chunk.Put(ctx, sink, d, data, &uploaded); err != nil {
-			return out, err
-		}
-		out.PageMap = append(out.PageMap, d)
+	var err error
+	if out.PageMap, err = c.storePageMap(ctx, sink, opts.Level, &uploaded); err != nil {
+		return out, err
 	}
 
-	out.Regions = make([]ocispec.Descriptor, len(regions))
-	for i, d := range regions {
+	out.Regions = make([]ocispec.Descriptor, len(s.regions))
+	for i, d := range s.regions {
 		out.Regions[i] = d
 	}
 	for _, d := range append(append([]ocispec.Descriptor(nil), out.PageMap...), out.Regions...) {
