@@ -44,9 +44,11 @@ vet:
 # carries //lint:ignore CHECK reason.
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-# Formatting, vet, a tidy go.mod, staticcheck, and every fuzz target in
-# FUZZ_TARGETS. `make test` runs it first.
+# Formatting, vet, a tidy go.mod, staticcheck, every fuzz target in
+# FUZZ_TARGETS, and the tree's own rules (internal/testing/structure: no
+# function over 100 lines). `make test` runs it first.
 lint: vet
+	$(GO) test -count=1 ./internal/testing/structure
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt -l: run gofmt -w on:"; echo "$$out"; exit 1; fi
 	$(GO) mod tidy -diff
 	$(GO) run $(STATICCHECK) ./...
