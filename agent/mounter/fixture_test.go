@@ -36,7 +36,13 @@ type fixture struct {
 
 const testUID = "0b6a4a5e-35c1-4a7c-9f0e-6a2d3c1b9e11"
 
-func newFixture(t *testing.T, configure ...func(*Config)) *fixture {
+// setup is what a test may change before the mounter starts.
+type setup struct {
+	cfg             Config
+	afterTargetOpen func()
+}
+
+func newFixture(t *testing.T, configure ...func(*setup)) *fixture {
 	t.Helper()
 	requireRoot(t)
 	root := t.TempDir()
@@ -45,12 +51,13 @@ func newFixture(t *testing.T, configure ...func(*Config)) *fixture {
 		must(t, os.MkdirAll(d, 0o755))
 	}
 	t.Cleanup(func() { detachAllBelow(root) }) // runs last: after the server stopped
-	cfg := Config{Socket: root + "/run/mounter.sock", PodsDir: f.pods, PublicationRoots: []string{f.pub}, AgentGID: -1}
+	set := setup{cfg: Config{Socket: root + "/run/mounter.sock", PodsDir: f.pods, PublicationRoots: []string{f.pub}, AgentGID: -1}}
 	for _, c := range configure {
-		c(&cfg)
+		c(&set)
 	}
-	srv, err := New(cfg)
+	srv, err := New(set.cfg)
 	must(t, err)
+	srv.afterTargetOpen = set.afterTargetOpen
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ctx) }()
@@ -60,7 +67,7 @@ func newFixture(t *testing.T, configure ...func(*Config)) *fixture {
 			t.Errorf("Serve: %v", err)
 		}
 	})
-	f.srv, f.client = srv, Client{Socket: cfg.Socket}
+	f.srv, f.client = srv, Client{Socket: set.cfg.Socket}
 	return f
 }
 

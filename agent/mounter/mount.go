@@ -11,10 +11,6 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
-// afterTargetOpen runs between opening the target and mounting onto it:
-// tests swap names there to show that the mount follows the descriptor.
-var afterTargetOpen = func() {}
-
 // Publish bind-mounts the publication r.Source onto r.Target, read-only if
 // r.ReadOnly, always nosuid, nodev and noexec, creating the target
 // directory. Publishing the same source with the same mode again succeeds
@@ -44,7 +40,9 @@ func (s *Server) Publish(r PublishRequest) error {
 		return err
 	}
 	defer t.Close()
-	afterTargetOpen()
+	if s.afterTargetOpen != nil {
+		s.afterTargetOpen()
+	}
 	mounted, err := isMounted(parent, t)
 	if err != nil {
 		return err

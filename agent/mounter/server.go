@@ -52,6 +52,11 @@ type Server struct {
 	locks keyedMutex
 	slots chan struct{}
 	log   *slog.Logger
+
+	// afterTargetOpen, if set, runs between opening a target and mounting
+	// onto it: tests swap names there to show that the mount follows the
+	// descriptor.
+	afterTargetOpen func()
 }
 
 // New checks cfg, opens the pods directory and listens on the socket.
