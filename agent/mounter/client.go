@@ -59,13 +59,18 @@ func (c Client) call(ctx context.Context, req request, f *os.File) (*os.File, er
 	if err != nil {
 		return nil, c.failed(ctx, err, "reading the answer of")
 	}
-	if resp.Error != nil {
-		if got != nil {
-			got.Close()
-		}
-		return nil, resp.Error
+	switch {
+	case resp.Error != nil:
+		err = resp.Error
+	case resp.Version != Version:
+		err = versionError(resp.Version)
+	default:
+		return got, nil
 	}
-	return got, nil
+	if got != nil {
+		got.Close()
+	}
+	return nil, err
 }
 
 // failed is an error of the exchange: the context's when it ended it.

@@ -41,6 +41,8 @@ const DefaultPodsDir = "/var/lib/kubelet/pods"
 const (
 	maxConns    = 16              // connections served at once; more wait in the backlog
 	idleTimeout = 2 * time.Minute // a connection with no request for this long is closed
+	// refusalTimeout bounds the wait for a refused caller's request.
+	refusalTimeout = 5 * time.Second
 )
 
 // Server is a running mounter.
@@ -137,8 +139,7 @@ func (s *Server) serveConn(ctx context.Context, c *net.UnixConn) {
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer stop()
 	if err := s.admit(c); err != nil {
-		s.log.Warn("refused a caller on the mounter socket", "err", err)
-		s.reply(c, err, nil)
+		s.refuse(c, err)
 		return
 	}
 	for {
@@ -157,15 +158,34 @@ func (s *Server) serveConn(ctx context.Context, c *net.UnixConn) {
 			out, err = s.handle(req, f)
 			return err
 		})
-		s.reply(c, err, out)
+		if !s.reply(c, err, out) {
+			return
+		}
 	}
 }
 
-// reply sends err (nil: success) and, on success, f; it closes f.
-func (s *Server) reply(c *net.UnixConn, err error, f *os.File) {
+// refuse answers a caller that may not use the mounter: after its first
+// request (bounded in size and time; closing at once would leave it with
+// a broken pipe rather than the reason) with the refusal.
+func (s *Server) refuse(c *net.UnixConn, why error) {
+	s.log.Warn("refused a caller on the mounter socket", "err", why)
+	c.SetReadDeadline(time.Now().Add(refusalTimeout))
+	var req request
+	if f, err := recv(c, &req); f != nil {
+		f.Close()
+	} else if errors.Is(err, io.EOF) || errors.Is(err, os.ErrDeadlineExceeded) {
+		return
+	}
+	s.reply(c, why, nil)
+}
+
+// reply sends err (nil: success) and, on success, f; it closes f. It
+// reports whether the answer went out.
+func (s *Server) reply(c *net.UnixConn, err error, f *os.File) bool {
 	resp := response{Version: Version}
 	if err != nil {
-		e := api.ErrorOf(err)
+		// Messages quote the request's paths: cut to fit one message.
+		e := api.ErrorOf(err).Truncated(MaxMessage - 64)
 		resp.Error = &e
 	}
 	if f != nil {
@@ -173,5 +193,7 @@ func (s *Server) reply(c *net.UnixConn, err error, f *os.File) {
 	}
 	if err := send(c, resp, f); err != nil {
 		s.log.Warn("could not answer on the mounter socket", "err", err)
+		return false
 	}
+	return true
 }
