@@ -64,7 +64,8 @@ func TestPublishRefusesTargetsAndSourcesOutsideItsRoots(t *testing.T) {
 }
 
 // TestUnpublishRefusesTargetsOutsideThePodsDir: unpublish cannot be used
-// to unmount something that is not a kubelet CSI target.
+// to unmount something that is not a kubelet CSI target, nor a target
+// under another volume's id.
 func TestUnpublishRefusesTargetsOutsideThePodsDir(t *testing.T) {
 	f := newFixture(t)
 	r := f.volume(t, testUID, "ram")
@@ -78,6 +79,13 @@ func TestUnpublishRefusesTargetsOutsideThePodsDir(t *testing.T) {
 	wantCode(t, "unpublish through ..", f.client.Unpublish(context.Background(), req), errcode.Forbidden)
 	if m := mountsBelow(t, decoyTarget); len(m) != 1 {
 		t.Fatalf("the mount outside the pods dir is gone: %q", m)
+	}
+	must(t, f.client.Publish(context.Background(), r))
+	wrong := unpublishOf(r)
+	wrong.VolumeID = VolumeHandle(otherUID, "ram")
+	wantCode(t, "unpublish with another volume's id", f.client.Unpublish(context.Background(), wrong), errcode.Forbidden)
+	if m := mountsBelow(t, r.Target); len(m) != 1 {
+		t.Fatalf("a refused unpublish unmounted the target: %q", m)
 	}
 }
 

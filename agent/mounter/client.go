@@ -47,8 +47,11 @@ func (c Client) call(ctx context.Context, req request, f *os.File) (*os.File, er
 	if err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "connecting to the mounter (is the vmsnap node DaemonSet running on this node?)")
 	}
-	uc := conn.(*net.UnixConn)
-	defer uc.Close()
+	defer conn.Close()
+	uc, ok := conn.(*net.UnixConn)
+	if !ok {
+		return nil, errcode.New(errcode.Internal, "the mounter's socket gave a %T, not a unix connection", conn)
+	}
 	stop := context.AfterFunc(ctx, func() { uc.Close() })
 	defer stop()
 	if err := send(uc, req, f); err != nil {

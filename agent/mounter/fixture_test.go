@@ -86,7 +86,7 @@ func (f *fixture) volume(t *testing.T, podUID, name string) PublishRequest {
 }
 
 func unpublishOf(r PublishRequest) UnpublishRequest {
-	return UnpublishRequest{VolumeID: r.VolumeID, PodUID: r.PodUID, Target: r.Target}
+	return UnpublishRequest{VolumeID: r.VolumeID, Target: r.Target}
 }
 
 // mountsBelow lists the mount points at or below dir, from mountinfo.

@@ -17,9 +17,12 @@ import (
 // and changes nothing (the kubelet retries); a target that holds anything
 // else is refused.
 func (s *Server) Publish(r PublishRequest) error {
-	rel, err := s.checkTarget(r.Target, r.PodUID, r.VolumeID)
+	rel, podUID, err := s.checkTarget(r.Target, r.VolumeID)
 	if err != nil {
 		return err
+	}
+	if podUID != r.PodUID {
+		return errcode.New(errcode.Forbidden, "target %q is pod %s's, not the requesting pod's (%q)", r.Target, podUID, r.PodUID)
 	}
 	defer s.locks.lock(r.Target)()
 	src, err := s.openSource(r.Source, r.VolumeID)
@@ -131,7 +134,7 @@ const maxStacked = 8
 // the mounted file system, so a FUSE mount whose server is dead or stalled
 // does not hang it.
 func (s *Server) Unpublish(r UnpublishRequest) error {
-	rel, err := s.checkTarget(r.Target, r.PodUID, r.VolumeID)
+	rel, _, err := s.checkTarget(r.Target, r.VolumeID)
 	if err != nil {
 		return err
 	}

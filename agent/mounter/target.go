@@ -31,23 +31,20 @@ func VolumeHandle(podUID, volumeName string) string {
 }
 
 // checkTarget checks a target path lexically: below the pods directory,
-// of the kubelet's form, the pod's UID podUID's and the volume's id
-// volumeID. It returns the path of the target's parent relative to the
-// pods directory.
-func (s *Server) checkTarget(target, podUID, volumeID string) (string, error) {
+// of the kubelet's form, and the volume's id volumeID. It returns the path
+// of the target's parent relative to the pods directory, and the UID of
+// the pod the target is in.
+func (s *Server) checkTarget(target, volumeID string) (rel, podUID string, err error) {
 	rel, ok := strings.CutPrefix(target, s.cfg.PodsDir+"/")
 	m := targetPattern.FindStringSubmatch(rel)
 	if !ok || m == nil {
-		return "", errcode.New(errcode.Forbidden, "target %q is not %s/POD_UID/volumes/kubernetes.io~csi/VOLUME/mount: the mounter mounts only onto kubelet CSI volume targets",
+		return "", "", errcode.New(errcode.Forbidden, "target %q is not %s/POD_UID/volumes/kubernetes.io~csi/VOLUME/mount: the mounter mounts only onto kubelet CSI volume targets",
 			target, s.cfg.PodsDir)
 	}
-	if m[1] != podUID {
-		return "", errcode.New(errcode.Forbidden, "target %q is pod %s's, not the requesting pod's (%q)", target, m[1], podUID)
+	if want := VolumeHandle(m[1], m[2]); volumeID != want {
+		return "", "", errcode.New(errcode.Forbidden, "volume id %q is not the kubelet's for volume %q of pod %s (%s)", volumeID, m[2], m[1], want)
 	}
-	if want := VolumeHandle(podUID, m[2]); volumeID != want {
-		return "", errcode.New(errcode.Forbidden, "volume id %q is not the kubelet's for volume %q of pod %s (%s)", volumeID, m[2], podUID, want)
-	}
-	return strings.TrimSuffix(rel, "/"+targetLeaf), nil
+	return strings.TrimSuffix(rel, "/"+targetLeaf), m[1], nil
 }
 
 // openParent opens the target's parent, the volume's directory that the

@@ -37,10 +37,10 @@ type PublishRequest struct {
 	ReadOnly bool `json:"readOnly"`
 }
 
-// UnpublishRequest asks for Target to be unmounted and removed.
+// UnpublishRequest asks for Target to be unmounted and removed: what
+// NodeUnpublishVolume gives (the pod is Target's).
 type UnpublishRequest struct {
 	VolumeID string `json:"volumeID"`
-	PodUID   string `json:"podUID"`
 	Target   string `json:"target"`
 }
 

@@ -77,7 +77,7 @@ func TestMounterCommandPublishes(t *testing.T) {
 	if b, err := os.ReadFile(r.Target + "/marker"); err != nil || string(b) != "published" {
 		t.Fatalf("the target shows %q, %v; want the publication", b, err)
 	}
-	if err := client.Unpublish(ctx, mounter.UnpublishRequest{VolumeID: r.VolumeID, PodUID: uid, Target: r.Target}); err != nil {
+	if err := client.Unpublish(ctx, mounter.UnpublishRequest{VolumeID: r.VolumeID, Target: r.Target}); err != nil {
 		t.Fatal(err)
 	}
 	cancel()
