@@ -40,6 +40,9 @@ const testUID = "0b6a4a5e-35c1-4a7c-9f0e-6a2d3c1b9e11"
 type setup struct {
 	cfg             Config
 	afterTargetOpen func()
+	// shared makes the fixture's directory a shared mount, as the
+	// kubelet's directory is (the cache's may be too).
+	shared bool
 }
 
 func newFixture(t *testing.T, configure ...func(*setup)) *fixture {
@@ -54,6 +57,11 @@ func newFixture(t *testing.T, configure ...func(*setup)) *fixture {
 	set := setup{cfg: Config{Socket: root + "/run/mounter.sock", PodsDir: f.pods, PublicationRoots: []string{f.pub}, AgentGID: -1}}
 	for _, c := range configure {
 		c(&set)
+	}
+	if set.shared {
+		must(t, unix.Mount(root, root, "", unix.MS_BIND, ""))
+		t.Cleanup(func() { unix.Unmount(root, unix.MNT_DETACH) })
+		must(t, unix.Mount("", root, "", unix.MS_SHARED, ""))
 	}
 	srv, err := New(set.cfg)
 	must(t, err)
@@ -110,18 +118,37 @@ func mountsBelow(t testing.TB, dir string) []string {
 
 // mountOptions is the per-mount options of the top mount on dir.
 func mountOptions(t testing.TB, dir string) []string {
+	return strings.Split(topMount(t, dir)[5], ",")
+}
+
+// peerGroup is the shared:N field of the top mount on dir ("" if it is not
+// shared).
+func peerGroup(t testing.TB, dir string) string {
+	for _, f := range topMount(t, dir)[6:] {
+		if strings.HasPrefix(f, "shared:") {
+			return f
+		}
+	}
+	return ""
+}
+
+// topMount is the mountinfo line of the top mount on dir, in fields.
+func topMount(t testing.TB, dir string) []string {
 	t.Helper()
 	data, err := os.ReadFile("/proc/self/mountinfo")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var opts []string
+	var top []string
 	for line := range strings.SplitSeq(string(data), "\n") {
-		if f := strings.Fields(line); len(f) > 5 && f[4] == dir {
-			opts = strings.Split(f[5], ",") // the last line for dir is the top mount
+		if f := strings.Fields(line); len(f) > 6 && f[4] == dir {
+			top = f // the last line for dir is the top mount
 		}
 	}
-	return opts
+	if top == nil {
+		t.Fatalf("nothing is mounted on %s", dir)
+	}
+	return top
 }
 
 // detachAllBelow unmounts whatever a test left mounted below dir, deepest

@@ -62,7 +62,11 @@ const mountFlags = unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV | unix.MOUNT_A
 
 // bindOnto clones the mount of src (the directory alone, no submounts),
 // sets its attributes while it is detached, and attaches it onto the
-// directory t is open on: whatever t's name leads to by now.
+// directory t is open on: whatever t's name leads to by now. The clone is
+// made private first, so that it leaves the source mount's peer group (a
+// mount below a publication never shows in the cache, nor the other way
+// round); attached below the kubelet's shared directory it then gets a
+// peer group of its own, and so still reaches the host.
 func bindOnto(src, t *os.File, readOnly bool) error {
 	tree, err := unix.OpenTree(int(src.Fd()), "", unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC|unix.AT_EMPTY_PATH)
 	if err != nil {
@@ -73,7 +77,7 @@ func bindOnto(src, t *os.File, readOnly bool) error {
 	if readOnly {
 		attr |= unix.MOUNT_ATTR_RDONLY
 	}
-	if err := unix.MountSetattr(tree, "", unix.AT_EMPTY_PATH, &unix.MountAttr{Attr_set: attr}); err != nil {
+	if err := unix.MountSetattr(tree, "", unix.AT_EMPTY_PATH, &unix.MountAttr{Attr_set: attr, Propagation: unix.MS_PRIVATE}); err != nil {
 		return errcode.Wrap(errcode.Internal, err, "setting the publication's mount attributes (mount_setattr)")
 	}
 	if err := unix.MoveMount(tree, "", int(t.Fd()), "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH); err != nil {

@@ -133,3 +133,17 @@ func TestUnpublishTwice(t *testing.T) {
 		t.Fatalf("unpublishing a volume whose directory is gone: %v", err)
 	}
 }
+
+// TestPublicationIsNoPeerOfItsSource: in a shared mount (the kubelet's
+// directory is one, and the cache may be on one), the publication gets a
+// peer group of its own: shared, so that the host sees it, but not the
+// source mount's, so that mounts below one never show below the other.
+func TestPublicationIsNoPeerOfItsSource(t *testing.T) {
+	f := newFixture(t, func(s *setup) { s.shared = true })
+	r := f.volume(t, testUID, "ram")
+	must(t, f.client.Publish(context.Background(), r))
+	source, published := peerGroup(t, f.root), peerGroup(t, r.Target)
+	if source == "" || published == "" || source == published {
+		t.Fatalf("peer groups: the source's mount %q, the publication %q; want both shared, in different groups", source, published)
+	}
+}
