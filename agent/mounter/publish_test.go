@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -105,6 +106,26 @@ func TestPublishTwiceIsIdempotent(t *testing.T) {
 	wantCode(t, "publishing read-write over the read-only publication", f.client.Publish(ctx, rw), errcode.Busy)
 	if m := mountsBelow(t, r.Target); len(m) != 1 {
 		t.Fatalf("after a refused publish, mounts on the target: %q, want one", m)
+	}
+}
+
+// TestConcurrentPublishesMountOnce: the kubelet's retry can overlap the
+// call it retries; publishes of one target at once leave one mount.
+func TestConcurrentPublishesMountOnce(t *testing.T) {
+	// Widen the window between the check and the mount: unserialized
+	// publishes would all find the target unmounted and stack their
+	// mounts. (The result does not depend on the pause.)
+	f := newFixture(t, func(s *setup) { s.afterTargetOpen = func() { time.Sleep(20 * time.Millisecond) } })
+	r := f.volume(t, testUID, "ram")
+	errs := make(chan error, 8)
+	for range cap(errs) {
+		go func() { errs <- f.client.Publish(context.Background(), r) }()
+	}
+	for range cap(errs) {
+		must(t, <-errs)
+	}
+	if m := mountsBelow(t, r.Target); len(m) != 1 {
+		t.Fatalf("after %d publishes at once, mounts on the target: %q, want one", cap(errs), m)
 	}
 }
 
