@@ -18,7 +18,7 @@ import (
 
 // The tests mount for real: they need root (CI runs as root) and skip
 // loudly otherwise (fail under VMSNAP_TEST_REQUIRE_QEMU=1).
-func requireRoot(t *testing.T) {
+func requireRoot(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		guest.SkipOrFail(t, "mounter", "bind mounts, open_tree and move_mount need root")
@@ -45,7 +45,7 @@ type setup struct {
 	shared bool
 }
 
-func newFixture(t *testing.T, configure ...func(*setup)) *fixture {
+func newFixture(t testing.TB, configure ...func(*setup)) *fixture {
 	t.Helper()
 	requireRoot(t)
 	root := t.TempDir()
@@ -82,7 +82,7 @@ func newFixture(t *testing.T, configure ...func(*setup)) *fixture {
 // volume makes what the kubelet and the agent prepare for a pod's inline
 // volume: the kubelet's volume directory (not its mount leaf) and a
 // publication holding a file "marker". It returns the publish request.
-func (f *fixture) volume(t *testing.T, podUID, name string) PublishRequest {
+func (f *fixture) volume(t testing.TB, podUID, name string) PublishRequest {
 	t.Helper()
 	id := VolumeHandle(podUID, name)
 	dir := filepath.Join(f.pods, podUID, "volumes", "kubernetes.io~csi", name)
