@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -23,12 +25,56 @@ func mountUnservedFUSE(t *testing.T, dir string) *os.File {
 	if err != nil {
 		t.Fatalf("opening /dev/fuse (the test needs FUSE): %v", err)
 	}
-	t.Cleanup(func() { dev.Close() })
 	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=0,group_id=0", dev.Fd())
 	if err := unix.Mount("vmsnap-test", dir, "fuse", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		t.Fatalf("mounting an unserved FUSE file system: %v", err)
 	}
+	t.Cleanup(func() {
+		dev.Close()
+		unix.Unmount(dir, unix.MNT_DETACH)
+	})
 	return dev
+}
+
+// stalledOnFUSE says whether one of this process's threads waits for a
+// FUSE server (the kernel's wait channel says so).
+func stalledOnFUSE() bool {
+	waits, _ := filepath.Glob("/proc/self/task/*/wchan")
+	for _, w := range waits {
+		b, err := os.ReadFile(w)
+		if err == nil && (strings.HasPrefix(string(b), "fuse_") || strings.HasPrefix(string(b), "request_wait_answer")) {
+			return true
+		}
+	}
+	return false
+}
+
+// TestStopsDespiteAStalledPublish: a publish blocked in the kernel on a
+// FUSE server that does not answer cannot be cancelled; the mounter stops
+// anyway (after its grace period) rather than never.
+func TestStopsDespiteAStalledPublish(t *testing.T) {
+	requireRoot(t)
+	fuseDir := t.TempDir()
+	f := newFixture(t, func(s *setup) {
+		s.cfg.PublicationRoots = append(s.cfg.PublicationRoots, fuseDir)
+		s.shutdownGrace = 100 * time.Millisecond
+	})
+	// Mounted after the fixture started, so that its cleanup (which
+	// aborts the connection and frees the stalled request) runs before
+	// the fixture's, which waits for the server.
+	mountUnservedFUSE(t, fuseDir)
+	r := f.volume(t, testUID, "ram")
+	r.Source = fuseDir + "/" + r.VolumeID
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go f.client.Publish(ctx, r)
+	guard.Within(t, time.Minute, 1<<30, "the publish reaching the FUSE server", func() bool {
+		for !stalledOnFUSE() {
+			time.Sleep(10 * time.Millisecond)
+		}
+		return true
+	})
+	must(t, guard.Within(t, time.Minute, 1<<30, "stopping the mounter", f.stop))
 }
 
 // TestUnpublishUnservedFUSE: a publication whose FUSE server does not

@@ -8,7 +8,9 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -32,6 +34,7 @@ type fixture struct {
 	root, pods, pub, decoy string
 	srv                    *Server
 	client                 Client
+	stop                   func() error // stops the server, once; Serve's error
 }
 
 const testUID = "0b6a4a5e-35c1-4a7c-9f0e-6a2d3c1b9e11"
@@ -43,6 +46,8 @@ type setup struct {
 	// shared makes the fixture's directory a shared mount, as the
 	// kubelet's directory is (the cache's may be too).
 	shared bool
+	// shutdownGrace replaces the server's, if not 0.
+	shutdownGrace time.Duration
 }
 
 func newFixture(t testing.TB, configure ...func(*setup)) *fixture {
@@ -66,12 +71,18 @@ func newFixture(t testing.TB, configure ...func(*setup)) *fixture {
 	srv, err := New(set.cfg)
 	must(t, err)
 	srv.afterTargetOpen = set.afterTargetOpen
+	if set.shutdownGrace != 0 {
+		srv.shutdownGrace = set.shutdownGrace
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ctx) }()
-	t.Cleanup(func() {
+	f.stop = sync.OnceValue(func() error {
 		cancel()
-		if err := <-done; err != nil {
+		return <-done
+	})
+	t.Cleanup(func() {
+		if err := f.stop(); err != nil {
 			t.Errorf("Serve: %v", err)
 		}
 	})

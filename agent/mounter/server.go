@@ -41,6 +41,9 @@ const DefaultPodsDir = "/var/lib/kubelet/pods"
 const (
 	maxConns    = 16              // connections served at once; more wait in the backlog
 	idleTimeout = 2 * time.Minute // a connection with no request for this long is closed
+	// shutdownGrace bounds the wait for requests in flight when the
+	// mounter stops.
+	shutdownGrace = 10 * time.Second
 	// refusalTimeout bounds the wait for a refused caller's request.
 	refusalTimeout = 5 * time.Second
 )
@@ -54,6 +57,8 @@ type Server struct {
 	locks keyedMutex
 	slots chan struct{}
 	log   *slog.Logger
+
+	shutdownGrace time.Duration
 
 	// afterTargetOpen, if set, runs between opening a target and mounting
 	// onto it: tests swap names there to show that the mount follows the
@@ -82,7 +87,7 @@ func New(cfg Config) (*Server, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Server{cfg: cfg, pods: pods, ln: ln, slots: make(chan struct{}, maxConns), log: log}, nil
+	return &Server{cfg: cfg, pods: pods, ln: ln, slots: make(chan struct{}, maxConns), log: log, shutdownGrace: shutdownGrace}, nil
 }
 
 // checkConfig requires absolute, clean paths, and at least one publication
@@ -126,11 +131,21 @@ func (s *Server) Serve(ctx context.Context) error {
 	}
 }
 
+// close stops serving. A request blocked in the kernel (a lookup on a
+// FUSE server that does not answer) cannot be cancelled: after
+// shutdownGrace the mounter goes without it, leaving open what it may
+// still use.
 func (s *Server) close(wg *sync.WaitGroup) {
 	s.ln.Close()
-	wg.Wait()
-	s.pods.Close()
-	s.fuse.close()
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		s.pods.Close()
+		s.fuse.close()
+	case <-time.After(s.shutdownGrace):
+		s.log.Warn("stopping with requests still blocked in the kernel (a FUSE server that does not answer?)")
+	}
 }
 
 // serveConn answers one connection's requests, one at a time.
