@@ -24,12 +24,21 @@ func (s *Server) handle(req request, f *os.File) (*os.File, error) {
 		if req.Publish == nil {
 			return nil, errcode.New(errcode.InvalidInput, "a mounter publish request without its publish object")
 		}
-		return nil, s.Publish(*req.Publish)
+		err := s.publish(*req.Publish)
+		if err == nil {
+			p := req.Publish
+			s.log.Info("published", "volumeID", p.VolumeID, "podUID", p.PodUID, "target", p.Target, "source", p.Source, "readOnly", p.ReadOnly)
+		}
+		return nil, err
 	case opUnpublish:
 		if req.Unpublish == nil {
 			return nil, errcode.New(errcode.InvalidInput, "a mounter unpublish request without its unpublish object")
 		}
-		return nil, s.Unpublish(*req.Unpublish)
+		err := s.unpublish(*req.Unpublish)
+		if err == nil {
+			s.log.Info("unpublished", "volumeID", req.Unpublish.VolumeID, "target", req.Unpublish.Target)
+		}
+		return nil, err
 	case opPutFUSE:
 		if f == nil {
 			return nil, errcode.New(errcode.InvalidInput, "a mounter put-fuse-fd request without a descriptor")

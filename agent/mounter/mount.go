@@ -11,12 +11,12 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 )
 
-// Publish bind-mounts the publication r.Source onto r.Target, read-only if
+// publish bind-mounts the publication r.Source onto r.Target, read-only if
 // r.ReadOnly, always nosuid, nodev and noexec, creating the target
 // directory. Publishing the same source with the same mode again succeeds
 // and changes nothing (the kubelet retries); a target that holds anything
 // else is refused.
-func (s *Server) Publish(r PublishRequest) error {
+func (s *Server) publish(r PublishRequest) error {
 	rel, podUID, err := s.checkTarget(r.Target, r.VolumeID)
 	if err != nil {
 		return err
@@ -132,12 +132,12 @@ func samePublication(t, src *os.File, r PublishRequest) error {
 // maxStacked bounds the mounts Unpublish removes from one target.
 const maxStacked = 8
 
-// Unpublish unmounts whatever is mounted on r.Target and removes the
+// unpublish unmounts whatever is mounted on r.Target and removes the
 // directory. A target already gone, or never mounted, is fine. The unmount
 // (MNT_DETACH through the descriptor's /proc/self/fd link) asks nothing of
 // the mounted file system, so a FUSE mount whose server is dead or stalled
 // does not hang it.
-func (s *Server) Unpublish(r UnpublishRequest) error {
+func (s *Server) unpublish(r UnpublishRequest) error {
 	rel, _, err := s.checkTarget(r.Target, r.VolumeID)
 	if err != nil {
 		return err

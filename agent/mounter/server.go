@@ -113,7 +113,11 @@ func (s *Server) Serve(ctx context.Context) error {
 	var wg sync.WaitGroup
 	defer s.close(&wg)
 	for {
-		s.slots <- struct{}{}
+		select {
+		case s.slots <- struct{}{}:
+		case <-ctx.Done(): // every slot held by a request that does not end
+			return nil
+		}
 		c, err := s.ln.AcceptUnix()
 		if err != nil {
 			<-s.slots
