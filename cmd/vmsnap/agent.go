@@ -93,9 +93,9 @@ type agentDaemonFlags struct {
 
 func runAgent(ctx context.Context, f agentDaemonFlags) error {
 	cfg := f.cfg
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
-		return errcode.New(errcode.Usage, "--log-level %q: use debug, info, warn or error", f.logLevel)
+	log, err := newLogger(f.logLevel)
+	if err != nil {
+		return err
 	}
 	// Keys are read before anything else starts: a bad one fails here (the
 	// key directory's, in agent.New).
@@ -110,7 +110,6 @@ func runAgent(ctx context.Context, f agentDaemonFlags) error {
 	if err != nil {
 		return err
 	}
-	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
 	opts := []containerd.Option{containerd.WithLogger(log)}
 	if f.podsDir != "" {
 		opts = append(opts, containerd.WithPodsDir(f.podsDir))
@@ -129,6 +128,15 @@ func runAgent(ctx context.Context, f agentDaemonFlags) error {
 		return err
 	}
 	return srv.Serve(ctx)
+}
+
+// newLogger is a daemon's logger: JSON on stderr, from --log-level.
+func newLogger(level string) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, errcode.New(errcode.Usage, "--log-level %q: use debug, info, warn or error", level)
+	}
+	return slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: l})), nil
 }
 
 func newAgentHealthCmd() *cobra.Command {

@@ -142,7 +142,7 @@ docs/errors-and-guarantees.md).`,
 		return errcode.New(errcode.Usage, "%v (see %s --help)", err, c.CommandPath())
 	})
 	root.AddCommand(newCheckpointCmd(out), newRestoreCmd(out), newInspectCmd(out), newStreamCmd(), newContinueCmd(), newLoadCmd(),
-		newAgentCmd(out), newManifestsCmd(out), newPruneCmd(out), newLaunchCmd(out), newPrepareCmd(out))
+		newAgentCmd(out), newMounterCmd(), newManifestsCmd(out), newPruneCmd(out), newLaunchCmd(out), newPrepareCmd(out))
 	return root
 }
 

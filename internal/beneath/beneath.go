@@ -16,6 +16,7 @@ import (
 	"io/fs"
 	"os"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -59,11 +60,24 @@ func Type(f *os.File) (fs.FileMode, error) {
 // I/O): check its type with Stat, then Reopen it. name is the *os.File's
 // name, for messages.
 func Open(dir *os.File, rel, name string) (*os.File, error) {
-	return openat2(dir, rel, name, resolve)
+	return openat2(dir, rel, name, 0, resolve)
 }
 
-func openat2(dir *os.File, rel, name string, resolve uint64) (*os.File, error) {
-	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: resolve}
+// OpenMountPoint is Open for child, one name in dir, a directory that may
+// be a mount point: the descriptor is then of the root of what is mounted
+// there (the mount's own, in /proc/self/fdinfo), and getting it asks
+// nothing of that file system, so a dead FUSE server cannot stall it. A
+// link still fails with ELOOP, anything but a directory with ENOTDIR, and
+// a child that is not one name (it holds a '/') with EINVAL.
+func OpenMountPoint(dir *os.File, child, name string) (*os.File, error) {
+	if child == "" || child == "." || child == ".." || strings.ContainsRune(child, '/') {
+		return nil, &os.PathError{Op: "openat2", Path: name, Err: unix.EINVAL}
+	}
+	return openat2(dir, child, name, unix.O_DIRECTORY, resolve&^unix.RESOLVE_NO_XDEV)
+}
+
+func openat2(dir *os.File, rel, name string, flags uint64, resolve uint64) (*os.File, error) {
+	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC | flags, Resolve: resolve}
 	for tries := 0; ; tries++ {
 		fd, err := unix.Openat2(int(dir.Fd()), rel, &how)
 		// EAGAIN: a rename elsewhere on the file system raced the lookup
@@ -124,5 +138,5 @@ func TypeName(t fs.FileMode) string {
 // link that leads out of dir, and a magic link (/proc/self/...), still
 // fails with EXDEV or ELOOP.
 func OpenFollowing(dir *os.File, rel, name string) (*os.File, error) {
-	return openat2(dir, rel, name, unix.RESOLVE_BENEATH|unix.RESOLVE_NO_MAGICLINKS)
+	return openat2(dir, rel, name, 0, unix.RESOLVE_BENEATH|unix.RESOLVE_NO_MAGICLINKS)
 }

@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/vmsnap/vmsnap/internal/testing/guest"
 )
 
 // TestOpenStaysBeneath: every way out of the directory, or through a link
@@ -105,5 +107,51 @@ func write(t *testing.T, path, s string) {
 	t.Helper()
 	if err := os.WriteFile(path, []byte(s), 0o600); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestOpenMountPointEndsOnWhatIsMounted: unlike Open, the last component
+// may be a mount point, and the descriptor is then of the mounted
+// directory; links, files and paths of more than one name still fail.
+func TestOpenMountPointEndsOnWhatIsMounted(t *testing.T) {
+	if os.Geteuid() != 0 {
+		guest.SkipOrFail(t, "mount point", "mounting needs root")
+	}
+	root := t.TempDir()
+	for _, d := range []string{"dir/mnt", "other"} {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(t, filepath.Join(root, "other", "inside"), "mounted")
+	write(t, filepath.Join(root, "dir", "file"), "")
+	os.Symlink("mnt", filepath.Join(root, "dir", "link"))
+	if err := unix.Mount(filepath.Join(root, "other"), filepath.Join(root, "dir", "mnt"), "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(filepath.Join(root, "dir", "mnt"), unix.MNT_DETACH) })
+	dir, err := Dir(filepath.Join(root, "dir"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dir.Close()
+	if _, err := Open(dir, "mnt", "mnt"); !errors.Is(err, unix.EXDEV) {
+		t.Fatalf("Open of a mount point: %v, want EXDEV", err)
+	}
+	m, err := OpenMountPoint(dir, "mnt", "mnt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if _, err := Open(m, "inside", "inside"); err != nil {
+		t.Fatalf("the descriptor is not of the mounted directory: %v", err)
+	}
+	for _, tc := range []struct {
+		child string
+		want  error
+	}{{"link", unix.ELOOP}, {"file", unix.ENOTDIR}, {"mnt/..", unix.EINVAL}, {"..", unix.EINVAL}, {"", unix.EINVAL}} {
+		if f, err := OpenMountPoint(dir, tc.child, tc.child); !errors.Is(err, tc.want) {
+			t.Errorf("OpenMountPoint(%q) = %v, %v; want %v", tc.child, f, err, tc.want)
+		}
 	}
 }
