@@ -23,10 +23,16 @@ type attack struct {
 }
 
 var attacks = []attack{
-	{name: "write", want: unix.EROFS, run: func(p string) error { return withFd(p, unix.O_RDWR, func(fd int) error { _, err := unix.Write(fd, []byte("EVIL")); return err }) }},
-	{name: "pwrite", want: unix.EROFS, run: func(p string) error { return withFd(p, unix.O_RDWR, func(fd int) error { _, err := unix.Pwrite(fd, []byte("EVIL"), 8192); return err }) }},
+	{name: "write", want: unix.EROFS, run: func(p string) error {
+		return withFd(p, unix.O_RDWR, func(fd int) error { _, err := unix.Write(fd, []byte("EVIL")); return err })
+	}},
+	{name: "pwrite", want: unix.EROFS, run: func(p string) error {
+		return withFd(p, unix.O_RDWR, func(fd int) error { _, err := unix.Pwrite(fd, []byte("EVIL"), 8192); return err })
+	}},
 	{name: "pwrite O_DIRECT", want: unix.EROFS, run: directWrite},
-	{name: "ftruncate", want: unix.EPERM, run: func(p string) error { return withFd(p, unix.O_RDWR, func(fd int) error { return unix.Ftruncate(fd, 4096) }) }},
+	{name: "ftruncate", want: unix.EPERM, run: func(p string) error {
+		return withFd(p, unix.O_RDWR, func(fd int) error { return unix.Ftruncate(fd, 4096) })
+	}},
 	{name: "truncate", want: unix.EPERM, run: func(p string) error { return unix.Truncate(p, 0) }},
 	{name: "open O_TRUNC", want: unix.EPERM, run: func(p string) error { return withFd(p, unix.O_WRONLY|unix.O_TRUNC, func(int) error { return nil }) }},
 	{name: "fallocate punch", want: unix.EPERM, run: func(p string) error {
@@ -34,7 +40,9 @@ var attacks = []attack{
 			return unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 0, 1<<20)
 		})
 	}},
-	{name: "fallocate grow", want: unix.EPERM, run: func(p string) error { return withFd(p, unix.O_RDWR, func(fd int) error { return unix.Fallocate(fd, 0, 0, 2*fileSize) }) }},
+	{name: "fallocate grow", want: unix.EPERM, run: func(p string) error {
+		return withFd(p, unix.O_RDWR, func(fd int) error { return unix.Fallocate(fd, 0, 0, 2*fileSize) })
+	}},
 	{name: "MAP_SHARED write", want: unix.ENODEV, run: func(p string) error { return mapAndWrite(p, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED, false) }},
 	{name: "MAP_SHARED mprotect write", want: unix.ENODEV, run: func(p string) error { return mapAndWrite(p, unix.PROT_READ, unix.MAP_SHARED, true) }},
 	{name: "MAP_PRIVATE write", run: func(p string) error { return mapAndWrite(p, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE, false) }},
@@ -48,7 +56,9 @@ var attacks = []attack{
 	{name: "rename", want: unix.EPERM, run: func(p string) error { return unix.Rename(p, p+".moved") }},
 	{name: "unlink", want: unix.EPERM, run: func(p string) error { return unix.Unlink(p) }},
 	{name: "link", want: unix.EPERM, run: func(p string) error { return unix.Link(p, p+".link") }},
-	{name: "create", want: unix.EPERM, run: func(p string) error { return withFd(p+".new", unix.O_CREAT|unix.O_WRONLY, func(int) error { return nil }) }},
+	{name: "create", want: unix.EPERM, run: func(p string) error {
+		return withFd(p+".new", unix.O_CREAT|unix.O_WRONLY, func(int) error { return nil })
+	}},
 	{name: "mkdir", want: unix.EPERM, run: func(p string) error { return unix.Mkdir(p+".dir", 0o755) }},
 	{name: "symlink", want: unix.EPERM, run: func(p string) error { return unix.Symlink("/etc/passwd", p+".sym") }},
 	{name: "rmdir", want: unix.EPERM, run: func(p string) error { return unix.Rmdir(filepath.Dir(p)) }},
@@ -165,7 +175,7 @@ func victim(path string) error {
 // attack that was not refused, or anything that changed what the victim,
 // a later reader or the backing file sees.
 func attackSuite(t *testing.T, directIO bool) []string {
-	tree := newTestTree(t)
+	tree, _ := newTestTree(t)
 	m := mountTree(t, tree, func(c *Conn) { c.directIOOnWrite = directIO })
 	path := m.file("ram")
 	want := fileSum(t, tree.ram.Name())

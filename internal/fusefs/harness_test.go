@@ -161,3 +161,14 @@ func fileSum(t *testing.T, path string) string {
 	}
 	return shortSum(b)
 }
+
+// fullSum is the hex sha256 of a file, as sha256sum prints it.
+func fullSum(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := sha256.Sum256(b)
+	return hex.EncodeToString(h[:])
+}

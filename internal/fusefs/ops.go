@@ -68,8 +68,15 @@ func (s *server) lookup(r request) []byte {
 	if err != nil {
 		return errMessage(r.unique, errnoOf(err))
 	}
+	// The kernel checks no permission on a walk through cached names, so
+	// names in the root are never cached: each walk asks us again, and
+	// rootDenied holds.
+	valid := uint64(entryValid)
+	if r.node == rootNode {
+		valid = 0
+	}
 	m := outMessage(r.unique, 0, entryOutSize)
-	putEntry(m[outHeaderSize:], a)
+	putEntry(m[outHeaderSize:], a, valid)
 	return m
 }
 

@@ -145,10 +145,10 @@ func putAttr(b []byte, a Attr) {
 	le.PutUint32(b[80:], 4096) // blksize
 }
 
-// putEntry writes a fuse_entry_out for a.
-func putEntry(b []byte, a Attr) {
+// putEntry writes a fuse_entry_out for a, cached for valid seconds.
+func putEntry(b []byte, a Attr, valid uint64) {
 	le.PutUint64(b[0:], a.Node)
-	le.PutUint64(b[16:], entryValid)
+	le.PutUint64(b[16:], valid)
 	le.PutUint64(b[24:], attrValid)
 	putAttr(b[40:], a)
 }

@@ -26,25 +26,37 @@ type testTree struct {
 	block func(ctx context.Context, off int64) error
 }
 
-// newTestTree writes two files of random bytes and serves them.
-func newTestTree(t testing.TB) *testTree {
+// newTestTree writes two files of random bytes into dir and serves them.
+func newTestTree(t testing.TB) (*testTree, string) {
 	t.Helper()
 	dir := t.TempDir()
-	open := func(name string) *os.File {
+	for _, name := range []string{"ram", "other"} {
 		b := make([]byte, fileSize)
 		rand.Read(b)
-		p := filepath.Join(dir, name)
-		if err := os.WriteFile(p, b, 0o600); err != nil {
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o600); err != nil {
 			t.Fatal(err)
 		}
-		f, err := os.Open(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { f.Close() })
-		return f
 	}
-	return &testTree{ram: open("ram"), other: open("other")}
+	tree, err := openTestTree(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tree.ram.Close(); tree.other.Close() })
+	return tree, dir
+}
+
+// openTestTree serves the files newTestTree wrote into dir.
+func openTestTree(dir string) (*testTree, error) {
+	ram, err := os.Open(filepath.Join(dir, "ram"))
+	if err != nil {
+		return nil, err
+	}
+	other, err := os.Open(filepath.Join(dir, "other"))
+	if err != nil {
+		ram.Close()
+		return nil, err
+	}
+	return &testTree{ram: ram, other: other}, nil
 }
 
 var testAttrs = map[uint64]Attr{
