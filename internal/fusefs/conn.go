@@ -35,15 +35,24 @@ type Conn struct {
 }
 
 // Accept does the INIT of a new connection on fd (from Mount) and returns
-// it ready to serve. It waits for the kernel's INIT, which the mount queued.
+// it ready to serve. It waits for the kernel's INIT, which the mount queued,
+// or for ctx.
 func Accept(ctx context.Context, fd int) (*Conn, error) {
 	c := &Conn{fd: fd, directIOOnWrite: true}
 	if err := unix.SetNonblock(fd, true); err != nil {
 		return nil, errcode.Wrap(errcode.Internal, err, "FUSE descriptor %d", fd)
 	}
-	buf := make([]byte, bufSize)
-	n, err := c.read(ctx, buf, -1)
+	wake, release, err := wakeOn(ctx)
 	if err != nil {
+		return nil, errcode.Wrap(errcode.Internal, err, "FUSE INIT")
+	}
+	defer release()
+	buf := make([]byte, bufSize)
+	n, err := c.read(ctx, buf, wake)
+	if err != nil {
+		if ctx.Err() != nil {
+			err = ctx.Err()
+		}
 		return nil, errcode.Wrap(errcode.Internal, err, "waiting for the kernel's FUSE INIT")
 	}
 	r, err := parseRequest(buf[:n])
@@ -51,15 +60,20 @@ func Accept(ctx context.Context, fd int) (*Conn, error) {
 		err = fmt.Errorf("the first request is opcode %d, not INIT: the connection is initialized already (Resume it)", r.op)
 	}
 	if err != nil {
-		c.write(errMessage(r.unique, unix.EIO))
+		if r.unique != 0 {
+			c.write(errMessage(r.unique, unix.EIO))
+		}
 		return nil, errcode.Wrap(errcode.Internal, err, "FUSE INIT")
 	}
 	reply, st, err := initReply(r)
 	if werr := c.write(reply); err == nil && werr != nil {
 		err = errcode.Wrap(errcode.Internal, werr, "answering FUSE INIT")
 	}
+	if err != nil {
+		return nil, err
+	}
 	c.state = st
-	return c, err
+	return c, nil
 }
 
 // initReply negotiates: the kernel's minor or ours, whichever is older, and

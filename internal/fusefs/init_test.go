@@ -1,6 +1,8 @@
 package fusefs
 
 import (
+	"context"
+	"errors"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -71,5 +73,17 @@ func TestResumeWritesResend(t *testing.T) {
 	n, err := unix.Read(k.fd, b)
 	if err != nil || n != outHeaderSize || le.Uint32(b[4:]) != notifyResend || le.Uint64(b[8:]) != 0 {
 		t.Fatalf("wrote %x (%v), want a RESEND notification", b[:n], err)
+	}
+}
+
+// TestAcceptStopsWithItsContext: no INIT comes, the caller gives up.
+func TestAcceptStopsWithItsContext(t *testing.T) {
+	_, fd := newFakeKernel(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { _, err := Accept(ctx, fd); done <- err }()
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("Accept returned %v, want context.Canceled", err)
 	}
 }

@@ -15,8 +15,10 @@ import (
 type Option func(*server)
 
 // WithWorkers bounds how many requests are handled at once (default 64). A
-// Read that blocks holds a worker; the kernel's own limit on background
-// reads (12 by default) plus the readers that fault keep well below it.
+// Read that blocks holds a worker. When all are busy the server stops
+// reading until one is free, and requests (interrupts too) wait in the
+// kernel; the kernel's own limit on background reads (12 by default) and
+// the threads that fault keep well below the default.
 func WithWorkers(n int) Option {
 	return func(s *server) { s.workers = max(n, 1) }
 }
@@ -47,7 +49,7 @@ type server struct {
 
 var bufPool = sync.Pool{New: func() any { return new([bufSize]byte) }}
 
-// Serve answers the kernel's requests from tree until ctx is done (then it
+// Serve answers the kernel's requests from tree (one Serve per Conn) until ctx is done (then it
 // stops reading, leaves the READs that have not finished to the next
 // server's RESEND, and returns ctx's error) or the connection ends (unmount
 // or abort: it returns nil). It returns after every handler has.
@@ -70,8 +72,8 @@ func (c *Conn) Serve(ctx context.Context, tree Tree, opts ...Option) error {
 	return err
 }
 
-// loop reads requests and hands each to a worker. INTERRUPT and FORGET are
-// handled here: an interrupt must get through when every worker is busy.
+// loop reads requests and hands each to a worker. INTERRUPT, FORGET and
+// DESTROY need none and are handled here.
 func (s *server) loop(ctx, base context.Context, wake int, wg *sync.WaitGroup) error {
 	sem := make(chan struct{}, s.workers)
 	for {
