@@ -109,9 +109,9 @@ const (
 // Notifications: written with unique 0 and the code in the error field.
 const (
 	notifyInvalInode = 2
-	notifyResend     = 7
-	// resendBit marks a request the kernel queued again after RESEND.
-	resendBit = 1 << 63
+	// notifyResend: the kernel queues again the requests a server read and
+	// did not answer, their uniques with bit 63 set (answered like any other).
+	notifyResend = 7
 )
 
 var le = binary.LittleEndian
