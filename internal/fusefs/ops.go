@@ -146,7 +146,14 @@ func (s *server) read(ctx context.Context, r request) []byte {
 	if int64(in.off) < 0 {
 		return errMessage(r.unique, unix.EINVAL)
 	}
-	m := outMessage(r.unique, 0, int(min(in.size, MaxRead)))
+	a, err := s.attrOf(r.node)
+	if err == nil && a.Kind != File {
+		err = unix.EISDIR
+	}
+	if err != nil {
+		return errMessage(r.unique, errnoOf(err))
+	}
+	m := outMessage(r.unique, 0, int(min(int64(min(in.size, MaxRead)), max(a.Size-int64(in.off), 0))))
 	n, err := s.tree.Read(ctx, r.node, m[outHeaderSize:], int64(in.off))
 	switch cause := context.Cause(ctx); {
 	case errors.Is(cause, errServerStopping):
@@ -155,11 +162,11 @@ func (s *server) read(ctx context.Context, r request) []byte {
 		return errMessage(r.unique, unix.EINTR)
 	case err != nil:
 		return errMessage(r.unique, errnoOf(err))
-	case n < 0 || n > len(m)-outHeaderSize:
+	case n != len(m)-outHeaderSize:
+		// A short read is the end of the file to the kernel: it would show
+		// zeros (and shrink the file) where the bytes are only missing.
 		return errMessage(r.unique, unix.EIO)
 	}
-	m = m[:outHeaderSize+n]
-	le.PutUint32(m[0:], uint32(len(m)))
 	return m
 }
 

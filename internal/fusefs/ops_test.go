@@ -104,18 +104,18 @@ func TestMalformedRequests(t *testing.T) {
 	}
 }
 
-// panicTree panics in Attr.
+// panicTree panics in Lookup.
 type panicTree struct{ *testTree }
 
-func (panicTree) Attr(uint64) (Attr, error) { panic("a bug in the tree") }
+func (panicTree) Lookup(uint64, string) (Attr, error) { panic("a bug in the tree") }
 
 // TestAPanicIsEIO: a handler that panics answers EIO and the server goes on.
 func TestAPanicIsEIO(t *testing.T) {
 	tree, _ := newTestTree(t)
 	k := serveFake(t, panicTree{tree})
 	for range 2 {
-		if errno, _ := k.call(opGetattr, nodeRAM, 0, make([]byte, 16)); errno != unix.EIO {
-			t.Fatalf("GETATTR with a panicking tree: %v, want EIO", errno)
+		if errno, _ := k.call(opLookup, nodeVol, 0, []byte("ram\x00")); errno != unix.EIO {
+			t.Fatalf("LOOKUP with a panicking tree: %v, want EIO", errno)
 		}
 	}
 	if errno, out := k.call(opRead, nodeRAM, 0, readBody(0, 4096)); errno != 0 || len(out) != 4096 {
@@ -195,5 +195,24 @@ func TestRootIsRootsOnly(t *testing.T) {
 	}
 	if errno, _ := k.call(opLookup, nodeP, 1000, []byte("vol\x00")); errno != 0 {
 		t.Errorf("LOOKUP below the root by uid 1000: %v", errno)
+	}
+}
+
+// shortTree returns half of what is asked.
+type shortTree struct{ *testTree }
+
+func (s shortTree) Read(ctx context.Context, node uint64, dst []byte, off int64) (int, error) {
+	n, err := s.testTree.Read(ctx, node, dst[:len(dst)/2], off)
+	return n, err
+}
+
+// TestAShortReadIsEIO: bytes a tree does not deliver are an error, never
+// the zeros the kernel would put in their place.
+func TestAShortReadIsEIO(t *testing.T) {
+	tree, _ := newTestTree(t)
+	s := newServer(shortTree{tree})
+	m := s.dispatch(context.Background(), request{op: opRead, unique: 2, node: nodeRAM, body: readBody(0, 4096)})
+	if errno := unix.Errno(-int32(le.Uint32(m[4:]))); errno != unix.EIO || len(m) != outHeaderSize {
+		t.Fatalf("a short Read answered %v with %d bytes, want EIO", errno, len(m)-outHeaderSize)
 	}
 }

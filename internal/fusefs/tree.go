@@ -55,10 +55,11 @@ type Tree interface {
 	Lookup(parent uint64, name string) (Attr, error)
 	Readdir(dir uint64) ([]Entry, error)
 	Attr(node uint64) (Attr, error)
-	// Read fills dst with the file's bytes at off and returns how many it
-	// wrote (fewer only at the end of the file). It may block until the
-	// bytes exist; ctx is cancelled when the reader is interrupted or the
-	// server stops, and then Read returns promptly.
+	// Read fills dst with the file's bytes at off (dst never reaches past
+	// the end of the file) and returns len(dst); anything less is EIO,
+	// never a short read, which the kernel would fill with zeros. It may
+	// block until the bytes exist; ctx is cancelled when the reader is
+	// interrupted or the server stops, and then Read returns promptly.
 	Read(ctx context.Context, node uint64, dst []byte, off int64) (int, error)
 }
 
