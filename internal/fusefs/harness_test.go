@@ -89,7 +89,7 @@ func line(t *testing.T, r *bufio.Reader) string {
 }
 
 // requireFUSE skips (or fails, in CI) a test the machine cannot run.
-func requireFUSE(t *testing.T) {
+func requireFUSE(t testing.TB) {
 	t.Helper()
 	if os.Getuid() != 0 {
 		guest.SkipOrFail(t, "real-FUSE", "mounting FUSE needs root")
@@ -114,7 +114,7 @@ func (m *mounted) file(name string) string { return filepath.Join(m.dir, "p", "v
 // mountTree mounts tree on a temp dir and serves it until the test ends; then
 // it unmounts (detached, so a stuck test cannot hang it) and closes the
 // descriptor, which aborts the connection if no one else holds it.
-func mountTree(t *testing.T, tree Tree, setup func(*Conn)) *mounted {
+func mountTree(t testing.TB, tree Tree, setup func(*Conn)) *mounted {
 	t.Helper()
 	requireFUSE(t)
 	m := &mounted{dir: t.TempDir()}
