@@ -80,6 +80,7 @@ func (s *server) loop(ctx, base context.Context, wake int, wg *sync.WaitGroup) e
 		buf := bufPool.Get().(*[bufSize]byte)
 		n, err := s.conn.read(ctx, buf[:], wake)
 		if err != nil {
+			bufPool.Put(buf)
 			return readEnd(ctx, err)
 		}
 		r, err := parseRequest(buf[:n])
