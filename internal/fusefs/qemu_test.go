@@ -14,21 +14,36 @@ import (
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 )
 
-// TestQEMUMapsAFileOfTheMount: the host's QEMU (7.2, which opens a
-// share=off memory file O_RDWR) takes a file of the mount as guest RAM,
-// and the guest's physical memory is the file's bytes.
+// TestQEMUMapsAFileOfTheMount: the host's QEMU 7.2, which opens a
+// share=off memory file O_RDWR, takes a file of the mount as guest RAM, and
+// the guest's physical memory is the file's bytes.
 func TestQEMUMapsAFileOfTheMount(t *testing.T) {
 	qemu, err := exec.LookPath(guest.QEMUBinary)
 	if err != nil {
 		guest.SkipOrFail(t, "real-QEMU", guest.QEMUBinary+" is not installed (apt-get install qemu-system-x86)")
 	}
+	qemuMapsTheFile(t, qemu, nil, nil, "share=off", os.O_RDWR)
+}
+
+// TestQEMU10MapsAFileOfTheMount: QEMU 10 with readonly=on,rom=off opens the
+// file O_RDONLY and maps it privately, writable.
+func TestQEMU10MapsAFileOfTheMount(t *testing.T) {
+	bin, args, env := guest.QEMU10Command(t)
+	qemuMapsTheFile(t, bin, args, env, "share=off,readonly=on,rom=off", os.O_RDONLY)
+}
+
+// qemuMapsTheFile starts QEMU (stopped: -S) with a file of the mount as its
+// RAM backend, dumps guest memory and compares it with the file, and checks
+// the access mode QEMU opened the file with.
+func qemuMapsTheFile(t *testing.T, qemu string, args, env []string, backend string, accmode int) {
 	tree, _ := newTestTree(t)
 	m := mountTree(t, tree, nil)
 	dir := t.TempDir()
 	qmp := filepath.Join(dir, "qmp.sock")
-	cmd := exec.Command(qemu, "-accel", "tcg", "-nodefaults", "-display", "none", "-S", "-m", "4M",
-		"-object", "memory-backend-file,id=ram0,mem-path="+m.file("ram")+",share=off,size=4M",
-		"-machine", "pc,memory-backend=ram0", "-qmp", "unix:"+qmp+",server=on,wait=off")
+	cmd := exec.Command(qemu, append(args, "-accel", "tcg", "-nodefaults", "-display", "none", "-S", "-m", "4M",
+		"-object", "memory-backend-file,id=ram0,mem-path="+m.file("ram")+","+backend+",size=4M",
+		"-machine", "pc,memory-backend=ram0", "-qmp", "unix:"+qmp+",server=on,wait=off")...)
+	cmd.Env = append(os.Environ(), env...)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -40,6 +55,7 @@ func TestQEMUMapsAFileOfTheMount(t *testing.T) {
 	defer cancel()
 	dump := filepath.Join(dir, "dump")
 	const from = 1 << 20 // RAM above the BIOS areas
+	var err error
 	for {
 		_, err = guest.QMP(ctx, qmp, "pmemsave", map[string]any{"val": from, "size": fileSize - from, "filename": dump})
 		if err == nil || ctx.Err() != nil {
@@ -59,8 +75,8 @@ func TestQEMUMapsAFileOfTheMount(t *testing.T) {
 	if !bytes.Equal(got, want) {
 		t.Fatalf("QEMU's guest memory (%s) is not the file's bytes (%s)", shortSum(got), shortSum(want))
 	}
-	if flags := openFlags(t, cmd.Process.Pid, m.file("ram")); flags&3 != os.O_RDWR {
-		t.Errorf("QEMU opened the file with flags %#o; this test is about the O_RDWR open of QEMU 7.2", flags)
+	if flags := openFlags(t, cmd.Process.Pid, m.file("ram")); flags&3 != accmode {
+		t.Errorf("QEMU opened the file with flags %#o, want access mode %d", flags, accmode)
 	}
 }
 
