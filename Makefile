@@ -127,7 +127,7 @@ FUZZ_TARGETS := \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
-	./vmstate/disk:FuzzReadHeader \
+	./vmstate/disk:FuzzReadHeader ./internal/fusefs:FuzzRequest \
 	./cmd/vmsnap:FuzzErrorRendering
 .PHONY: fuzz
 fuzz:

@@ -250,3 +250,11 @@ func qemuFromRoot(root string) (bin string, args, env []string) {
 		[]string{"-L", filepath.Join(root, "usr/share/qemu"), "-L", filepath.Join(root, "usr/share/seabios")},
 		[]string{"QEMU_MODULE_DIR=" + filepath.Join(root, "usr/lib/x86_64-linux-gnu/qemu")}
 }
+
+// QEMU10Command is how to run the QEMU 10 of QEMU10(t): its binary, the
+// arguments that find its firmware, and the environment that finds its
+// modules.
+func QEMU10Command(t testing.TB) (bin string, args, env []string) {
+	t.Helper()
+	return qemuFromRoot(QEMU10(t))
+}
