@@ -360,7 +360,7 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 	}
 	// Best effort: without it, a restore reads the registry.
 	_ = opts.Cache.KeepState(ctx, ociimage.Pinned(repo, desc), desc)
-	if res.Evicted, err = opts.Cache.Evict(opts.MaxCacheBytes, desc.Digest); err != nil {
+	if res.Evicted, err = opts.Cache.Evict(opts.MaxCacheBytes, 0, desc.Digest); err != nil {
 		return nil, err
 	}
 	dir := opts.QEMUDir

@@ -316,6 +316,9 @@ type Entry struct {
 	Key      digest.Digest
 	Bytes    int64 // allocated (a RAM file is sparse), its kept state's included
 	LastUsed time.Time
+	// Published says a publication links the file (a pod's volume shows
+	// it): eviction leaves it alone.
+	Published bool
 }
 
 // List returns the cache's complete files, least recently used first.
@@ -337,7 +340,7 @@ func (c Cache) List() ([]Entry, error) {
 		if err != nil || !fi.Mode().IsRegular() {
 			continue
 		}
-		e := Entry{Path: p, Key: key, LastUsed: fi.ModTime(), Bytes: c.stateBytes(key)}
+		e := Entry{Path: p, Key: key, LastUsed: fi.ModTime(), Bytes: c.stateBytes(key), Published: links(fi) > 1}
 		if st, ok := fi.Sys().(*syscall.Stat_t); ok {
 			e.Bytes += st.Blocks * 512
 		}
@@ -348,10 +351,12 @@ func (c Cache) List() ([]Entry, error) {
 }
 
 // Evict removes the least recently used files until the cache holds at
-// most maxBytes, keeping keep (the file just prepared). A QEMU that maps
-// a removed file keeps its pages: only the name goes.
-func (c Cache) Evict(maxBytes int64, keep digest.Digest) ([]Entry, error) {
-	if maxBytes <= 0 {
+// most maxBytes (0: no bound), and every file unused for longer than maxAge
+// (0: no bound), keeping keep (the file just prepared) and every published
+// file. A QEMU that maps a removed file keeps its pages: only the name
+// goes, so nothing is ever half-visible.
+func (c Cache) Evict(maxBytes int64, maxAge time.Duration, keep digest.Digest) ([]Entry, error) {
+	if maxBytes <= 0 && maxAge <= 0 {
 		return nil, nil
 	}
 	entries, err := c.List()
@@ -364,21 +369,28 @@ func (c Cache) Evict(maxBytes int64, keep digest.Digest) ([]Entry, error) {
 	}
 	var removed []Entry
 	for _, e := range entries {
-		if total <= maxBytes {
-			break
-		}
-		if e.Key == keep {
+		tooBig := maxBytes > 0 && total > maxBytes
+		tooOld := maxAge > 0 && time.Since(e.LastUsed) > maxAge
+		if !tooBig && !tooOld || e.Key == keep || e.Published {
 			continue
 		}
-		if err := os.Remove(e.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return removed, errcode.Wrap(errcode.Internal, err, "evicting %s from the RAM cache", e.Path)
+		if err := c.remove(e); err != nil {
+			return removed, err
 		}
-		os.Remove(e.Path + ".lock")
-		os.RemoveAll(filepath.Join(c.Dir, stateName(e.Key)))
 		total -= e.Bytes
 		removed = append(removed, e)
 	}
 	return removed, nil
+}
+
+// remove unlinks a complete file and what the cache keeps beside it.
+func (c Cache) remove(e Entry) error {
+	if err := os.Remove(e.Path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return errcode.Wrap(errcode.Internal, err, "evicting %s from the RAM cache", e.Path)
+	}
+	os.Remove(e.Path + ".lock")
+	os.RemoveAll(filepath.Join(c.Dir, stateName(e.Key)))
+	return nil
 }
 
 // String is for logs.

@@ -84,7 +84,7 @@ func TestEvictCountsTheKeptState(t *testing.T) {
 	if err := c.KeepState(ctx, src, desc); err != nil {
 		t.Fatal(err)
 	}
-	removed, err := c.Evict(1<<20, "")
+	removed, err := c.Evict(1<<20, 0, "")
 	if err != nil {
 		t.Fatal(err)
 	}

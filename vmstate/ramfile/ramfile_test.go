@@ -292,10 +292,10 @@ func TestCacheFillsOnceAndRefusesAForeignDirectory(t *testing.T) {
 		t.Fatalf("cache lists %d entries, want 1", len(entries))
 	}
 	// Eviction keeps the one asked for, drops the rest past the bound.
-	if removed, _ := c.Evict(1, key); len(removed) != 0 {
+	if removed, _ := c.Evict(1, 0, key); len(removed) != 0 {
 		t.Errorf("evicted %v, which was to be kept", removed)
 	}
-	if removed, _ := c.Evict(1, ""); len(removed) != 1 {
+	if removed, _ := c.Evict(1, 0, ""); len(removed) != 1 {
 		t.Errorf("evicted %v, want the one file", removed)
 	}
 	if err := os.Chmod(c.Dir, 0o777); err != nil {
