@@ -90,7 +90,7 @@ func checkManifest(m ocispec.Manifest) error {
 // checkDescriptor checks what every descriptor needs before it is used to
 // name a file or size a buffer.
 func checkDescriptor(what string, d ocispec.Descriptor) error {
-	if _, err := parseDigest(string(d.Digest)); err != nil {
+	if _, err := ParseDigest(string(d.Digest)); err != nil {
 		return errcode.Wrap(errcode.InvalidInput, err, "manifest %s has an invalid digest %q", what, clip(string(d.Digest)))
 	}
 	if d.Size < 0 {
@@ -177,7 +177,7 @@ func addToIndex(idx *ocispec.Index, desc ocispec.Descriptor, tag string) {
 // checkFetch refuses, before a byte is read, a blob whose descriptor has an
 // invalid digest or a size outside 0..limit.
 func checkFetch(what string, desc ocispec.Descriptor, limit int64) error {
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
+	if _, err := ParseDigest(string(desc.Digest)); err != nil {
 		return errcode.Wrap(errcode.InvalidInput, err, "invalid %s digest %q", what, desc.Digest)
 	}
 	if desc.Size < 0 || desc.Size > limit {

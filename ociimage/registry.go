@@ -29,6 +29,7 @@ import (
 	"golang.org/x/sync/singleflight"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage/internal/unhashed"
 )
 
 // Registry is a Repository in a repository of an OCI registry
@@ -155,7 +156,7 @@ func (r *Registry) where() string { return r.ref.Registry + "/" + r.ref.Reposito
 
 // HasBlob asks the registry (HEAD) whether the repository holds the blob.
 func (r *Registry) HasBlob(ctx context.Context, d digest.Digest) (bool, error) {
-	if _, err := parseDigest(string(d)); err != nil {
+	if _, err := ParseDigest(string(d)); err != nil {
 		return false, errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", d)
 	}
 	if _, ok := r.known.Load(d); ok {
@@ -227,7 +228,7 @@ func (r *Registry) store(ctx context.Context, desc ocispec.Descriptor, src io.Re
 	if err := ctx.Err(); err != nil {
 		return false, err
 	}
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
+	if _, err := ParseDigest(string(desc.Digest)); err != nil {
 		return false, errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", desc.Digest)
 	}
 	if desc.Size < 0 {
@@ -470,7 +471,7 @@ func (r *Registry) resolve(ctx context.Context, ident string, want digest.Digest
 	drain(resp)
 	switch resp.StatusCode {
 	case http.StatusOK:
-		d, derr := parseDigest(resp.Header.Get("Docker-Content-Digest"))
+		d, derr := ParseDigest(resp.Header.Get("Docker-Content-Digest"))
 		mt := mediaType(resp.Header.Get("Content-Type"))
 		switch {
 		case want != "" && derr == nil && d != want:
@@ -558,9 +559,10 @@ func (r *Registry) Blob(ctx context.Context, desc ocispec.Descriptor, limit int6
 	return r.fetch(ctx, "blob", desc, limit)
 }
 
-// blobUnhashed is Blob checking the size alone, for a reader that
-// verifies the bytes itself (Decrypt's, see decrypting.Blob).
-func (r *Registry) blobUnhashed(ctx context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error) {
+// BlobUnhashed is Blob checking the size alone, for a reader beneath
+// ociimage that verifies the bytes itself (imgcrypt's Decrypt, see
+// package unhashed).
+func (r *Registry) BlobUnhashed(ctx context.Context, _ unhashed.Key, desc ocispec.Descriptor, limit int64) ([]byte, error) {
 	return r.fetchChecked(ctx, "blob", desc, limit, false)
 }
 
@@ -634,7 +636,7 @@ func (r *Registry) Referrers(ctx context.Context, desc ocispec.Descriptor) ([]oc
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
+	if _, err := ParseDigest(string(desc.Digest)); err != nil {
 		return nil, errcode.Wrap(errcode.InvalidInput, err, "invalid manifest digest %q", desc.Digest)
 	}
 	var out []ocispec.Descriptor
@@ -688,7 +690,7 @@ func (r *Registry) referrers(ctx context.Context, d digest.Digest) ([]ocispec.De
 	}
 	var out []ocispec.Descriptor
 	for _, e := range idx.Manifests {
-		if _, err := parseDigest(string(e.Digest)); err == nil && e.Size >= 0 {
+		if _, err := ParseDigest(string(e.Digest)); err == nil && e.Size >= 0 {
 			out = append(out, e)
 		}
 	}

@@ -21,6 +21,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 )
 
 // BlobSink is where EncodeStream puts compressed chunks. ociimage.Repository
@@ -379,7 +380,7 @@ func ValidateLayers(layers []ocispec.Descriptor) (int64, error) {
 	if len(layers) > ociimage.MaxLayers {
 		return 0, errcode.New(errcode.InvalidInput, "%d chunks: more than the %d allowed", len(layers), ociimage.MaxLayers)
 	}
-	if err := ociimage.CheckDecrypted(layers); err != nil {
+	if err := imgcrypt.CheckDecrypted(layers); err != nil {
 		return 0, err
 	}
 	var total int64

@@ -1,4 +1,4 @@
-package ociimage
+package imgcrypt
 
 import (
 	"crypto/aes"
@@ -17,6 +17,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // The layer cipher of the OCI image encryption convention (ocicrypt's
@@ -151,15 +152,15 @@ func (k layerKey) annotations(plain digest.Digest, mac []byte, s *sealer) (map[s
 		return nil, errcode.Wrap(errcode.Internal, err, "encoding a layer's public options")
 	}
 	return map[string]string{
-		AnnotationEncKeysJWE: base64.StdEncoding.EncodeToString([]byte(jwe)),
-		AnnotationEncPubOpts: base64.StdEncoding.EncodeToString(pub),
+		ociimage.AnnotationEncKeysJWE: base64.StdEncoding.EncodeToString([]byte(jwe)),
+		ociimage.AnnotationEncPubOpts: base64.StdEncoding.EncodeToString(pub),
 	}, nil
 }
 
 // IsEncrypted reports whether a layer is encrypted in the OCI image
 // encryption convention.
 func IsEncrypted(l ocispec.Descriptor) bool {
-	return strings.HasSuffix(l.MediaType, MediaTypeEncryptedSuffix)
+	return strings.HasSuffix(l.MediaType, ociimage.MediaTypeEncryptedSuffix)
 }
 
 // CheckDecrypted refuses layers that are still encrypted (the repository
@@ -196,7 +197,7 @@ type wrappedKey []byte
 
 func wrappedKeys(l ocispec.Descriptor) []wrappedKey {
 	var out []wrappedKey
-	for _, s := range strings.Split(l.Annotations[AnnotationEncKeysJWE], ",") {
+	for _, s := range strings.Split(l.Annotations[ociimage.AnnotationEncKeysJWE], ",") {
 		if b, err := base64.StdEncoding.DecodeString(s); err == nil && len(b) > 0 {
 			out = append(out, b)
 		}
@@ -279,14 +280,14 @@ func (w wrappedKey) unwrap(keys []DecryptionKey, cache *unwrapCache) (privateOpt
 // with the layer's plaintext descriptor. A layer no key
 // opens is AUTH_FAILED, naming the keys it is encrypted for and those given.
 func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey, cache *unwrapCache) (ocispec.Descriptor, layerKey, error) {
-	pubData, err := base64.StdEncoding.DecodeString(l.Annotations[AnnotationEncPubOpts])
+	pubData, err := base64.StdEncoding.DecodeString(l.Annotations[ociimage.AnnotationEncPubOpts])
 	var pub publicOpts
 	if err == nil {
 		err = json.Unmarshal(pubData, &pub)
 	}
 	if err != nil || pub.CipherType != cipherAES256CTR {
 		return ocispec.Descriptor{}, layerKey{}, errcode.New(errcode.InvalidInput,
-			"encrypted layer %s: its cipher (%s) is not %s, the one vmsnap reads", l.Digest, AnnotationEncPubOpts, cipherAES256CTR)
+			"encrypted layer %s: its cipher (%s) is not %s, the one vmsnap reads", l.Digest, ociimage.AnnotationEncPubOpts, cipherAES256CTR)
 	}
 	for _, w := range wrappedKeys(l) {
 		p, ok := w.unwrap(keys, cache)
@@ -297,15 +298,15 @@ func decryptLayer(l ocispec.Descriptor, keys []DecryptionKey, cache *unwrapCache
 		if err != nil {
 			return ocispec.Descriptor{}, layerKey{}, err
 		}
-		if _, err := parseDigest(string(p.Digest)); err != nil {
+		if _, err := ociimage.ParseDigest(string(p.Digest)); err != nil {
 			return ocispec.Descriptor{}, layerKey{}, errcode.New(errcode.InvalidInput, "encrypted layer %s: its wrapped plaintext digest is invalid", l.Digest)
 		}
 		plain := ocispec.Descriptor{
-			MediaType: strings.TrimSuffix(l.MediaType, MediaTypeEncryptedSuffix),
+			MediaType: strings.TrimSuffix(l.MediaType, ociimage.MediaTypeEncryptedSuffix),
 			Digest:    p.Digest, Size: l.Size, URLs: l.URLs,
 		}
 		for a, v := range l.Annotations {
-			if !strings.HasPrefix(a, annotationEncPrefix) {
+			if !strings.HasPrefix(a, ociimage.AnnotationEncPrefix) {
 				if plain.Annotations == nil {
 					plain.Annotations = map[string]string{}
 				}

@@ -1,15 +1,17 @@
-package ociimage
+package imgcrypt
 
 import (
 	"slices"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // EncryptsFor lists, sorted, the KeyIDs of the recipients repo encrypts
 // the layers put through it for (Encrypt), or nil if it stores them in
 // the clear.
-func EncryptsFor(repo Repository) []string {
+func EncryptsFor(repo ociimage.Repository) []string {
 	for {
 		if e, ok := repo.(*encrypting); ok {
 			ids := make([]string, 0, len(e.o.Recipients))
@@ -21,7 +23,7 @@ func EncryptsFor(repo Repository) []string {
 			slices.Sort(ids)
 			return ids
 		}
-		u, ok := repo.(Unwrapper)
+		u, ok := repo.(ociimage.Unwrapper)
 		if !ok {
 			return nil
 		}

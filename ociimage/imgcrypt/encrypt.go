@@ -1,4 +1,4 @@
-package ociimage
+package imgcrypt
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/sha256pair"
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // EncryptOptions says how Encrypt encrypts layers.
@@ -37,7 +38,7 @@ type EncryptOptions struct {
 // Configs and manifests stay plaintext. Callers put and name the plaintext
 // blobs as before. HasBlob reports only the layers put through this
 // repository, so that every other layer is put (and encrypted).
-func Encrypt(repo Repository, o EncryptOptions) (Repository, error) {
+func Encrypt(repo ociimage.Repository, o EncryptOptions) (ociimage.Repository, error) {
 	if len(o.Recipients) == 0 {
 		return nil, errcode.New(errcode.Usage, "encryption needs at least one recipient (%s)", errcode.Field("encryptRecipient"))
 	}
@@ -45,7 +46,7 @@ func Encrypt(repo Repository, o EncryptOptions) (Repository, error) {
 }
 
 type encrypting struct {
-	Repository
+	ociimage.Repository
 	o      EncryptOptions
 	seal   *sealer // wraps every layer key of this repository (jwe.go)
 	mu     sync.Mutex
@@ -60,13 +61,13 @@ type encLayer struct {
 }
 
 // Unwrap returns the repository underneath.
-func (e *encrypting) Unwrap() Repository { return e.Repository }
+func (e *encrypting) Unwrap() ociimage.Repository { return e.Repository }
 
 // isConfig reports whether a blob of this media type is a config, which
 // stays plaintext (its digest is what the manifest's config names).
 func isConfig(mediaType string) bool {
 	switch mediaType {
-	case MediaTypeVMStateConfig, MediaTypeDiskConfig, ocispec.MediaTypeImageConfig,
+	case ociimage.MediaTypeVMStateConfig, ociimage.MediaTypeDiskConfig, ocispec.MediaTypeImageConfig,
 		"application/vnd.docker.container.image.v1+json", ocispec.MediaTypeEmptyJSON:
 		return true
 	}
@@ -167,7 +168,7 @@ func (e *encrypting) store(ctx context.Context, k layerKey, plain ocispec.Descri
 // digest it, once to upload it).
 func (e *encrypting) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) error {
 	if isConfig(desc.MediaType) {
-		return PutBlobFrom(ctx, e.Repository, desc, src)
+		return ociimage.PutBlobFrom(ctx, e.Repository, desc, src)
 	}
 	_, err := e.once(ctx, desc.Digest, func() (ocispec.Descriptor, bool, error) {
 		k, err := newLayerKey(desc.Digest, e.o.DedupSecret)
@@ -198,7 +199,7 @@ func (e *encrypting) PutBlobStream(ctx context.Context, desc ocispec.Descriptor,
 		if err != nil {
 			return enc, false, err
 		}
-		return enc, true, PutBlobFrom(ctx, e.Repository, enc, ct)
+		return enc, true, ociimage.PutBlobFrom(ctx, e.Repository, enc, ct)
 	})
 	return err
 }
@@ -238,7 +239,7 @@ func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, sum, mac [sh
 		return ocispec.Descriptor{}, err
 	}
 	return ocispec.Descriptor{
-		MediaType:   plain.MediaType + MediaTypeEncryptedSuffix,
+		MediaType:   plain.MediaType + ociimage.MediaTypeEncryptedSuffix,
 		Digest:      digest.NewDigestFromBytes(digest.SHA256, sum[:]),
 		Size:        plain.Size,
 		Annotations: ann,
@@ -304,7 +305,7 @@ func (e *encrypting) stored(l ocispec.Descriptor) (ocispec.Descriptor, bool) {
 // addBlob puts data into repo, saying whether it was sent: through the
 // store's AddBlob when it has one (one request for a blob it holds), else
 // HasBlob and PutBlob.
-func addBlob(ctx context.Context, repo Repository, desc ocispec.Descriptor, data []byte) (bool, error) {
+func addBlob(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor, data []byte) (bool, error) {
 	if a, ok := repo.(interface {
 		AddBlob(context.Context, ocispec.Descriptor, []byte) (bool, error)
 	}); ok {
