@@ -1,8 +1,6 @@
 package ociimage
 
 import (
-	"bytes"
-	"encoding/json"
 	"fmt"
 
 	"github.com/opencontainers/go-digest"
@@ -19,54 +17,29 @@ import (
 // than null layer list), checks it and returns it with its JSON and the
 // descriptor that names it. Errors are INVALID_INPUT.
 func encodeManifest(m ocispec.Manifest) (ocispec.Manifest, []byte, ocispec.Descriptor, error) {
-	if m.SchemaVersion == 0 {
-		m.SchemaVersion = 2
-	}
-	if m.MediaType == "" {
-		m.MediaType = ocispec.MediaTypeImageManifest
-	}
+	completeHead(&m.SchemaVersion, &m.MediaType, ocispec.MediaTypeImageManifest)
 	if m.Layers == nil {
 		m.Layers = []ocispec.Descriptor{}
 	}
 	if err := checkManifest(m); err != nil {
 		return m, nil, ocispec.Descriptor{}, err
 	}
-	b, err := json.Marshal(m)
-	if err != nil {
-		return m, nil, ocispec.Descriptor{}, errcode.Wrap(errcode.InvalidInput, err, "cannot encode manifest")
-	}
-	if len(b) > MaxManifestSize {
-		return m, nil, ocispec.Descriptor{}, errcode.New(errcode.InvalidInput,
-			"manifest is %d bytes, more than the %d a manifest may have; use fewer, larger chunks", len(b), MaxManifestSize)
-	}
-	desc := ocispec.Descriptor{
-		MediaType:    m.MediaType,
-		Digest:       digest.FromBytes(b),
-		Size:         int64(len(b)),
-		ArtifactType: m.ArtifactType,
-	}
-	return m, b, desc, nil
+	b, desc, err := encodeChecked(m, "manifest", "; use fewer, larger chunks", m.MediaType, m.ArtifactType)
+	return m, b, desc, err
 }
 
 // decodeManifest parses verified manifest bytes and checks them. Unknown
 // fields are allowed, as the image spec asks of readers; everything vmsnap
 // relies on is checked.
 func decodeManifest(b []byte) (ocispec.Manifest, error) {
-	var m ocispec.Manifest
-	if err := json.NewDecoder(bytes.NewReader(b)).Decode(&m); err != nil {
-		return m, errcode.Wrap(errcode.InvalidInput, err, "manifest is not valid JSON")
-	}
-	return m, checkManifest(m)
+	return decodeChecked(b, "manifest", checkManifest)
 }
 
 // checkManifest refuses manifests vmsnap cannot read safely. Errors are
 // INVALID_INPUT.
 func checkManifest(m ocispec.Manifest) error {
-	if m.SchemaVersion != 2 {
-		return errcode.New(errcode.InvalidInput, "manifest has schemaVersion %d, not 2", m.SchemaVersion)
-	}
-	if m.MediaType != ocispec.MediaTypeImageManifest {
-		return errcode.New(errcode.InvalidInput, "manifest has media type %q, not %s", clip(m.MediaType), ocispec.MediaTypeImageManifest)
+	if err := checkHead("manifest", m.SchemaVersion, m.MediaType, ocispec.MediaTypeImageManifest); err != nil {
+		return err
 	}
 	if len(m.Layers) > MaxLayers {
 		return errcode.New(errcode.InvalidInput, "manifest has %d layers, more than the %d vmsnap accepts", len(m.Layers), MaxLayers)

@@ -5,7 +5,6 @@ package ociimage
 // to the hosts named insecure.
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -86,15 +85,7 @@ func readBounded(resp *http.Response, limit int64, tooLarge func(int64) error) (
 	if resp.ContentLength > limit {
 		return nil, tooLarge(resp.ContentLength)
 	}
-	var buf bytes.Buffer
-	n, err := io.Copy(&buf, io.LimitReader(resp.Body, limit+1))
-	if err != nil {
-		return nil, err
-	}
-	if n > limit {
-		return nil, tooLarge(n)
-	}
-	return buf.Bytes(), nil
+	return readAtMost(resp.Body, limit, func() error { return tooLarge(limit + 1) })
 }
 
 // readAll fills buf from r until r ends. A clean end gives the byte count;
