@@ -308,7 +308,7 @@ type blobAdder interface {
 }
 
 // undigestedAdder is a sink that digests a blob as it stores it, in the
-// same pass as its own work on the bytes (ociimage's encrypting store
+// same pass as its own work on the bytes (imgcrypt's encrypting store
 // hashes the plaintext beside the ciphertext it makes), and returns desc
 // with the digest. A blob it has already is not stored again (sent is
 // false).

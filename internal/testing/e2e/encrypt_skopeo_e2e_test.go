@@ -18,7 +18,7 @@ import (
 )
 
 // skopeo (ocicrypt) decrypts the wrapped keys vmsnap builds itself (one
-// CEK per checkpoint, ociimage/jwe.go) for every kind of recipient set:
+// CEK per checkpoint, ociimage/imgcrypt/jwe.go) for every kind of recipient set:
 // an RSA key, an EC key (ECDH-ES+A256KW), and both, with each key. No
 // guest: the layers are random chunks in an OCI layout.
 func TestEncryptE2ESkopeoRecipients(t *testing.T) {
