@@ -7,11 +7,13 @@
 // blobs; Decrypt reads encrypted layers as plaintext. WithEncryption and
 // WithDecryptionKeys ask ociimage.Open for them.
 //
-// It owns: the layer cipher (layercrypt.go), the JWE wrapping of layer
-// keys with one CEK per checkpoint and the bounded cache of unwrapped
-// CEKs (jwe.go), the recipients and decryption keys and their files
-// (keys.go), and what a manifest says about its encryption (EncryptedFor,
-// LayersEncryptedFor, CheckDecrypted). The media type suffix and the
+// It owns: the encrypting repository (encrypt*.go) and the decrypting one
+// (decrypt.go); the layer cipher (layercrypt.go); the JWE wrapping of
+// layer keys with one CEK per checkpoint (jwe.go), their unwrapping behind
+// a bounded cache of CEKs (jweunwrap.go, wrappedkey.go); the recipients
+// and decryption keys and their files (keys.go); and what a manifest says
+// about its encryption (recipients.go: EncryptedFor, LayersEncryptedFor,
+// CheckDecrypted). The media type suffix and the
 // annotation keys are ociimage's (mediatypes.go), as every other one.
 //
 // It must not return a byte of plaintext before the plaintext's digest has

@@ -2,6 +2,7 @@ package imgcrypt
 
 import (
 	"slices"
+	"strings"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
@@ -52,4 +53,38 @@ func LayersEncryptedFor(layers []ocispec.Descriptor) (ids []string, uniform bool
 		}
 	}
 	return ids, true
+}
+
+// IsEncrypted reports whether a layer is encrypted in the OCI image
+// encryption convention.
+func IsEncrypted(l ocispec.Descriptor) bool {
+	return strings.HasSuffix(l.MediaType, ociimage.MediaTypeEncryptedSuffix)
+}
+
+// CheckDecrypted refuses layers that are still encrypted (the repository
+// was opened without a key that opens them) with AUTH_FAILED, naming the
+// keys they are encrypted for: what a reader checks before fetching any.
+func CheckDecrypted(layers []ocispec.Descriptor) error {
+	for _, l := range layers {
+		if IsEncrypted(l) {
+			return notForTheseKeys(l, nil)
+		}
+	}
+	return nil
+}
+
+// EncryptedFor lists the KeyIDs an encrypted layer's key is wrapped for, as
+// its JWE headers name them ("kid"; a recipient without one is listed by
+// its algorithm). Nothing secret is needed to read them.
+func EncryptedFor(l ocispec.Descriptor) []string {
+	var ids []string
+	for _, w := range wrappedKeys(l) {
+		for _, r := range w.recipients() {
+			if !slices.Contains(ids, r) {
+				ids = append(ids, r)
+			}
+		}
+	}
+	slices.Sort(ids)
+	return ids
 }
