@@ -51,6 +51,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 	"github.com/vmsnap/vmsnap/vmstate"
 )
 
@@ -75,7 +76,7 @@ type Config struct {
 	DecryptionKeyDir string
 	// Encrypt, if set, is what every checkpoint is encrypted for besides its
 	// namespace's keys (the node's recipients, and a dedup secret).
-	Encrypt *ociimage.EncryptOptions
+	Encrypt *imgcrypt.EncryptOptions
 
 	// Authorization (caller.go, policy.go).
 	// AdminNamespaces are pod namespaces whose callers may act on any VM

@@ -24,7 +24,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/beneath"
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 )
 
 const (
@@ -96,7 +96,7 @@ func (kd *keyDir) namespaces() ([]string, error) {
 
 // set reads one set of keys: the node's for ns "", namespace ns's
 // otherwise (none if DIR/ns does not exist).
-func (kd *keyDir) set(ns string) ([]ociimage.DecryptionKey, error) {
+func (kd *keyDir) set(ns string) ([]imgcrypt.DecryptionKey, error) {
 	dir := "."
 	if ns != "" {
 		dir = ns
@@ -110,7 +110,7 @@ func (kd *keyDir) set(ns string) ([]ociimage.DecryptionKey, error) {
 	if err != nil {
 		return nil, err
 	}
-	var keys []ociimage.DecryptionKey
+	var keys []imgcrypt.DecryptionKey
 	for _, name := range names {
 		rel := path.Join(dir, name)
 		k, isDir, err := kd.key(rel)
@@ -149,7 +149,7 @@ func (kd *keyDir) list(rel string) ([]string, error) {
 
 // key reads the key file rel. A directory is reported, not read: at the
 // top, it is a namespace's; below, it is refused.
-func (kd *keyDir) key(rel string) (k ociimage.DecryptionKey, isDir bool, err error) {
+func (kd *keyDir) key(rel string) (k imgcrypt.DecryptionKey, isDir bool, err error) {
 	name := path.Join(kd.path, rel)
 	f, err := kd.open(rel)
 	if err != nil {
@@ -165,7 +165,7 @@ func (kd *keyDir) key(rel string) (k ociimage.DecryptionKey, isDir bool, err err
 	case !fi.Mode().IsRegular():
 		return k, false, kd.refuse(rel, nil, fi.Mode().Type(), "a regular file (a PEM private key)")
 	}
-	if err := ociimage.CheckKeyMode(name, fi.Mode().Perm()); err != nil {
+	if err := imgcrypt.CheckKeyMode(name, fi.Mode().Perm()); err != nil {
 		return k, false, err
 	}
 	if st, ok := fi.Sys().(*syscall.Stat_t); !ok || st.Uid != 0 && int(st.Uid) != os.Geteuid() {
@@ -179,7 +179,7 @@ func (kd *keyDir) key(rel string) (k ociimage.DecryptionKey, isDir bool, err err
 	if len(data) > maxKeyFileBytes {
 		return k, false, errcode.New(errcode.Usage, "decryption key %s is over %d bytes: not a PEM private key", name, maxKeyFileBytes)
 	}
-	k, err = ociimage.ParseDecryptionKey(data, name)
+	k, err = imgcrypt.ParseDecryptionKey(data, name)
 	return k, false, err
 }
 

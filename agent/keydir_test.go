@@ -11,10 +11,10 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 )
 
-func keyIDsOf(keys []ociimage.DecryptionKey) []string {
+func keyIDsOf(keys []imgcrypt.DecryptionKey) []string {
 	var ids []string
 	for _, k := range keys {
 		ids = append(ids, k.ID)

@@ -22,6 +22,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 )
 
 // storeFor is the store options of an operation of the request's caller
@@ -47,16 +48,16 @@ func (s *Server) storeFor(ctx context.Context, ns string) ([]ociimage.Option, er
 		keys = append(keys, node...)
 	}
 	if len(keys) > 0 {
-		opts = append(opts, ociimage.WithDecryptionKeys(keys...))
+		opts = append(opts, imgcrypt.WithDecryptionKeys(keys...))
 	}
 	if enc, ok := s.encryptionFor(nsKeys); ok {
-		opts = append(opts, ociimage.WithEncryption(enc))
+		opts = append(opts, imgcrypt.WithEncryption(enc))
 	}
 	return opts, nil
 }
 
 // keysOf reads namespace ns's keys (none for "" or without a key directory).
-func (s *Server) keysOf(ns string) ([]ociimage.DecryptionKey, error) {
+func (s *Server) keysOf(ns string) ([]imgcrypt.DecryptionKey, error) {
 	if s.keys == nil || ns == "" {
 		return nil, nil
 	}
@@ -80,11 +81,11 @@ func (s *Server) keyTrouble(whose string, err error) error {
 
 // encryptionFor is what a checkpoint of a VM whose namespace has nsKeys is
 // encrypted for; false: nothing, it is stored in the clear.
-func (s *Server) encryptionFor(nsKeys []ociimage.DecryptionKey) (ociimage.EncryptOptions, bool) {
-	var enc ociimage.EncryptOptions
+func (s *Server) encryptionFor(nsKeys []imgcrypt.DecryptionKey) (imgcrypt.EncryptOptions, bool) {
+	var enc imgcrypt.EncryptOptions
 	if s.cfg.Encrypt != nil {
 		enc = *s.cfg.Encrypt
-		enc.Recipients = append([]ociimage.Recipient(nil), enc.Recipients...)
+		enc.Recipients = append([]imgcrypt.Recipient(nil), enc.Recipients...)
 	}
 	for _, k := range nsKeys {
 		enc.Recipients = append(enc.Recipients, k.Recipient())

@@ -23,12 +23,13 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
 // writeKey writes a new EC private key as a PEM file (mode 0600) and
 // returns it as the agent reads it.
-func writeKey(t testing.TB, path string) ociimage.DecryptionKey {
+func writeKey(t testing.TB, path string) imgcrypt.DecryptionKey {
 	t.Helper()
 	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -41,7 +42,7 @@ func writeKey(t testing.TB, path string) ociimage.DecryptionKey {
 	if err := os.WriteFile(path, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	dk, err := ociimage.LoadDecryptionKey(path)
+	dk, err := imgcrypt.LoadDecryptionKey(path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +56,7 @@ type keyTenants struct {
 	s                  *Server
 	h                  http.Handler
 	root               string // the layout root
-	node, keyA, keyB   ociimage.DecryptionKey
+	node, keyA, keyB   imgcrypt.DecryptionKey
 	vmA, vmB, inA, inB *qmptest.FakeQEMU
 }
 
@@ -82,7 +83,7 @@ func newKeyTenants(t *testing.T) *keyTenants {
 		res.vms[uid] = api.Target{PodUID: uid, Container: "qemu", ContainerID: "c-" + uid, QMPPath: vm.f.Path(), Namespace: vm.ns}
 	}
 	s, err := New(context.Background(), Config{StateDir: t.TempDir(), Resolver: res, LayoutRoot: kt.root, AdminNamespaces: []string{"platform"},
-		DecryptionKeyDir: keys, Encrypt: &ociimage.EncryptOptions{Recipients: []ociimage.Recipient{kt.node.Recipient()}},
+		DecryptionKeyDir: keys, Encrypt: &imgcrypt.EncryptOptions{Recipients: []imgcrypt.Recipient{kt.node.Recipient()}},
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		t.Fatal(err)
@@ -136,7 +137,7 @@ func recipients(t *testing.T, image string) []string {
 	if err != nil || len(m.Layers) == 0 {
 		t.Fatalf("manifest of %s: %v, %d layers", image, err, len(m.Layers))
 	}
-	ids := ociimage.EncryptedFor(m.Layers[0])
+	ids := imgcrypt.EncryptedFor(m.Layers[0])
 	slices.Sort(ids)
 	return ids
 }
@@ -208,7 +209,7 @@ func copyLayoutImage(t *testing.T, image, dir string) string {
 // in its cache, and an admin filling tenant-a's cache has the node's key.
 func TestAgentPrepareDecryptsOnlyWithTheNamespacesKeys(t *testing.T) {
 	kt := newKeyTenants(t)
-	forB := ociimage.WithEncryption(ociimage.EncryptOptions{Recipients: []ociimage.Recipient{kt.keyB.Recipient(), kt.node.Recipient()}})
+	forB := imgcrypt.WithEncryption(imgcrypt.EncryptOptions{Recipients: []imgcrypt.Recipient{kt.keyB.Recipient(), kt.node.Recipient()}})
 	imgB, ram := memoryFileImage(t, filepath.Join(kt.root, "tenant-b", "vm"), 4<<20, forB)
 	stolen := copyLayoutImage(t, imgB, filepath.Join(kt.root, "tenant-a", "stolen"))
 	prepare := func(c Caller, image, ns string) (*api.PrepareResult, error) {

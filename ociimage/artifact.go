@@ -203,7 +203,7 @@ func checkChunkLayers(layers []ocispec.Descriptor) error {
 	for i, l := range layers {
 		// An encrypted layer is checked as its plaintext kind: its config
 		// is readable without a key (inspect); reading its bytes needs one
-		// (CheckDecrypted).
+		// (imgcrypt.CheckDecrypted).
 		switch strings.TrimSuffix(l.MediaType, MediaTypeEncryptedSuffix) {
 		case MediaTypeChunk, MediaTypeRAMRegion, MediaTypeRAMPageMap:
 		default:

@@ -63,7 +63,7 @@ func (l *Layout) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
+	if _, err := ParseDigest(string(desc.Digest)); err != nil {
 		return errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", desc.Digest)
 	}
 	if desc.Size < 0 {

@@ -14,7 +14,7 @@ import (
 // descriptor. It refuses before copying anything if the image's blobs add up
 // to more than maxBytes (0: no limit). Blobs dst already has are skipped; the
 // manifest is stored last, by digest: the caller tags it (TagManifest), so
-// dst never names a partial copy. From a src that decrypts (Decrypt), the
+// dst never names a partial copy. From a src that decrypts (imgcrypt), the
 // copy is the plaintext image, under a manifest digest of its own.
 func Copy(ctx context.Context, src, dst Repository, maxBytes int64, jobs int) (ocispec.Descriptor, error) {
 	return CopyLayers(ctx, src, dst, maxBytes, jobs, nil)
@@ -79,7 +79,7 @@ func CopyLayers(ctx context.Context, src, dst Repository, maxBytes int64, jobs i
 		return desc, errcode.New(errcode.Usage, "copying some of an image's layers works into an OCI layout only")
 	}
 	// A decrypted copy has its own manifest: the plaintext layers'.
-	if err == nil && got.Digest != desc.Digest && !Decrypting(src) {
+	if err == nil && got.Digest != desc.Digest && !TransformsReads(src) {
 		// The manifest is re-encoded on the way; vmsnap's own manifests
 		// encode canonically, a foreign one might not.
 		err = errcode.New(errcode.InvalidInput, "the copy of manifest %s encodes as %s: only manifests written by vmsnap can be copied", desc.Digest, got.Digest)

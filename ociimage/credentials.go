@@ -5,7 +5,6 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -149,14 +148,9 @@ func readLimited(path string, limit int64) ([]byte, error) {
 		return nil, err
 	}
 	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err != nil {
-		return nil, err
-	}
-	if int64(len(b)) > limit {
-		return nil, errors.New("file is larger than " + itoa(limit) + " bytes")
-	}
-	return b, nil
+	return readAtMost(f, limit, func() error {
+		return errors.New("file is larger than " + itoa(limit) + " bytes")
+	})
 }
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }

@@ -1,13 +1,10 @@
 package ociimage
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 
 	"github.com/google/go-containerregistry/pkg/v1/types"
-	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -24,46 +21,27 @@ const maxIndexEntries = 1024
 // than null list), checks it and returns its JSON and the descriptor that
 // names it. Errors are INVALID_INPUT.
 func encodeIndex(idx ocispec.Index) ([]byte, ocispec.Descriptor, error) {
-	if idx.SchemaVersion == 0 {
-		idx.SchemaVersion = 2
-	}
-	if idx.MediaType == "" {
-		idx.MediaType = ocispec.MediaTypeImageIndex
-	}
+	completeHead(&idx.SchemaVersion, &idx.MediaType, ocispec.MediaTypeImageIndex)
 	if idx.Manifests == nil {
 		idx.Manifests = []ocispec.Descriptor{}
 	}
 	if err := checkIndex(idx); err != nil {
 		return nil, ocispec.Descriptor{}, err
 	}
-	b, err := json.Marshal(idx)
-	if err != nil {
-		return nil, ocispec.Descriptor{}, errcode.Wrap(errcode.InvalidInput, err, "cannot encode image index")
-	}
-	if len(b) > MaxManifestSize {
-		return nil, ocispec.Descriptor{}, errcode.New(errcode.InvalidInput, "image index is %d bytes, more than the %d a manifest may have", len(b), MaxManifestSize)
-	}
-	return b, ocispec.Descriptor{MediaType: idx.MediaType, Digest: digest.FromBytes(b), Size: int64(len(b)), ArtifactType: idx.ArtifactType}, nil
+	return encodeChecked(idx, "image index", "", idx.MediaType, idx.ArtifactType)
 }
 
 // decodeIndex parses verified index bytes and checks them; unknown fields
 // are allowed, as the image spec asks of readers.
 func decodeIndex(b []byte) (ocispec.Index, error) {
-	var idx ocispec.Index
-	if err := json.NewDecoder(bytes.NewReader(b)).Decode(&idx); err != nil {
-		return idx, errcode.Wrap(errcode.InvalidInput, err, "image index is not valid JSON")
-	}
-	return idx, checkIndex(idx)
+	return decodeChecked(b, "image index", checkIndex)
 }
 
 // checkIndex refuses an index vmsnap cannot read safely. Errors are
 // INVALID_INPUT.
 func checkIndex(idx ocispec.Index) error {
-	if idx.SchemaVersion != 2 {
-		return errcode.New(errcode.InvalidInput, "image index has schemaVersion %d, not 2", idx.SchemaVersion)
-	}
-	if idx.MediaType != ocispec.MediaTypeImageIndex {
-		return errcode.New(errcode.InvalidInput, "image index has media type %q, not %s", clip(idx.MediaType), ocispec.MediaTypeImageIndex)
+	if err := checkHead("image index", idx.SchemaVersion, idx.MediaType, ocispec.MediaTypeImageIndex); err != nil {
+		return err
 	}
 	if len(idx.Manifests) > maxIndexEntries {
 		return errcode.New(errcode.InvalidInput, "image index lists %d manifests, more than the %d vmsnap accepts", len(idx.Manifests), maxIndexEntries)

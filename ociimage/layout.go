@@ -17,6 +17,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage/internal/unhashed"
 )
 
 // lockName is the file whose flock serialises updates of index.json. The
@@ -59,7 +60,7 @@ func (l *Layout) HasBlob(ctx context.Context, d digest.Digest) (bool, error) {
 	if err := ctx.Err(); err != nil {
 		return false, err
 	}
-	if _, err := parseDigest(string(d)); err != nil {
+	if _, err := ParseDigest(string(d)); err != nil {
 		return false, errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", d)
 	}
 	_, err := l.stat(blobRel(d))
@@ -90,7 +91,7 @@ func (l *Layout) PutBlob(ctx context.Context, desc ocispec.Descriptor, data []by
 // verifyData refuses data that is not what desc describes, before anything
 // is written: a blob must never be stored under another's digest.
 func verifyData(desc ocispec.Descriptor, data []byte) error {
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
+	if _, err := ParseDigest(string(desc.Digest)); err != nil {
 		return errcode.Wrap(errcode.InvalidInput, err, "invalid blob digest %q", desc.Digest)
 	}
 	if int64(len(data)) != desc.Size {
@@ -372,9 +373,10 @@ func (l *Layout) Blob(ctx context.Context, desc ocispec.Descriptor, limit int64)
 	return l.readBlob(ctx, "blob", desc, limit)
 }
 
-// blobUnhashed is Blob checking the size alone, for a reader that
-// verifies the bytes itself (Decrypt's, see decrypting.Blob).
-func (l *Layout) blobUnhashed(ctx context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error) {
+// BlobUnhashed is Blob checking the size alone, for a reader beneath
+// ociimage that verifies the bytes itself (imgcrypt's Decrypt, see
+// package unhashed).
+func (l *Layout) BlobUnhashed(ctx context.Context, _ unhashed.Key, desc ocispec.Descriptor, limit int64) ([]byte, error) {
 	return l.readChecked(ctx, "blob", desc, limit, false)
 }
 
@@ -507,7 +509,7 @@ func (l *Layout) readIndex() (ocispec.Index, error) {
 		return ocispec.Index{}, errcode.New(errcode.InvalidInput, "%s has schemaVersion %d, not 2", path, idx.SchemaVersion)
 	}
 	for i, e := range idx.Manifests {
-		if _, err := parseDigest(string(e.Digest)); err != nil || e.Size < 0 {
+		if _, err := ParseDigest(string(e.Digest)); err != nil || e.Size < 0 {
 			return ocispec.Index{}, errcode.New(errcode.InvalidInput, "%s: entry %d has an invalid digest %q or size %d; repair the file", path, i, e.Digest, e.Size)
 		}
 	}

@@ -462,8 +462,8 @@ func TestParseDigestRefusesPaths(t *testing.T) {
 		"sha512:" + hex + hex, "md5:" + hex[:32], "SHA256:" + hex, "sha256+b64:" + hex, "sha256:.." + hex[2:],
 		"sha256:" + hex[:32] + "/" + hex[33:], "sha256:" + hex[:32] + "\\" + hex[33:],
 	} {
-		if d, err := parseDigest(s); err == nil {
-			t.Errorf("parseDigest(%q) = %q, want an error", s, d)
+		if d, err := ParseDigest(s); err == nil {
+			t.Errorf("ParseDigest(%q) = %q, want an error", s, d)
 		}
 		// With a '/' after the '@' the whole string is a directory name
 		// (oci:./a@b/c is the directory a@b/c), never a digest.
@@ -483,7 +483,7 @@ func TestParseDigestRefusesPaths(t *testing.T) {
 	}
 }
 
-// FuzzParseDigest: whatever parseDigest accepts names a file directly in
+// FuzzParseDigest: whatever ParseDigest accepts names a file directly in
 // blobs/sha256, never a path elsewhere.
 func FuzzParseDigest(f *testing.F) {
 	f.Add("sha256:" + strings.Repeat("0", 64))
@@ -491,7 +491,7 @@ func FuzzParseDigest(f *testing.F) {
 	f.Add("sha256:" + strings.Repeat("a", 64) + "/../../x")
 	f.Add("sha512:" + strings.Repeat("a", 128))
 	f.Fuzz(func(t *testing.T, s string) {
-		d, err := parseDigest(s)
+		d, err := ParseDigest(s)
 		if err != nil {
 			if errcode.Of(err) != errcode.InvalidInput && errcode.Of(err) != errcode.Internal {
 				t.Fatalf("code %s", errcode.Of(err))
@@ -502,7 +502,7 @@ func FuzzParseDigest(f *testing.F) {
 		p := l.blobPath(d)
 		if filepath.Dir(p) != "/layout/blobs/sha256" || filepath.Base(p) != d.Encoded() || len(d.Encoded()) != 64 ||
 			strings.Trim(d.Encoded(), "0123456789abcdef") != "" {
-			t.Fatalf("parseDigest(%q) accepted %q, which maps to %s", s, d, p)
+			t.Fatalf("ParseDigest(%q) accepted %q, which maps to %s", s, d, p)
 		}
 	})
 }

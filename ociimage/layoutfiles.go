@@ -2,7 +2,6 @@ package ociimage
 
 import (
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -99,14 +98,9 @@ func (l *Layout) readFile(rel string, limit int64) ([]byte, error) {
 		return nil, err
 	}
 	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err != nil {
-		return nil, err
-	}
-	if int64(len(b)) > limit {
-		return nil, &os.PathError{Op: "read", Path: l.name(rel), Err: fmt.Errorf("larger than %d bytes", limit)}
-	}
-	return b, nil
+	return readAtMost(f, limit, func() error {
+		return &os.PathError{Op: "read", Path: l.name(rel), Err: fmt.Errorf("larger than %d bytes", limit)}
+	})
 }
 
 // blobRel is a blob's path inside the layout.

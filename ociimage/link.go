@@ -66,7 +66,7 @@ func ResolveLink(base Reference, link string) (Reference, error) {
 		return Reference{}, errcode.New(errcode.InvalidInput, "link %q is not REPOSITORY@sha256:HEX (at most %d bytes)", clip(link), maxLinkLen)
 	}
 	path := link[:at]
-	d, err := parseDigest(link[at+1:])
+	d, err := ParseDigest(link[at+1:])
 	if err != nil {
 		return Reference{}, errcode.Wrap(errcode.InvalidInput, err, "link %q", clip(link))
 	}

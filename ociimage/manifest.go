@@ -1,8 +1,6 @@
 package ociimage
 
 import (
-	"bytes"
-	"encoding/json"
 	"fmt"
 
 	"github.com/opencontainers/go-digest"
@@ -19,54 +17,29 @@ import (
 // than null layer list), checks it and returns it with its JSON and the
 // descriptor that names it. Errors are INVALID_INPUT.
 func encodeManifest(m ocispec.Manifest) (ocispec.Manifest, []byte, ocispec.Descriptor, error) {
-	if m.SchemaVersion == 0 {
-		m.SchemaVersion = 2
-	}
-	if m.MediaType == "" {
-		m.MediaType = ocispec.MediaTypeImageManifest
-	}
+	completeHead(&m.SchemaVersion, &m.MediaType, ocispec.MediaTypeImageManifest)
 	if m.Layers == nil {
 		m.Layers = []ocispec.Descriptor{}
 	}
 	if err := checkManifest(m); err != nil {
 		return m, nil, ocispec.Descriptor{}, err
 	}
-	b, err := json.Marshal(m)
-	if err != nil {
-		return m, nil, ocispec.Descriptor{}, errcode.Wrap(errcode.InvalidInput, err, "cannot encode manifest")
-	}
-	if len(b) > MaxManifestSize {
-		return m, nil, ocispec.Descriptor{}, errcode.New(errcode.InvalidInput,
-			"manifest is %d bytes, more than the %d a manifest may have; use fewer, larger chunks", len(b), MaxManifestSize)
-	}
-	desc := ocispec.Descriptor{
-		MediaType:    m.MediaType,
-		Digest:       digest.FromBytes(b),
-		Size:         int64(len(b)),
-		ArtifactType: m.ArtifactType,
-	}
-	return m, b, desc, nil
+	b, desc, err := encodeChecked(m, "manifest", "; use fewer, larger chunks", m.MediaType, m.ArtifactType)
+	return m, b, desc, err
 }
 
 // decodeManifest parses verified manifest bytes and checks them. Unknown
 // fields are allowed, as the image spec asks of readers; everything vmsnap
 // relies on is checked.
 func decodeManifest(b []byte) (ocispec.Manifest, error) {
-	var m ocispec.Manifest
-	if err := json.NewDecoder(bytes.NewReader(b)).Decode(&m); err != nil {
-		return m, errcode.Wrap(errcode.InvalidInput, err, "manifest is not valid JSON")
-	}
-	return m, checkManifest(m)
+	return decodeChecked(b, "manifest", checkManifest)
 }
 
 // checkManifest refuses manifests vmsnap cannot read safely. Errors are
 // INVALID_INPUT.
 func checkManifest(m ocispec.Manifest) error {
-	if m.SchemaVersion != 2 {
-		return errcode.New(errcode.InvalidInput, "manifest has schemaVersion %d, not 2", m.SchemaVersion)
-	}
-	if m.MediaType != ocispec.MediaTypeImageManifest {
-		return errcode.New(errcode.InvalidInput, "manifest has media type %q, not %s", clip(m.MediaType), ocispec.MediaTypeImageManifest)
+	if err := checkHead("manifest", m.SchemaVersion, m.MediaType, ocispec.MediaTypeImageManifest); err != nil {
+		return err
 	}
 	if len(m.Layers) > MaxLayers {
 		return errcode.New(errcode.InvalidInput, "manifest has %d layers, more than the %d vmsnap accepts", len(m.Layers), MaxLayers)
@@ -90,7 +63,7 @@ func checkManifest(m ocispec.Manifest) error {
 // checkDescriptor checks what every descriptor needs before it is used to
 // name a file or size a buffer.
 func checkDescriptor(what string, d ocispec.Descriptor) error {
-	if _, err := parseDigest(string(d.Digest)); err != nil {
+	if _, err := ParseDigest(string(d.Digest)); err != nil {
 		return errcode.Wrap(errcode.InvalidInput, err, "manifest %s has an invalid digest %q", what, clip(string(d.Digest)))
 	}
 	if d.Size < 0 {
@@ -177,7 +150,7 @@ func addToIndex(idx *ocispec.Index, desc ocispec.Descriptor, tag string) {
 // checkFetch refuses, before a byte is read, a blob whose descriptor has an
 // invalid digest or a size outside 0..limit.
 func checkFetch(what string, desc ocispec.Descriptor, limit int64) error {
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
+	if _, err := ParseDigest(string(desc.Digest)); err != nil {
 		return errcode.Wrap(errcode.InvalidInput, err, "invalid %s digest %q", what, desc.Digest)
 	}
 	if desc.Size < 0 || desc.Size > limit {

@@ -177,6 +177,6 @@ const (
 	// AnnotationEncPubOpts on an encrypted layer: the cipher and its HMAC,
 	// base64 JSON.
 	AnnotationEncPubOpts = "org.opencontainers.image.enc.pubopts"
-	// annotationEncPrefix: every annotation of the convention starts with it.
-	annotationEncPrefix = "org.opencontainers.image.enc."
+	// AnnotationEncPrefix: every annotation of the convention starts with it.
+	AnnotationEncPrefix = "org.opencontainers.image.enc."
 )

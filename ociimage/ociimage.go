@@ -13,17 +13,23 @@
 // plain HTTP only for a host named insecure, per-request deadlines and
 // retries); the checkpoint index that ties a checkpoint's images together and
 // the links between repositories (checkpoint*.go, link.go, legacy.go);
-// retention's optional interfaces (retention.go); encryption in the OCI
-// image encryption convention of containers/ocicrypt (Encrypt, Decrypt);
-// cosign-compatible signatures (Sign, VerifySignature); and every media
-// type, annotation key and size limit (mediatypes.go). docs/image-format.md
+// retention's optional interfaces (retention.go); cosign-compatible
+// signatures (Sign, VerifySignature); the wrappers of a repository
+// (wrap.go); and every media type, annotation key and size limit
+// (mediatypes.go), those of encryption included. docs/image-format.md
 // specifies what it writes.
+//
+// Encryption is package imgcrypt's, a Wrapper that Open puts above the
+// store and its signatures (imgcrypt.WithEncryption); the PEM key files
+// of signing and encryption are read by ociimage/internal/pemkey.
 //
 // It is not a general image library: it writes one image manifest per image
 // of a checkpoint and one image index per checkpoint, and reads only those
 // (no platforms, no foreign indexes). It must not tag before everything a
 // tag names is stored (PutManifest never tags; TagManifest is a call of its
-// own), and must not return a byte it has not checked against its digest.
+// own), and must not return a byte it has not checked against its digest
+// (the one fetch that skips the digest, BlobUnhashed, is for imgcrypt
+// alone, which checks the plaintext's: see ociimage/internal/unhashed).
 package ociimage
 
 import (
@@ -100,5 +106,5 @@ func (p pinned) Reference() Reference {
 func (p pinned) Resolve(context.Context) (ocispec.Descriptor, error) { return p.desc, nil }
 
 // Unwrap returns the repository underneath, so that what it wraps
-// (Decrypting, Underlying) is seen through the pin.
+// (TransformsReads, Underlying) is seen through the pin.
 func (p pinned) Unwrap() Repository { return p.Repository }

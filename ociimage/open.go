@@ -17,10 +17,9 @@ type openOptions struct {
 	attempts  int      // tries of one request before giving up
 	backoff   time.Duration
 	userAgent string
-	encrypt   *EncryptOptions // layers written are encrypted (Encrypt)
-	decrypt   []DecryptionKey // encrypted layers read are decrypted (Decrypt)
-	sign      *SignKey        // manifests written are signed (Sign)
-	verify    []VerifyKey     // manifests resolved must be signed (VerifySignature)
+	sign      *SignKey    // manifests written are signed (Sign)
+	verify    []VerifyKey // manifests resolved must be signed (VerifySignature)
+	wrap      Wrapper     // layers are encrypted and decrypted (imgcrypt)
 }
 
 // Defaults of the retry policy: four tries of every request, 0.5 s, 1.5 s and
@@ -67,18 +66,6 @@ func WithUserAgent(ua string) Option {
 	return func(o *openOptions) { o.userAgent = ua }
 }
 
-// WithEncryption encrypts every layer written (Encrypt), for a layout as
-// for a registry.
-func WithEncryption(e EncryptOptions) Option {
-	return func(o *openOptions) { o.encrypt = &e }
-}
-
-// WithDecryptionKeys reads encrypted layers as plaintext with these keys
-// (Decrypt), for a layout as for a registry. It may be given more than once.
-func WithDecryptionKeys(keys ...DecryptionKey) Option {
-	return func(o *openOptions) { o.decrypt = append(o.decrypt, keys...) }
-}
-
 // Open returns the repository ref names. It does not touch the store: a
 // layout directory is created by the first write, and a registry is first
 // contacted by the first request (CheckAccess makes one on purpose). For a
@@ -113,11 +100,8 @@ func Open(ctx context.Context, ref Reference, opts ...Option) (Repository, error
 	if o.sign != nil {
 		repo = &signing{Repository: repo, key: *o.sign}
 	}
-	if len(o.decrypt) > 0 {
-		repo = Decrypt(repo, o.decrypt)
-	}
-	if o.encrypt != nil {
-		return Encrypt(repo, *o.encrypt)
+	if o.wrap != nil {
+		return o.wrap.Wrap(repo)
 	}
 	return repo, nil
 }

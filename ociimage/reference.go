@@ -60,7 +60,7 @@ func parseLayoutReference(s, rest string) (Reference, error) {
 	// A digest follows the last '@' unless that '@' is part of a directory
 	// name (then a '/' follows it).
 	if i := strings.LastIndexByte(rest, '@'); i >= 0 && !strings.Contains(rest[i+1:], "/") {
-		d, err := parseDigest(rest[i+1:])
+		d, err := ParseDigest(rest[i+1:])
 		if err != nil {
 			return Reference{}, errcode.Wrap(errcode.InvalidInput, err, "invalid digest in image reference %q (%s)", s, referenceForms)
 		}
@@ -97,7 +97,7 @@ func parseRegistryReference(s string) (Reference, error) {
 	}
 	r := Reference{Registry: host}
 	if repo, d, ok := strings.Cut(rest, "@"); ok {
-		dg, err := parseDigest(d)
+		dg, err := ParseDigest(d)
 		if err != nil {
 			return Reference{}, errcode.Wrap(errcode.InvalidInput, err, "invalid digest in image reference %q (%s)", s, referenceForms)
 		}
@@ -139,9 +139,9 @@ func bothTagAndDigest(ref string) error {
 	return errcode.New(errcode.InvalidInput, "image reference %q has both a tag and a digest; give one of them, REF:TAG or REF@sha256:HEX", ref)
 }
 
-// parseDigest accepts only sha256 digests: the layout keeps blobs under
-// blobs/sha256, and vmsnap writes nothing else.
-func parseDigest(s string) (digest.Digest, error) {
+// ParseDigest parses a digest, and accepts only sha256 ones: the layout
+// keeps blobs under blobs/sha256, and vmsnap writes nothing else.
+func ParseDigest(s string) (digest.Digest, error) {
 	d, err := digest.Parse(s)
 	if err != nil {
 		return "", err

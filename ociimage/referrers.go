@@ -16,7 +16,7 @@ func (l *Layout) Referrers(ctx context.Context, desc ocispec.Descriptor) ([]ocis
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	if _, err := parseDigest(string(desc.Digest)); err != nil {
+	if _, err := ParseDigest(string(desc.Digest)); err != nil {
 		return nil, errcode.Wrap(errcode.InvalidInput, err, "invalid manifest digest %q", desc.Digest)
 	}
 	idx, err := l.index()

@@ -122,7 +122,7 @@ func (l *Layout) ResolveDigest(ctx context.Context, d digest.Digest) (ocispec.De
 	if err := ctx.Err(); err != nil {
 		return ocispec.Descriptor{}, err
 	}
-	if _, err := parseDigest(string(d)); err != nil {
+	if _, err := ParseDigest(string(d)); err != nil {
 		return ocispec.Descriptor{}, errcode.Wrap(errcode.InvalidInput, err, "invalid manifest digest %q", d)
 	}
 	idx, err := l.index()
@@ -140,7 +140,7 @@ func (l *Layout) DeleteManifest(ctx context.Context, d digest.Digest) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if _, err := parseDigest(string(d)); err != nil {
+	if _, err := ParseDigest(string(d)); err != nil {
 		return errcode.Wrap(errcode.InvalidInput, err, "invalid manifest digest %q", d)
 	}
 	if err := l.checkLayout(); err != nil {
@@ -207,7 +207,7 @@ func (l *Layout) CollectGarbage(ctx context.Context, before time.Time, roots []d
 // read in turn). A missing blob names nothing (its manifest is incomplete
 // already), nor does one that is not a manifest.
 func (l *Layout) namedBy(d digest.Digest) (blobs, manifests []digest.Digest, err error) {
-	if _, err := parseDigest(string(d)); err != nil {
+	if _, err := ParseDigest(string(d)); err != nil {
 		return nil, nil, errcode.New(errcode.InvalidInput, "%s names an invalid digest %q; repair it before collecting garbage", l.dir, d)
 	}
 	path := l.blobPath(d)
@@ -236,7 +236,7 @@ func (l *Layout) namedBy(d digest.Digest) (blobs, manifests []digest.Digest, err
 		return nil, nil, nil // not a manifest
 	}
 	check := func(c ocispec.Descriptor) error {
-		if _, err := parseDigest(string(c.Digest)); err != nil {
+		if _, err := ParseDigest(string(c.Digest)); err != nil {
 			return errcode.New(errcode.InvalidInput,
 				"manifest %s in %s names an invalid digest %q; nothing was removed: repair or remove that manifest first", d, l.dir, c.Digest)
 		}
@@ -435,7 +435,7 @@ func (r *Registry) nextPage(resp *http.Response) (string, error) {
 // ResolveDigest describes the manifest d names (a HEAD, or a GET where the
 // HEAD says too little).
 func (r *Registry) ResolveDigest(ctx context.Context, d digest.Digest) (ocispec.Descriptor, error) {
-	if _, err := parseDigest(string(d)); err != nil {
+	if _, err := ParseDigest(string(d)); err != nil {
 		return ocispec.Descriptor{}, errcode.Wrap(errcode.InvalidInput, err, "invalid manifest digest %q", d)
 	}
 	var desc ocispec.Descriptor
@@ -453,7 +453,7 @@ func (r *Registry) ResolveDigest(ctx context.Context, d digest.Digest) (ocispec.
 // registry that does not allow deletes is REGISTRY_ERROR with
 // ErrDeletesDisabled in the chain.
 func (r *Registry) DeleteManifest(ctx context.Context, d digest.Digest) error {
-	if _, err := parseDigest(string(d)); err != nil {
+	if _, err := ParseDigest(string(d)); err != nil {
 		return errcode.Wrap(errcode.InvalidInput, err, "invalid manifest digest %q", d)
 	}
 	return r.withRetry(ctx, "deleting manifest "+string(d), 0, func(ctx context.Context) error {

@@ -12,6 +12,7 @@ import (
 	"github.com/sigstore/sigstore/pkg/signature"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage/internal/pemkey"
 )
 
 // The PEM types of cosign's password-encrypted private keys (cosign
@@ -30,14 +31,14 @@ const maxKeyFile = 64 << 10
 // SignKey is a private key that signs manifests as cosign does.
 type SignKey struct {
 	signer signature.Signer
-	ID     string // KeyID of its public key
+	ID     string // pemkey.ID of its public key
 	Path   string // the file it was read from, for messages
 }
 
 // VerifyKey is a public key whose signatures a restore accepts.
 type VerifyKey struct {
 	verifier signature.Verifier
-	ID       string // KeyID of the key
+	ID       string // pemkey.ID of the key
 	Path     string // the file it was read from, for messages
 }
 
@@ -69,7 +70,7 @@ func signKey(data, password []byte) (SignKey, error) {
 	if !ok {
 		return SignKey{}, errcode.New(errcode.Usage, "a %T cannot sign", priv)
 	}
-	pub, err := checkKeyType(cs.Public())
+	pub, err := pemkey.CheckType(cs.Public())
 	if err != nil {
 		return SignKey{}, err
 	}
@@ -77,7 +78,7 @@ func signKey(data, password []byte) (SignKey, error) {
 	if err != nil {
 		return SignKey{}, err
 	}
-	id, err := KeyID(pub)
+	id, err := pemkey.ID(pub)
 	return SignKey{signer: signer, ID: id}, err
 }
 
@@ -86,7 +87,7 @@ func signKey(data, password []byte) (SignKey, error) {
 func parseSignKey(data, password []byte) (crypto.PrivateKey, error) {
 	b, _ := pem.Decode(data)
 	if b == nil || (b.Type != pemSigstorePrivateKey && b.Type != pemCosignPrivateKey) {
-		return parsePrivateKey(data)
+		return pemkey.ParsePrivate(data)
 	}
 	if password == nil {
 		return nil, errcode.New(errcode.Usage,
@@ -120,7 +121,7 @@ func LoadVerifyKey(path string) (VerifyKey, error) {
 }
 
 func verifyKey(data []byte) (VerifyKey, error) {
-	pub, err := parsePublicKey(data)
+	pub, err := pemkey.ParsePublic(data)
 	if err != nil {
 		return VerifyKey{}, err
 	}
@@ -128,7 +129,7 @@ func verifyKey(data []byte) (VerifyKey, error) {
 	if err != nil {
 		return VerifyKey{}, err
 	}
-	id, err := KeyID(pub)
+	id, err := pemkey.ID(pub)
 	return VerifyKey{verifier: v, ID: id}, err
 }
 
@@ -160,7 +161,7 @@ func readKeyFile(path, what string, secret bool) ([]byte, error) {
 		return nil, errcode.New(errcode.Usage, "%s %s is not a regular file", what, path)
 	}
 	if secret {
-		if err := checkKeyMode(path, what, fi.Mode().Perm()); err != nil {
+		if err := pemkey.CheckMode(path, what, fi.Mode().Perm()); err != nil {
 			return nil, err
 		}
 	}

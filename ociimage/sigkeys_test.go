@@ -15,6 +15,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testing/keys"
+	"github.com/vmsnap/vmsnap/ociimage/internal/pemkey"
 )
 
 func TestLoadSignKeyCosignEncrypted(t *testing.T) {
@@ -34,7 +35,7 @@ func TestLoadSignKeyCosignEncrypted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want, _ := KeyID(&k.PublicKey)
+	want, _ := pemkey.ID(&k.PublicKey)
 	if sk.ID != want {
 		t.Fatalf("key ID %s, want %s", sk.ID, want)
 	}
@@ -56,7 +57,7 @@ func TestLoadSignKeyCosignEncrypted(t *testing.T) {
 func TestLoadSignKeyPlain(t *testing.T) {
 	dir := t.TempDir()
 	for _, ec := range []bool{true, false} {
-		priv, pub := testKeyPair(t, dir, map[bool]string{true: "ec", false: "rsa"}[ec], ec)
+		priv, pub := keys.PEMPair(t, dir, map[bool]string{true: "ec", false: "rsa"}[ec], ec)
 		sk, err := LoadSignKey(priv, []byte("ignored for a plain key"))
 		if err != nil {
 			t.Fatal(err)
@@ -87,7 +88,7 @@ func TestLoadSignKeyPlain(t *testing.T) {
 // directory or an oversized file; errors never quote the file.
 func TestSignKeyFileGuards(t *testing.T) {
 	dir := t.TempDir()
-	priv, _ := testKeyPair(t, dir, "k", true)
+	priv, _ := keys.PEMPair(t, dir, "k", true)
 	if err := os.Chmod(priv, 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -122,7 +123,7 @@ func TestSignKeyFileGuards(t *testing.T) {
 
 func TestLoadVerifyKeyRefusesNonKeys(t *testing.T) {
 	dir := t.TempDir()
-	priv, _ := testKeyPair(t, dir, "k", true)
+	priv, _ := keys.PEMPair(t, dir, "k", true)
 	_, err := LoadVerifyKey(priv)
 	wantCode(t, err, errcode.Usage, "no PEM public key")
 	_, err = LoadVerifyKey(filepath.Join(dir, "missing.pub"))

@@ -7,6 +7,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/keys"
 )
 
 // FuzzVerifySignature: whatever a signature layer holds (its media type,
@@ -63,7 +64,7 @@ type fuzzFixture struct {
 // sign it.
 func fuzzSignFixture(t *testing.T, dir string) *fuzzFixture {
 	t.Helper()
-	_, pub := testKeyPair(t, dir, "k", true)
+	_, pub := keys.PEMPair(t, dir, "k", true)
 	vk, err := LoadVerifyKey(pub)
 	if err != nil {
 		t.Fatal(err)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
@@ -153,7 +154,7 @@ func (c Config) checkRAM(layers []ocispec.Descriptor) (stream []ocispec.Descript
 		return layers, ram, nil
 	}
 	// Encrypted layers read without a key that opens them (AUTH_FAILED).
-	if err := ociimage.CheckDecrypted(layers); err != nil {
+	if err := imgcrypt.CheckDecrypted(layers); err != nil {
 		return nil, ram, err
 	}
 	if c.RAM == nil || c.RAM.Backend == "" || len(c.RAM.Chain) == 0 || len(c.RAM.Chain) > maxChainLinks {

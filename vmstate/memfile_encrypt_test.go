@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
@@ -24,9 +25,9 @@ func TestMemoryFileEncrypted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	id, _ := ociimage.KeyID(&k.PublicKey)
-	enc := ociimage.WithEncryption(ociimage.EncryptOptions{Recipients: []ociimage.Recipient{{Key: &k.PublicKey, ID: id}}})
-	key := ociimage.WithDecryptionKeys(ociimage.DecryptionKey{Key: k, ID: id})
+	id, _ := imgcrypt.KeyID(&k.PublicKey)
+	enc := imgcrypt.WithEncryption(imgcrypt.EncryptOptions{Recipients: []imgcrypt.Recipient{{Key: &k.PublicKey, ID: id}}})
+	key := imgcrypt.WithDecryptionKeys(imgcrypt.DecryptionKey{Key: k, ID: id})
 	dir := t.TempDir()
 	open := func(ref string, opts ...ociimage.Option) ociimage.Repository {
 		r, _ := ociimage.ParseReference(ref)
@@ -48,7 +49,7 @@ func TestMemoryFileEncrypted(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, l := range stored.Layers {
-		if !ociimage.IsEncrypted(l) {
+		if !imgcrypt.IsEncrypted(l) {
 			t.Fatalf("layer %d (%s) is stored in the clear", i, l.MediaType)
 		}
 	}
@@ -68,7 +69,7 @@ func TestMemoryFileEncrypted(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, l := range dm.Layers {
-		if !ociimage.IsEncrypted(l) {
+		if !imgcrypt.IsEncrypted(l) {
 			t.Fatalf("delta layer %d (%s) is stored in the clear", i, l.MediaType)
 		}
 	}
@@ -97,19 +98,19 @@ func TestMemoryFileEncrypted(t *testing.T) {
 // encrypted as asked, and no image references layers encrypted otherwise
 // than its own (issue 21, LOW 8: it failed with INTERNAL, every time).
 func TestMemoryFileEncryptionChangeTakesAFreshBase(t *testing.T) {
-	keyFor := func() (ociimage.Recipient, ociimage.DecryptionKey) {
+	keyFor := func() (imgcrypt.Recipient, imgcrypt.DecryptionKey) {
 		k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 		if err != nil {
 			t.Fatal(err)
 		}
-		id, _ := ociimage.KeyID(&k.PublicKey)
-		return ociimage.Recipient{Key: &k.PublicKey, ID: id}, ociimage.DecryptionKey{Key: k, ID: id}
+		id, _ := imgcrypt.KeyID(&k.PublicKey)
+		return imgcrypt.Recipient{Key: &k.PublicKey, ID: id}, imgcrypt.DecryptionKey{Key: k, ID: id}
 	}
 	a, aKey := keyFor()
 	b, _ := keyFor()
-	keys := ociimage.WithDecryptionKeys(aKey)
-	forA := ociimage.WithEncryption(ociimage.EncryptOptions{Recipients: []ociimage.Recipient{a}})
-	forAB := ociimage.WithEncryption(ociimage.EncryptOptions{Recipients: []ociimage.Recipient{a, b}})
+	keys := imgcrypt.WithDecryptionKeys(aKey)
+	forA := imgcrypt.WithEncryption(imgcrypt.EncryptOptions{Recipients: []imgcrypt.Recipient{a}})
+	forAB := imgcrypt.WithEncryption(imgcrypt.EncryptOptions{Recipients: []imgcrypt.Recipient{a, b}})
 	dir := t.TempDir()
 	records := &ParentRecords{Dir: filepath.Join(t.TempDir(), "records")}
 	_, path := fakeFileVM(t)
@@ -149,8 +150,8 @@ func TestMemoryFileEncryptionChangeTakesAFreshBase(t *testing.T) {
 			t.Fatal(err)
 		}
 		for _, l := range stored.Layers {
-			if ociimage.IsEncrypted(l) != step.encrypted {
-				t.Fatalf("%s: layer %s (%s) encrypted %v, want %v", step.name, l.Digest, l.MediaType, ociimage.IsEncrypted(l), step.encrypted)
+			if imgcrypt.IsEncrypted(l) != step.encrypted {
+				t.Fatalf("%s: layer %s (%s) encrypted %v, want %v", step.name, l.Digest, l.MediaType, imgcrypt.IsEncrypted(l), step.encrypted)
 			}
 		}
 		pinned, _ := ociimage.Open(context.Background(), ociimage.Reference{Layout: dir, Digest: res.Manifest.Digest}, keys)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
@@ -134,8 +135,8 @@ func encryptionChange(ctx context.Context, repo ociimage.Repository, desc ocispe
 	if err != nil {
 		return "", err
 	}
-	was, uniform := ociimage.LayersEncryptedFor(stored.Layers)
-	now := ociimage.EncryptsFor(repo)
+	was, uniform := imgcrypt.LayersEncryptedFor(stored.Layers)
+	now := imgcrypt.EncryptsFor(repo)
 	name := func(ids []string) string {
 		if ids == nil {
 			return "stored in the clear"

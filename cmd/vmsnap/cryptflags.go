@@ -5,6 +5,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 )
 
 // encryptFlags encrypt a checkpoint's layers. Keys are files, never flag
@@ -30,27 +31,27 @@ func (f *encryptFlags) options() ([]ociimage.Option, error) {
 	if o == nil || err != nil {
 		return nil, err
 	}
-	return []ociimage.Option{ociimage.WithEncryption(*o)}, nil
+	return []ociimage.Option{imgcrypt.WithEncryption(*o)}, nil
 }
 
 // encryption reads the keys; nil without --encrypt-recipient.
-func (f *encryptFlags) encryption() (*ociimage.EncryptOptions, error) {
+func (f *encryptFlags) encryption() (*imgcrypt.EncryptOptions, error) {
 	if !f.set() {
 		return nil, nil
 	}
 	if len(f.recipients) == 0 {
 		return nil, errcode.New(errcode.Usage, "--encrypt-dedup-key goes with --encrypt-recipient jwe:PUB.pem")
 	}
-	var o ociimage.EncryptOptions
+	var o imgcrypt.EncryptOptions
 	for _, r := range f.recipients {
-		rc, err := ociimage.ParseRecipient(r)
+		rc, err := imgcrypt.ParseRecipient(r)
 		if err != nil {
 			return nil, err
 		}
 		o.Recipients = append(o.Recipients, rc)
 	}
 	if f.dedupKey != "" {
-		s, err := ociimage.LoadDedupSecret(f.dedupKey)
+		s, err := imgcrypt.LoadDedupSecret(f.dedupKey)
 		if err != nil {
 			return nil, err
 		}
@@ -70,9 +71,9 @@ func (f *decryptFlags) add(c *cobra.Command) {
 }
 
 func (f *decryptFlags) options() ([]ociimage.Option, error) {
-	var keys []ociimage.DecryptionKey
+	var keys []imgcrypt.DecryptionKey
 	for _, p := range f.keys {
-		k, err := ociimage.LoadDecryptionKey(p)
+		k, err := imgcrypt.LoadDecryptionKey(p)
 		if err != nil {
 			return nil, err
 		}
@@ -81,5 +82,5 @@ func (f *decryptFlags) options() ([]ociimage.Option, error) {
 	if len(keys) == 0 {
 		return nil, nil
 	}
-	return []ociimage.Option{ociimage.WithDecryptionKeys(keys...)}, nil
+	return []ociimage.Option{imgcrypt.WithDecryptionKeys(keys...)}, nil
 }

@@ -18,7 +18,7 @@
 //
 // It is not a general hash package (use crypto/sha256), nor a MAC check
 // (use crypto/hmac's Equal on what Sums returns): the only caller is
-// ociimage's encrypting store.
+// imgcrypt's encrypting store.
 package sha256pair
 
 import (

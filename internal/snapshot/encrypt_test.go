@@ -13,20 +13,21 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
-func testRecipient(t *testing.T) (ociimage.Recipient, ociimage.DecryptionKey) {
+func testRecipient(t *testing.T) (imgcrypt.Recipient, imgcrypt.DecryptionKey) {
 	t.Helper()
 	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		t.Fatal(err)
 	}
-	id, err := ociimage.KeyID(&k.PublicKey)
+	id, err := imgcrypt.KeyID(&k.PublicKey)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return ociimage.Recipient{Key: &k.PublicKey, ID: id}, ociimage.DecryptionKey{Key: k, ID: id}
+	return imgcrypt.Recipient{Key: &k.PublicKey, ID: id}, imgcrypt.DecryptionKey{Key: k, ID: id}
 }
 
 // An encrypted checkpoint stages, with its key, into a plaintext layout
@@ -37,7 +38,7 @@ func TestStageEncrypted(t *testing.T) {
 	vm := qmptest.NewFakeQEMU(t, "running", state)
 	res, err := Checkpoint(context.Background(), CheckpointSpec{
 		QMPPath: vm.Path(), Image: "oci:" + t.TempDir() + ":vm", Stream: chunk.StreamOptions{ChunkSize: 256 << 10},
-		Store: []ociimage.Option{ociimage.WithEncryption(ociimage.EncryptOptions{Recipients: []ociimage.Recipient{r}})},
+		Store: []ociimage.Option{imgcrypt.WithEncryption(imgcrypt.EncryptOptions{Recipients: []imgcrypt.Recipient{r}})},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -58,7 +59,7 @@ func TestStageEncrypted(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, "blobs")); err == nil {
 		t.Fatal("an image that could not be decrypted was partly staged")
 	}
-	st, err := Stage(context.Background(), StageSpec{Image: res.VMState.Image, Dir: dir, Store: []ociimage.Option{ociimage.WithDecryptionKeys(k)}})
+	st, err := Stage(context.Background(), StageSpec{Image: res.VMState.Image, Dir: dir, Store: []ociimage.Option{imgcrypt.WithDecryptionKeys(k)}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,7 +91,7 @@ func TestEncryptedRepeatCheckpointUploads(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			store := "oci:" + t.TempDir() + ":vm"
-			opts := []ociimage.Option{ociimage.WithEncryption(ociimage.EncryptOptions{Recipients: []ociimage.Recipient{r}, DedupSecret: tc.secret})}
+			opts := []ociimage.Option{imgcrypt.WithEncryption(imgcrypt.EncryptOptions{Recipients: []imgcrypt.Recipient{r}, DedupSecret: tc.secret})}
 			var last string
 			var first int64
 			for i := range 2 {
@@ -115,7 +116,7 @@ func TestEncryptedRepeatCheckpointUploads(t *testing.T) {
 			}
 			// And the second one restores.
 			dir := filepath.Join(t.TempDir(), "staged")
-			if _, err := Stage(context.Background(), StageSpec{Image: last, Dir: dir, Store: []ociimage.Option{ociimage.WithDecryptionKeys(k)}}); err != nil {
+			if _, err := Stage(context.Background(), StageSpec{Image: last, Dir: dir, Store: []ociimage.Option{imgcrypt.WithDecryptionKeys(k)}}); err != nil {
 				t.Fatal(err)
 			}
 			var out bytes.Buffer

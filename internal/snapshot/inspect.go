@@ -10,6 +10,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/disk"
 )
@@ -153,7 +154,7 @@ func describeLayers(doc *api.InspectResult, m ocispec.Manifest) {
 	kinds := map[string]*api.LayerKind{}
 	for _, l := range m.Layers {
 		doc.StoredBytes += l.Size
-		for _, id := range ociimage.EncryptedFor(l) {
+		for _, id := range imgcrypt.EncryptedFor(l) {
 			if !slices.Contains(doc.EncryptedFor, id) {
 				doc.EncryptedFor = append(doc.EncryptedFor, id)
 			}

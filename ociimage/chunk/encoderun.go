@@ -22,7 +22,7 @@ type encodeRun struct {
 	opts   StreamOptions
 	sink   BlobSink
 	// digesting is sink if it digests what it stores in its own pass over
-	// the bytes (ociimage's encrypting store): the compressors leave the
+	// the bytes (imgcrypt's encrypting store): the compressors leave the
 	// digest to it, and a chunk is recorded once stored.
 	digesting         undigestedAdder
 	rawBufs, compBufs *bufferPool

@@ -21,6 +21,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 )
 
 // BlobSink is where EncodeStream puts compressed chunks. ociimage.Repository
@@ -307,7 +308,7 @@ type blobAdder interface {
 }
 
 // undigestedAdder is a sink that digests a blob as it stores it, in the
-// same pass as its own work on the bytes (ociimage's encrypting store
+// same pass as its own work on the bytes (imgcrypt's encrypting store
 // hashes the plaintext beside the ciphertext it makes), and returns desc
 // with the digest. A blob it has already is not stored again (sent is
 // false).
@@ -379,7 +380,7 @@ func ValidateLayers(layers []ocispec.Descriptor) (int64, error) {
 	if len(layers) > ociimage.MaxLayers {
 		return 0, errcode.New(errcode.InvalidInput, "%d chunks: more than the %d allowed", len(layers), ociimage.MaxLayers)
 	}
-	if err := ociimage.CheckDecrypted(layers); err != nil {
+	if err := imgcrypt.CheckDecrypted(layers); err != nil {
 		return 0, err
 	}
 	var total int64

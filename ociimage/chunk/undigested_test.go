@@ -13,7 +13,7 @@ import (
 )
 
 // digestingStore is a memStore that digests what it stores itself, as
-// ociimage's encrypting store does, and remembers what it was handed.
+// imgcrypt's encrypting store does, and remembers what it was handed.
 type digestingStore struct {
 	*memStore
 	mu          sync.Mutex

@@ -23,6 +23,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
@@ -84,7 +85,7 @@ func TestAgentE2ERestoreDecryptsOnlyWithTheNamespacesKeys(t *testing.T) {
 	m := manifestFromRegistry(t, reg, cp.VMState.Image)
 	want := []string{nodeID, idB}
 	slices.Sort(want)
-	if got := ociimage.EncryptedFor(m.Layers[0]); !slices.Equal(got, want) {
+	if got := imgcrypt.EncryptedFor(m.Layers[0]); !slices.Equal(got, want) {
 		t.Fatalf("tenant-b's checkpoint is encrypted for %v, want %v (tenant-b's key and the node's)", got, want)
 	}
 

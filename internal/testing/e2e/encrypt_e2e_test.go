@@ -31,6 +31,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 )
 
 // e2eKey writes a key pair as PEM files (private 0600) and returns the
@@ -155,8 +156,8 @@ func TestEncryptE2ERegistry(t *testing.T) {
 			t.Fatal("an image without layers")
 		}
 		for i, l := range m.Layers {
-			if l.MediaType != ociimage.MediaTypeChunk+"+encrypted" || strings.Join(ociimage.EncryptedFor(l), ",") != id {
-				t.Fatalf("layer %d: %s, encrypted for %v, want %s+encrypted for %s", i, l.MediaType, ociimage.EncryptedFor(l), ociimage.MediaTypeChunk, id)
+			if l.MediaType != ociimage.MediaTypeChunk+"+encrypted" || strings.Join(imgcrypt.EncryptedFor(l), ",") != id {
+				t.Fatalf("layer %d: %s, encrypted for %v, want %s+encrypted for %s", i, l.MediaType, imgcrypt.EncryptedFor(l), ociimage.MediaTypeChunk, id)
 			}
 		}
 	}
@@ -253,12 +254,12 @@ func TestEncryptE2ERegistry(t *testing.T) {
 // decryptedManifest is an image's manifest as vmsnap reads it with key.
 func decryptedManifest(t *testing.T, reg *registry.Registry, image, key string) ocispec.Manifest {
 	t.Helper()
-	k, err := ociimage.LoadDecryptionKey(key)
+	k, err := imgcrypt.LoadDecryptionKey(key)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ref, _ := ociimage.ParseReference(image)
-	repo, err := ociimage.Open(context.Background(), ref, ociimage.WithCAFile(reg.CAFile), ociimage.WithRegistryConfig(reg.ConfigDir), ociimage.WithDecryptionKeys(k))
+	repo, err := ociimage.Open(context.Background(), ref, ociimage.WithCAFile(reg.CAFile), ociimage.WithRegistryConfig(reg.ConfigDir), imgcrypt.WithDecryptionKeys(k))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -364,7 +365,7 @@ func TestEncryptE2ERepeatCheckpoint(t *testing.T) {
 			t.Fatalf("%s: the second checkpoint of an unchanged VM uploaded %d bytes, the first %d", tc.name, b.UploadedBytes, a.UploadedBytes)
 		}
 		for _, l := range manifestFromRegistry(t, reg, b.Image).Layers {
-			if !ociimage.IsEncrypted(l) {
+			if !imgcrypt.IsEncrypted(l) {
 				t.Fatalf("%s: a layer in the clear: %+v", tc.name, l)
 			}
 		}

@@ -14,10 +14,11 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 )
 
 // skopeo (ocicrypt) decrypts the wrapped keys vmsnap builds itself (one
-// CEK per checkpoint, ociimage/jwe.go) for every kind of recipient set:
+// CEK per checkpoint, ociimage/imgcrypt/jwe.go) for every kind of recipient set:
 // an RSA key, an EC key (ECDH-ES+A256KW), and both, with each key. No
 // guest: the layers are random chunks in an OCI layout.
 func TestEncryptE2ESkopeoRecipients(t *testing.T) {
@@ -27,8 +28,8 @@ func TestEncryptE2ESkopeoRecipients(t *testing.T) {
 	keys := t.TempDir()
 	rsaPriv, rsaPub, _ := e2eKey(t, keys, "rsa", false)
 	ecPriv, ecPub, _ := e2eKey(t, keys, "ec", true)
-	parse := func(pub string) ociimage.Recipient {
-		r, err := ociimage.ParseRecipient("jwe:" + pub)
+	parse := func(pub string) imgcrypt.Recipient {
+		r, err := imgcrypt.ParseRecipient("jwe:" + pub)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -38,15 +39,15 @@ func TestEncryptE2ESkopeoRecipients(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	for _, c := range []struct {
 		name  string
-		rcpt  []ociimage.Recipient
+		rcpt  []imgcrypt.Recipient
 		privs []string
 	}{
-		{"rsa", []ociimage.Recipient{rsa}, []string{rsaPriv}},
-		{"ec", []ociimage.Recipient{ec}, []string{ecPriv}},
-		{"both", []ociimage.Recipient{rsa, ec}, []string{rsaPriv, ecPriv}},
+		{"rsa", []imgcrypt.Recipient{rsa}, []string{rsaPriv}},
+		{"ec", []imgcrypt.Recipient{ec}, []string{ecPriv}},
+		{"both", []imgcrypt.Recipient{rsa, ec}, []string{rsaPriv, ecPriv}},
 	} {
 		dir := t.TempDir()
-		repo, err := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, ociimage.WithEncryption(ociimage.EncryptOptions{Recipients: c.rcpt}))
+		repo, err := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, imgcrypt.WithEncryption(imgcrypt.EncryptOptions{Recipients: c.rcpt}))
 		if err != nil {
 			t.Fatal(err)
 		}

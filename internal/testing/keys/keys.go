@@ -1,7 +1,7 @@
-// Package keys writes the key files of signing tests: an ECDSA P-256
-// key pair in PEM, and a private key encrypted as cosign generate-key-pair
-// writes it. It is for tests only; vmsnap reads keys with package
-// ociimage.
+// Package keys writes the key files of signing and encryption tests: key
+// pairs in PEM, and a private key encrypted as cosign generate-key-pair
+// writes it. It is for tests only; vmsnap reads keys with packages
+// ociimage (signing) and ociimage/imgcrypt (encryption).
 package keys
 
 import (
@@ -9,6 +9,7 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"crypto/x509"
 	"encoding/pem"
 	"os"
@@ -63,4 +64,35 @@ func write(t testing.TB, path string, b *pem.Block) {
 	if err := os.WriteFile(path, pem.EncodeToMemory(b), 0o600); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// PEMPair writes a key pair into dir: NAME.key (PKCS#8, mode 0600) and
+// NAME.pub.pem (PKIX, mode 0644), of an ECDSA P-256 key if ec, else of an
+// RSA-2048 one. It returns their paths.
+func PEMPair(t testing.TB, dir, name string, ec bool) (priv, pub string) {
+	t.Helper()
+	var k crypto.Signer
+	var err error
+	if ec {
+		k, err = ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	} else {
+		k, err = rsa.GenerateKey(rand.Reader, 2048)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	der, err := x509.MarshalPKCS8PrivateKey(k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pubDER, err := x509.MarshalPKIXPublicKey(k.Public())
+	if err != nil {
+		t.Fatal(err)
+	}
+	priv, pub = filepath.Join(dir, name+".key"), filepath.Join(dir, name+".pub.pem")
+	write(t, priv, &pem.Block{Type: "PRIVATE KEY", Bytes: der})
+	if err := os.WriteFile(pub, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pubDER}), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return priv, pub
 }

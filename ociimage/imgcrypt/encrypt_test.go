@@ -1,14 +1,7 @@
-package ociimage
+package imgcrypt
 
 import (
 	"bytes"
-	"crypto"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/rsa"
-	"crypto/x509"
-	"encoding/pem"
 	"io"
 	mrand "math/rand/v2"
 	"os"
@@ -21,39 +14,9 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/keys"
+	"github.com/vmsnap/vmsnap/ociimage"
 )
-
-// testKeyPair writes a private key (mode 0600) and its public key as PEM
-// files in dir and returns their paths.
-func testKeyPair(t testing.TB, dir, name string, ec bool) (priv, pub string) {
-	t.Helper()
-	var k any
-	var err error
-	if ec {
-		k, err = ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	} else {
-		k, err = rsa.GenerateKey(rand.Reader, 2048)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	der, err := x509.MarshalPKCS8PrivateKey(k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pubDER, err := x509.MarshalPKIXPublicKey(k.(crypto.Signer).Public())
-	if err != nil {
-		t.Fatal(err)
-	}
-	priv, pub = filepath.Join(dir, name+".key"), filepath.Join(dir, name+".pub.pem")
-	if err := os.WriteFile(priv, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(pub, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pubDER}), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	return priv, pub
-}
 
 type encFixture struct {
 	dir      string
@@ -66,7 +29,7 @@ func newEncFixture(t testing.TB, n int) encFixture {
 	t.Helper()
 	f := encFixture{dir: t.TempDir()}
 	for i := range n {
-		privPath, pubPath := testKeyPair(t, f.dir, "k"+string(rune('a'+i)), i%2 == 1)
+		privPath, pubPath := keys.PEMPair(t, f.dir, "k"+string(rune('a'+i)), i%2 == 1)
 		r, err := ParseRecipient("jwe:" + pubPath)
 		if err != nil {
 			t.Fatal(err)
@@ -96,13 +59,13 @@ func randomChunks(n, size int) [][]byte {
 
 // pushEncrypted stores chunks through repo (which encrypts) as a VM state
 // image and returns the manifest's descriptor and the plaintext layers.
-func pushEncrypted(t *testing.T, repo Repository, chunks [][]byte) (ocispec.Descriptor, []ocispec.Descriptor, int) {
+func pushEncrypted(t *testing.T, repo ociimage.Repository, chunks [][]byte) (ocispec.Descriptor, []ocispec.Descriptor, int) {
 	t.Helper()
 	var layers []ocispec.Descriptor
 	sent := 0
 	for _, c := range chunks {
-		d := ocispec.Descriptor{MediaType: MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c)),
-			Annotations: map[string]string{AnnotationRawSize: "1"}}
+		d := ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c)),
+			Annotations: map[string]string{ociimage.AnnotationRawSize: "1"}}
 		ok, err := addBlob(t.Context(), repo, d, c)
 		if err != nil {
 			t.Fatal(err)
@@ -112,8 +75,8 @@ func pushEncrypted(t *testing.T, repo Repository, chunks [][]byte) (ocispec.Desc
 		}
 		layers = append(layers, d)
 	}
-	desc, err := PushArtifact(t.Context(), repo, Artifact{
-		ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig,
+	desc, err := ociimage.PushArtifact(t.Context(), repo, ociimage.Artifact{
+		ArtifactType: ociimage.ArtifactTypeVMState, ConfigMediaType: ociimage.MediaTypeVMStateConfig,
 		Config: testConfig{Machine: "pc", Memory: 1}, Layers: layers,
 	})
 	if err != nil {
@@ -125,8 +88,8 @@ func pushEncrypted(t *testing.T, repo Repository, chunks [][]byte) (ocispec.Desc
 func TestEncryptRoundTrip(t *testing.T) {
 	f := newEncFixture(t, 2) // an RSA and an EC recipient
 	dir := t.TempDir()
-	ref := Reference{Layout: dir}
-	enc, err := Open(t.Context(), ref, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+	ref := ociimage.Reference{Layout: dir}
+	enc, err := ociimage.Open(t.Context(), ref, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,18 +103,18 @@ func TestEncryptRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if m.Config.MediaType != MediaTypeVMStateConfig {
+	if m.Config.MediaType != ociimage.MediaTypeVMStateConfig {
 		t.Fatalf("config %+v: configs stay plaintext", m.Config)
 	}
 	for i, l := range m.Layers {
-		if l.MediaType != MediaTypeChunk+"+encrypted" || l.Digest == plainLayers[i].Digest || l.Size != plainLayers[i].Size ||
-			l.Annotations[AnnotationEncKeysJWE] == "" || l.Annotations[AnnotationEncPubOpts] == "" || l.Annotations[AnnotationRawSize] != "1" {
+		if l.MediaType != ociimage.MediaTypeChunk+"+encrypted" || l.Digest == plainLayers[i].Digest || l.Size != plainLayers[i].Size ||
+			l.Annotations[ociimage.AnnotationEncKeysJWE] == "" || l.Annotations[ociimage.AnnotationEncPubOpts] == "" || l.Annotations[ociimage.AnnotationRawSize] != "1" {
 			t.Fatalf("stored layer %d: %+v", i, l)
 		}
 		if got := EncryptedFor(l); len(got) != 2 || !strings.Contains(strings.Join(got, " "), f.rcpt[0].ID) || !strings.Contains(strings.Join(got, " "), f.rcpt[1].ID) {
 			t.Fatalf("layer %d is encrypted for %v, want %s and %s", i, got, f.rcpt[0].ID, f.rcpt[1].ID)
 		}
-		ct, err := plain.Blob(t.Context(), l, MaxChunkSize)
+		ct, err := plain.Blob(t.Context(), l, ociimage.MaxChunkSize)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -165,20 +128,20 @@ func TestEncryptRoundTrip(t *testing.T) {
 
 	// Each recipient alone reads it back, byte for byte.
 	for _, k := range f.priv {
-		dec, err := Open(t.Context(), ref.WithDigest(desc.Digest), WithDecryptionKeys(k))
+		dec, err := ociimage.Open(t.Context(), ref.WithDigest(desc.Digest), WithDecryptionKeys(k))
 		if err != nil {
 			t.Fatal(err)
 		}
 		var cfg testConfig
-		_, dm, err := PullArtifact(t.Context(), dec, ArtifactTypeVMState, &cfg)
+		_, dm, err := ociimage.PullArtifact(t.Context(), dec, ociimage.ArtifactTypeVMState, &cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
 		for i, l := range dm.Layers {
-			if l.MediaType != MediaTypeChunk || l.Digest != plainLayers[i].Digest || l.Annotations[AnnotationRawSize] != "1" || len(l.Annotations) != 1 {
+			if l.MediaType != ociimage.MediaTypeChunk || l.Digest != plainLayers[i].Digest || l.Annotations[ociimage.AnnotationRawSize] != "1" || len(l.Annotations) != 1 {
 				t.Fatalf("decrypted layer %d: %+v, want %+v", i, l, plainLayers[i])
 			}
-			b, err := dec.Blob(t.Context(), l, MaxChunkSize)
+			b, err := dec.Blob(t.Context(), l, ociimage.MaxChunkSize)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -192,18 +155,18 @@ func TestEncryptRoundTrip(t *testing.T) {
 func TestDecryptWrongAndMissingKey(t *testing.T) {
 	f := newEncFixture(t, 2)
 	dir := t.TempDir()
-	enc, err := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt[:1]}))
+	enc, err := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt[:1]}))
 	if err != nil {
 		t.Fatal(err)
 	}
 	desc, _, _ := pushEncrypted(t, enc, randomChunks(2, 1000))
-	ref := Reference{Layout: dir}.WithDigest(desc.Digest)
+	ref := ociimage.Reference{Layout: dir}.WithDigest(desc.Digest)
 
 	// Missing: no key given at all. The config is readable (inspect);
 	// the layers are refused before any is fetched.
-	repo, _ := Open(t.Context(), ref)
+	repo, _ := ociimage.Open(t.Context(), ref)
 	var cfg testConfig
-	_, m, err := PullArtifact(t.Context(), repo, ArtifactTypeVMState, &cfg)
+	_, m, err := ociimage.PullArtifact(t.Context(), repo, ociimage.ArtifactTypeVMState, &cfg)
 	if err != nil || cfg.Machine != "pc" {
 		t.Fatalf("reading the config of an encrypted image without a key: %v", err)
 	}
@@ -214,8 +177,8 @@ func TestDecryptWrongAndMissingKey(t *testing.T) {
 	}
 
 	// Wrong: the other key.
-	repo, _ = Open(t.Context(), ref, WithDecryptionKeys(f.priv[1]))
-	_, _, err = PullArtifact(t.Context(), repo, ArtifactTypeVMState, &cfg)
+	repo, _ = ociimage.Open(t.Context(), ref, WithDecryptionKeys(f.priv[1]))
+	_, _, err = ociimage.PullArtifact(t.Context(), repo, ociimage.ArtifactTypeVMState, &cfg)
 	wantCode(t, err, errcode.AuthFailed, f.rcpt[0].ID)
 	if !strings.Contains(err.Error(), f.priv[1].ID) {
 		t.Fatalf("error %q should name the key given, %s", err, f.priv[1].ID)
@@ -242,7 +205,7 @@ func noKeyMaterial(t *testing.T, s string, f encFixture) {
 func TestDecryptTampered(t *testing.T) {
 	f := newEncFixture(t, 1)
 	dir := t.TempDir()
-	enc, _ := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+	enc, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
 	desc, _, _ := pushEncrypted(t, enc, randomChunks(1, 4096))
 	stored, err := openLayout(t, "oci:"+dir).Manifest(t.Context(), desc)
 	if err != nil {
@@ -254,13 +217,13 @@ func TestDecryptTampered(t *testing.T) {
 	if err := os.WriteFile(blob, b, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	dec, _ := Open(t.Context(), Reference{Layout: dir}.WithDigest(desc.Digest), WithDecryptionKeys(f.priv...))
+	dec, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}.WithDigest(desc.Digest), WithDecryptionKeys(f.priv...))
 	var cfg testConfig
-	_, m, err := PullArtifact(t.Context(), dec, ArtifactTypeVMState, &cfg)
+	_, m, err := ociimage.PullArtifact(t.Context(), dec, ociimage.ArtifactTypeVMState, &cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := dec.Blob(t.Context(), m.Layers[0], MaxChunkSize)
+	got, err := dec.Blob(t.Context(), m.Layers[0], ociimage.MaxChunkSize)
 	wantCode(t, err, errcode.DigestMismatch, "")
 	if got != nil {
 		t.Fatal("a tampered layer returned bytes")
@@ -274,14 +237,14 @@ func TestDecryptTampered(t *testing.T) {
 func TestDecryptRewrittenCiphertext(t *testing.T) {
 	f := newEncFixture(t, 1)
 	dir := t.TempDir()
-	enc, _ := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+	enc, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
 	desc, _, _ := pushEncrypted(t, enc, randomChunks(1, 4096))
 	raw := openLayout(t, "oci:"+dir)
 	m, err := raw.Manifest(t.Context(), desc)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ct, err := raw.Blob(t.Context(), m.Layers[0], MaxChunkSize)
+	ct, err := raw.Blob(t.Context(), m.Layers[0], ociimage.MaxChunkSize)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -299,7 +262,7 @@ func TestDecryptRewrittenCiphertext(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := dec.Blob(t.Context(), dm.Layers[0], MaxChunkSize)
+	got, err := dec.Blob(t.Context(), dm.Layers[0], ociimage.MaxChunkSize)
 	wantCode(t, err, errcode.DigestMismatch, "decrypts to data that is not")
 	if got != nil {
 		t.Fatal("a forged layer returned bytes")
@@ -320,7 +283,7 @@ func TestEncryptDedupSecret(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
 			for round := range 2 {
-				enc, _ := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt, DedupSecret: tc.secret}))
+				enc, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt, DedupSecret: tc.secret}))
 				_, _, sent := pushEncrypted(t, enc, chunks)
 				want := 8
 				if round == 1 {
@@ -339,10 +302,10 @@ func TestEncryptDedupSecret(t *testing.T) {
 func TestEncryptStream(t *testing.T) {
 	f := newEncFixture(t, 1)
 	dir := t.TempDir()
-	enc, _ := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+	enc, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
 	data := randomChunks(1, 3<<20+7)[0]
 	layer := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayerZstd, Digest: digest.FromBytes(data), Size: int64(len(data))}
-	if err := PutBlobFrom(t.Context(), enc, layer, bytes.NewReader(data)); err != nil {
+	if err := ociimage.PutBlobFrom(t.Context(), enc, layer, bytes.NewReader(data)); err != nil {
 		t.Fatal(err)
 	}
 	m := ocispec.Manifest{Layers: []ocispec.Descriptor{layer}}
@@ -448,9 +411,9 @@ func TestDecryptionKeyFileMode(t *testing.T) {
 
 func TestEncryptConcurrentPutsOfOneChunk(t *testing.T) {
 	f := newEncFixture(t, 1)
-	enc, _ := Open(t.Context(), Reference{Layout: t.TempDir()}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+	enc, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: t.TempDir()}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
 	c := randomChunks(1, 10_000)[0]
-	d := ocispec.Descriptor{MediaType: MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c))}
+	d := ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c))}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	sent := 0

@@ -1,4 +1,4 @@
-package ociimage
+package imgcrypt
 
 import (
 	"bytes"
@@ -12,10 +12,12 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/internal/unhashed"
 )
 
 // nullRepo takes every blob and keeps none.
-type nullRepo struct{ Repository }
+type nullRepo struct{ ociimage.Repository }
 
 func (nullRepo) HasBlob(context.Context, digest.Digest) (bool, error) { return false, nil }
 func (nullRepo) PutBlob(context.Context, ocispec.Descriptor, []byte) error {
@@ -30,7 +32,7 @@ func BenchmarkEncryptChunk(b *testing.B) {
 	b.SetBytes(int64(len(data)))
 	for i := 0; b.Loop(); i++ {
 		e, _ := Encrypt(nullRepo{}, EncryptOptions{Recipients: f.rcpt})
-		d := ocispec.Descriptor{MediaType: MediaTypeChunk, Digest: digest.Digest("sha256:" + string(rune('a'+i%26))), Size: int64(len(data))}
+		d := ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk, Digest: digest.Digest("sha256:" + string(rune('a'+i%26))), Size: int64(len(data))}
 		if err := e.PutBlob(context.Background(), d, data); err != nil {
 			b.Fatal(err)
 		}
@@ -47,7 +49,7 @@ func BenchmarkEncryptChunkUndigested(b *testing.B) {
 	b.SetBytes(int64(len(data)))
 	for b.Loop() {
 		e, _ := Encrypt(nullRepo{}, EncryptOptions{Recipients: f.rcpt})
-		if _, _, err := e.(*encrypting).AddUndigested(context.Background(), ocispec.Descriptor{MediaType: MediaTypeChunk}, data); err != nil {
+		if _, _, err := e.(*encrypting).AddUndigested(context.Background(), ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk}, data); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -90,9 +92,9 @@ func benchBytes(chunks [][]byte) (n int64) {
 
 // memRepo is a store in memory that hashes what the registry client
 // hashes: nothing it puts (the registry checks), everything it fetches
-// but blobUnhashed's.
+// but BlobUnhashed's.
 type memRepo struct {
-	Repository
+	ociimage.Repository
 	mu    sync.Mutex
 	blobs map[digest.Digest][]byte
 }
@@ -123,23 +125,24 @@ func (m *memRepo) PutManifest(ctx context.Context, man ocispec.Manifest) (ocispe
 }
 
 func (m *memRepo) Manifest(ctx context.Context, desc ocispec.Descriptor) (ocispec.Manifest, error) {
-	b, err := m.Blob(ctx, desc, MaxManifestSize)
+	b, err := m.Blob(ctx, desc, ociimage.MaxManifestSize)
 	if err != nil {
 		return ocispec.Manifest{}, err
 	}
-	return decodeManifest(b)
+	var man ocispec.Manifest
+	return man, json.Unmarshal(b, &man)
 }
 
 func (m *memRepo) Blob(ctx context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error) {
-	b, err := m.blobUnhashed(ctx, desc, limit)
+	b, err := m.BlobUnhashed(ctx, unhashed.Key{}, desc, limit)
 	if err == nil && digest.FromBytes(b) != desc.Digest {
 		return nil, errcode.New(errcode.DigestMismatch, "blob %s is corrupt", desc.Digest)
 	}
 	return b, err
 }
 
-// blobUnhashed returns a copy, as a fetch does.
-func (m *memRepo) blobUnhashed(_ context.Context, desc ocispec.Descriptor, _ int64) ([]byte, error) {
+// BlobUnhashed returns a copy, as a fetch does.
+func (m *memRepo) BlobUnhashed(_ context.Context, _ unhashed.Key, desc ocispec.Descriptor, _ int64) ([]byte, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	b, ok := m.blobs[desc.Digest]
@@ -151,11 +154,11 @@ func (m *memRepo) blobUnhashed(_ context.Context, desc ocispec.Descriptor, _ int
 
 // pushImage stores chunks through repo as a state image, two puts at a
 // time as a checkpoint's uploaders do.
-func pushImage(b *testing.B, repo Repository, chunks [][]byte) ocispec.Descriptor {
+func pushImage(b *testing.B, repo ociimage.Repository, chunks [][]byte) ocispec.Descriptor {
 	var layers []ocispec.Descriptor
 	for _, c := range chunks {
-		layers = append(layers, ocispec.Descriptor{MediaType: MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c)),
-			Annotations: map[string]string{AnnotationRawSize: "1"}})
+		layers = append(layers, ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c)),
+			Annotations: map[string]string{ociimage.AnnotationRawSize: "1"}})
 	}
 	g, ctx := errgroup.WithContext(b.Context())
 	g.SetLimit(2)
@@ -165,8 +168,8 @@ func pushImage(b *testing.B, repo Repository, chunks [][]byte) ocispec.Descripto
 	if err := g.Wait(); err != nil {
 		b.Fatal(err)
 	}
-	desc, err := PushArtifact(b.Context(), repo, Artifact{
-		ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig,
+	desc, err := ociimage.PushArtifact(b.Context(), repo, ociimage.Artifact{
+		ArtifactType: ociimage.ArtifactTypeVMState, ConfigMediaType: ociimage.MediaTypeVMStateConfig,
 		Config: testConfig{Machine: "pc", Memory: 1}, Layers: layers,
 	})
 	if err != nil {
@@ -187,7 +190,7 @@ func BenchmarkCheckpointImage(b *testing.B) {
 		b.Run(map[bool]string{false: "plain", true: "encrypted"}[encrypted], func(b *testing.B) {
 			b.SetBytes(benchBytes(chunks))
 			for b.Loop() {
-				var repo Repository = newMemRepo()
+				var repo ociimage.Repository = newMemRepo()
 				if encrypted {
 					repo, _ = Encrypt(repo, EncryptOptions{Recipients: f.rcpt})
 				}
@@ -205,14 +208,14 @@ func BenchmarkRestoreImage(b *testing.B) {
 	chunks := benchImage()
 	for _, encrypted := range []bool{false, true} {
 		b.Run(map[bool]string{false: "plain", true: "encrypted"}[encrypted], func(b *testing.B) {
-			var repo Repository = newMemRepo()
+			var repo ociimage.Repository = newMemRepo()
 			if encrypted {
 				repo, _ = Encrypt(repo, EncryptOptions{Recipients: f.rcpt})
 			}
 			desc := pushImage(b, repo, chunks)
 			b.SetBytes(benchBytes(chunks))
 			for b.Loop() {
-				var r Repository = Underlying(repo)
+				var r ociimage.Repository = ociimage.Underlying(repo)
 				if encrypted {
 					r = Decrypt(r, f.priv)
 				}
@@ -223,7 +226,7 @@ func BenchmarkRestoreImage(b *testing.B) {
 				g, ctx := errgroup.WithContext(b.Context())
 				g.SetLimit(2)
 				for _, l := range m.Layers {
-					g.Go(func() error { _, err := r.Blob(ctx, l, MaxChunkSize); return err })
+					g.Go(func() error { _, err := r.Blob(ctx, l, ociimage.MaxChunkSize); return err })
 				}
 				if err := g.Wait(); err != nil {
 					b.Fatal(err)

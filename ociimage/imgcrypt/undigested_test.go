@@ -1,4 +1,4 @@
-package ociimage
+package imgcrypt
 
 import (
 	"bytes"
@@ -11,6 +11,8 @@ import (
 
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // The chunk pipeline's fast path (ociimage/chunk) asks its sink for this.
@@ -26,7 +28,7 @@ type undigestedAdder interface {
 func TestEncryptUndigested(t *testing.T) {
 	f := newEncFixture(t, 1)
 	dir := t.TempDir()
-	enc, err := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+	enc, err := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -38,7 +40,7 @@ func TestEncryptUndigested(t *testing.T) {
 	chunks = append(chunks, chunks[1], []byte{})
 	var layers []ocispec.Descriptor
 	for i, c := range chunks {
-		d, sent, err := u.AddUndigested(t.Context(), ocispec.Descriptor{MediaType: MediaTypeChunk, Annotations: map[string]string{AnnotationRawSize: "1"}}, c)
+		d, sent, err := u.AddUndigested(t.Context(), ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk, Annotations: map[string]string{ociimage.AnnotationRawSize: "1"}}, c)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -50,8 +52,8 @@ func TestEncryptUndigested(t *testing.T) {
 		}
 		layers = append(layers, d)
 	}
-	desc, err := PushArtifact(t.Context(), enc, Artifact{
-		ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig,
+	desc, err := ociimage.PushArtifact(t.Context(), enc, ociimage.Artifact{
+		ArtifactType: ociimage.ArtifactTypeVMState, ConfigMediaType: ociimage.MediaTypeVMStateConfig,
 		Config: testConfig{Machine: "pc", Memory: 1}, Layers: layers,
 	})
 	if err != nil {
@@ -63,7 +65,7 @@ func TestEncryptUndigested(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, l := range m.Layers {
-		ct, err := raw.Blob(t.Context(), l, MaxChunkSize) // checks the ciphertext's digest
+		ct, err := raw.Blob(t.Context(), l, ociimage.MaxChunkSize) // checks the ciphertext's digest
 		if err != nil {
 			t.Fatalf("layer %d: %v", i, err)
 		}
@@ -72,7 +74,7 @@ func TestEncryptUndigested(t *testing.T) {
 			t.Fatalf("layer %d: unwrapped %+v, %v", i, plain, err)
 		}
 		var pub publicOpts
-		pb, _ := base64.StdEncoding.DecodeString(l.Annotations[AnnotationEncPubOpts])
+		pb, _ := base64.StdEncoding.DecodeString(l.Annotations[ociimage.AnnotationEncPubOpts])
 		if err := json.Unmarshal(pb, &pub); err != nil {
 			t.Fatal(err)
 		}
@@ -95,21 +97,21 @@ func TestEncryptUndigestedDedupSecret(t *testing.T) {
 	c := randomChunks(1, 70_000)[0]
 	stored := func(undigested bool) digest.Digest {
 		dir := t.TempDir()
-		enc, err := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt, DedupSecret: []byte("a dedup secret of 32 bytes, no..")}))
+		enc, err := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt, DedupSecret: []byte("a dedup secret of 32 bytes, no..")}))
 		if err != nil {
 			t.Fatal(err)
 		}
-		d := ocispec.Descriptor{MediaType: MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c))}
+		d := ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c))}
 		if undigested {
-			d, _, err = enc.(undigestedAdder).AddUndigested(t.Context(), ocispec.Descriptor{MediaType: MediaTypeChunk}, c)
+			d, _, err = enc.(undigestedAdder).AddUndigested(t.Context(), ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk}, c)
 		} else {
 			_, err = addBlob(t.Context(), enc, d, c)
 		}
 		if err != nil {
 			t.Fatal(err)
 		}
-		desc, err := PushArtifact(t.Context(), enc, Artifact{
-			ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig,
+		desc, err := ociimage.PushArtifact(t.Context(), enc, ociimage.Artifact{
+			ArtifactType: ociimage.ArtifactTypeVMState, ConfigMediaType: ociimage.MediaTypeVMStateConfig,
 			Config: testConfig{Machine: "pc", Memory: 1}, Layers: []ocispec.Descriptor{d},
 		})
 		if err != nil {

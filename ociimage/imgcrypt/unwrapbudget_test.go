@@ -1,4 +1,4 @@
-package ociimage
+package imgcrypt
 
 import (
 	"crypto/rand"
@@ -11,6 +11,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // A private-key operation (an RSA-OAEP unwrap) costs about a millisecond
@@ -26,7 +27,7 @@ import (
 func TestDecryptBoundsPrivateKeyOperations(t *testing.T) {
 	f := newEncFixture(t, 2) // RSA, EC: two recipients, JWE's general form
 	dir := t.TempDir()
-	enc, _ := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+	enc, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
 	desc, _, _ := pushEncrypted(t, enc, randomChunks(1, 3000))
 	raw := openLayout(t, "oci:"+dir)
 	m, err := raw.Manifest(t.Context(), desc)
@@ -57,7 +58,7 @@ func TestDecryptBoundsPrivateKeyOperations(t *testing.T) {
 	for k, v := range m.Layers[0].Annotations {
 		l.Annotations[k] = v
 	}
-	l.Annotations[AnnotationEncKeysJWE] = base64.StdEncoding.EncodeToString(jwe)
+	l.Annotations[ociimage.AnnotationEncKeysJWE] = base64.StdEncoding.EncodeToString(jwe)
 	m.Layers = []ocispec.Descriptor{l}
 	desc, err = raw.PutManifest(t.Context(), m)
 	if err != nil {
@@ -86,7 +87,7 @@ func TestDecryptBoundsPrivateKeyOperations(t *testing.T) {
 func TestDecryptReadsAnImageWithAKeyPerLayer(t *testing.T) {
 	f := newEncFixture(t, 2) // an EC key: the cheaper unwrap
 	dir := t.TempDir()
-	repo, err := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt[1:]}))
+	repo, err := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt[1:]}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,13 +98,13 @@ func TestDecryptReadsAnImageWithAKeyPerLayer(t *testing.T) {
 		enc.seal.mu.Lock()
 		enc.seal.cur = nil // a CEK of its own
 		enc.seal.mu.Unlock()
-		d := ocispec.Descriptor{MediaType: MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c)), Annotations: map[string]string{AnnotationRawSize: "1"}}
+		d := ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk, Digest: digest.FromBytes(c), Size: int64(len(c)), Annotations: map[string]string{ociimage.AnnotationRawSize: "1"}}
 		if _, err := addBlob(t.Context(), enc, d, c); err != nil {
 			t.Fatal(err)
 		}
 		layers = append(layers, d)
 	}
-	desc, err := PushArtifact(t.Context(), enc, Artifact{ArtifactType: ArtifactTypeVMState, ConfigMediaType: MediaTypeVMStateConfig, Config: testConfig{Machine: "pc", Memory: 1}, Layers: layers})
+	desc, err := ociimage.PushArtifact(t.Context(), enc, ociimage.Artifact{ArtifactType: ociimage.ArtifactTypeVMState, ConfigMediaType: ociimage.MediaTypeVMStateConfig, Config: testConfig{Machine: "pc", Memory: 1}, Layers: layers})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package ociimage
+package imgcrypt
 
 import (
 	"crypto/ecdsa"

@@ -1,4 +1,4 @@
-package ociimage
+package imgcrypt
 
 import (
 	"context"
@@ -10,6 +10,8 @@ import (
 	"golang.org/x/sync/errgroup"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/ociimage/internal/unhashed"
 )
 
 // Decrypt returns repo with encrypted layers (IsEncrypted) read as
@@ -21,12 +23,12 @@ import (
 // Callers read an encrypted image as a plain one. A layer none of keys
 // opens makes Manifest fail with AUTH_FAILED, naming the keys it is
 // encrypted for. Plaintext layers and configs pass through.
-func Decrypt(repo Repository, keys []DecryptionKey) Repository {
+func Decrypt(repo ociimage.Repository, keys []DecryptionKey) ociimage.Repository {
 	return &decrypting{Repository: repo, keys: keys, unwrapped: newUnwrapCache(), layers: map[digest.Digest]decLayer{}}
 }
 
 type decrypting struct {
-	Repository
+	ociimage.Repository
 	keys []DecryptionKey
 	// unwrapped holds the CEKs the keys unwrapped: the layers of an image
 	// vmsnap wrote share one per recipient (jwe.go).
@@ -41,7 +43,7 @@ type decLayer struct {
 }
 
 // Unwrap returns the repository underneath.
-func (d *decrypting) Unwrap() Repository { return d.Repository }
+func (d *decrypting) Unwrap() ociimage.Repository { return d.Repository }
 
 func (d *decrypting) Manifest(ctx context.Context, desc ocispec.Descriptor) (ocispec.Manifest, error) {
 	m, err := d.Repository.Manifest(ctx, desc)
@@ -130,46 +132,27 @@ func (d *decrypting) Blob(ctx context.Context, desc ocispec.Descriptor, limit in
 // registry does not remember it as known).
 // The HMAC of the ciphertext is not recomputed either: the plaintext
 // digest refuses every ciphertext the HMAC would.
-func fetchUnhashed(ctx context.Context, repo Repository, desc ocispec.Descriptor, limit int64) ([]byte, error) {
-	if u, ok := repo.(interface {
-		blobUnhashed(context.Context, ocispec.Descriptor, int64) ([]byte, error)
-	}); ok {
-		return u.blobUnhashed(ctx, desc, limit)
+func fetchUnhashed(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor, limit int64) ([]byte, error) {
+	if u, ok := repo.(unhashedFetcher); ok {
+		return u.BlobUnhashed(ctx, unhashed.Key{}, desc, limit)
 	}
 	return repo.Blob(ctx, desc, limit)
 }
 
-// Unwrapper is a Repository that wraps another (Encrypt, Decrypt).
-type Unwrapper interface {
-	Unwrap() Repository
+// unhashedFetcher is a store that fetches a blob checking its size alone
+// (package unhashed): the layout and the registry client.
+type unhashedFetcher interface {
+	BlobUnhashed(context.Context, unhashed.Key, ocispec.Descriptor, int64) ([]byte, error)
 }
 
-// Underlying returns the store under any wrappers (Encrypt, Decrypt): the
-// manifests and blobs as stored.
-func Underlying(repo Repository) Repository {
-	for {
-		u, ok := repo.(Unwrapper)
-		if !ok {
-			return repo
-		}
-		repo = u.Unwrap()
-	}
-}
+var (
+	_ unhashedFetcher = (*ociimage.Layout)(nil)
+	_ unhashedFetcher = (*ociimage.Registry)(nil)
+)
 
-// Decrypting reports whether repo reads encrypted layers as plaintext
-// (Decrypt), so that its manifests differ from the stored ones.
-func Decrypting(repo Repository) bool {
-	for {
-		if _, ok := repo.(*decrypting); ok {
-			return true
-		}
-		u, ok := repo.(Unwrapper)
-		if !ok {
-			return false
-		}
-		repo = u.Unwrap()
-	}
-}
+// TransformsReads says that d reads other than what is stored
+// (ociimage.TransformsReads): the plaintext layers and their bytes.
+func (d *decrypting) TransformsReads() bool { return true }
 
 func countEncrypted(layers []ocispec.Descriptor) (n int) {
 	for _, l := range layers {

@@ -1,4 +1,4 @@
-package ociimage
+package imgcrypt
 
 import (
 	"bytes"
@@ -17,6 +17,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // jweOf returns a stored layer's JWE (the one in its annotation).
@@ -38,7 +39,7 @@ func TestEncryptStandardJWEsShareTheirWrappedKey(t *testing.T) {
 	f := newEncFixture(t, 2) // RSA and EC
 	for _, rcpt := range [][]Recipient{f.rcpt[:1], f.rcpt[1:], f.rcpt} {
 		dir := t.TempDir()
-		enc, _ := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: rcpt}))
+		enc, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: rcpt}))
 		desc, plain, _ := pushEncrypted(t, enc, randomChunks(6, 5000))
 		raw := openLayout(t, "oci:"+dir)
 		m, err := raw.Manifest(t.Context(), desc)
@@ -61,7 +62,7 @@ func TestEncryptStandardJWEsShareTheirWrappedKey(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ct, err := raw.Blob(t.Context(), l, MaxChunkSize)
+			ct, err := raw.Blob(t.Context(), l, ociimage.MaxChunkSize)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -79,7 +80,7 @@ func TestEncryptStandardJWEsShareTheirWrappedKey(t *testing.T) {
 					t.Fatalf("layer %d: private options %s (%v)", i, b, err)
 				}
 				var pub publicOpts
-				pb, _ := base64.StdEncoding.DecodeString(l.Annotations[AnnotationEncPubOpts])
+				pb, _ := base64.StdEncoding.DecodeString(l.Annotations[ociimage.AnnotationEncPubOpts])
 				if err := json.Unmarshal(pb, &pub); err != nil {
 					t.Fatal(err)
 				}
@@ -191,8 +192,8 @@ func TestUnwrapCacheKeyedByEveryInput(t *testing.T) {
 func TestDecryptForeignJWEWithACachedWrappedKey(t *testing.T) {
 	f := newEncFixture(t, 1)
 	dir := t.TempDir()
-	encA, _ := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
-	encB, _ := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+	encA, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+	encB, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
 	chunks := randomChunks(2, 3000)
 	descA, _, _ := pushEncrypted(t, encA, chunks[:1])
 	descB, _, _ := pushEncrypted(t, encB, chunks[1:])
@@ -213,7 +214,7 @@ func TestDecryptForeignJWEWithACachedWrappedKey(t *testing.T) {
 	for k, v := range mB.Layers[0].Annotations {
 		forged.Annotations[k] = v
 	}
-	forged.Annotations[AnnotationEncKeysJWE] = base64.StdEncoding.EncodeToString(forgedJWE)
+	forged.Annotations[ociimage.AnnotationEncKeysJWE] = base64.StdEncoding.EncodeToString(forgedJWE)
 	m := mA
 	m.Layers = []ocispec.Descriptor{mA.Layers[0], forged}
 	desc, err := raw.PutManifest(t.Context(), m)
@@ -237,14 +238,14 @@ func TestDecryptTamperedChunkWithCachedKey(t *testing.T) {
 	f := newEncFixture(t, 1)
 	chunks := randomChunks(4, 70_000)
 
-	check := func(t *testing.T, dec Repository, desc ocispec.Descriptor, bad int) {
+	check := func(t *testing.T, dec ociimage.Repository, desc ocispec.Descriptor, bad int) {
 		t.Helper()
 		m, err := dec.Manifest(t.Context(), desc)
 		if err != nil {
 			t.Fatal(err)
 		}
 		for i, l := range m.Layers {
-			got, err := dec.Blob(t.Context(), l, MaxChunkSize)
+			got, err := dec.Blob(t.Context(), l, ociimage.MaxChunkSize)
 			if i == bad {
 				wantCode(t, err, errcode.DigestMismatch, "")
 				if got != nil {
@@ -260,7 +261,7 @@ func TestDecryptTamperedChunkWithCachedKey(t *testing.T) {
 
 	t.Run("layout", func(t *testing.T) {
 		dir := t.TempDir()
-		enc, _ := Open(t.Context(), Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
+		enc, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}, WithEncryption(EncryptOptions{Recipients: f.rcpt}))
 		desc, _, _ := pushEncrypted(t, enc, chunks)
 		stored, _ := openLayout(t, "oci:"+dir).Manifest(t.Context(), desc)
 		blob := filepath.Join(dir, "blobs", "sha256", stored.Layers[2].Digest.Encoded())
@@ -274,7 +275,7 @@ func TestDecryptTamperedChunkWithCachedKey(t *testing.T) {
 				if err := os.WriteFile(blob, b, 0o644); err != nil {
 					t.Fatal(err)
 				}
-				dec, _ := Open(t.Context(), Reference{Layout: dir}.WithDigest(desc.Digest), WithDecryptionKeys(f.priv...))
+				dec, _ := ociimage.Open(t.Context(), ociimage.Reference{Layout: dir}.WithDigest(desc.Digest), WithDecryptionKeys(f.priv...))
 				check(t, dec, desc, 2)
 			})
 		}
@@ -342,10 +343,10 @@ func TestDecryptGoJoseWrappedKeys(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			l := ocispec.Descriptor{MediaType: MediaTypeChunk + MediaTypeEncryptedSuffix, Digest: digest.FromString("ct"), Size: 1,
+			l := ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk + ociimage.MediaTypeEncryptedSuffix, Digest: digest.FromString("ct"), Size: 1,
 				Annotations: map[string]string{
-					AnnotationEncKeysJWE: base64.StdEncoding.EncodeToString([]byte(obj.FullSerialize())),
-					AnnotationEncPubOpts: base64.StdEncoding.EncodeToString(pub),
+					ociimage.AnnotationEncKeysJWE: base64.StdEncoding.EncodeToString([]byte(obj.FullSerialize())),
+					ociimage.AnnotationEncPubOpts: base64.StdEncoding.EncodeToString(pub),
 				}}
 			for _, key := range f.priv {
 				if !strings.Contains(strings.Join(EncryptedFor(l), " "), key.ID) {

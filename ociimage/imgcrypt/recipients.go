@@ -1,15 +1,18 @@
-package ociimage
+package imgcrypt
 
 import (
 	"slices"
+	"strings"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // EncryptsFor lists, sorted, the KeyIDs of the recipients repo encrypts
 // the layers put through it for (Encrypt), or nil if it stores them in
 // the clear.
-func EncryptsFor(repo Repository) []string {
+func EncryptsFor(repo ociimage.Repository) []string {
 	for {
 		if e, ok := repo.(*encrypting); ok {
 			ids := make([]string, 0, len(e.o.Recipients))
@@ -21,7 +24,7 @@ func EncryptsFor(repo Repository) []string {
 			slices.Sort(ids)
 			return ids
 		}
-		u, ok := repo.(Unwrapper)
+		u, ok := repo.(ociimage.Unwrapper)
 		if !ok {
 			return nil
 		}
@@ -50,4 +53,38 @@ func LayersEncryptedFor(layers []ocispec.Descriptor) (ids []string, uniform bool
 		}
 	}
 	return ids, true
+}
+
+// IsEncrypted reports whether a layer is encrypted in the OCI image
+// encryption convention.
+func IsEncrypted(l ocispec.Descriptor) bool {
+	return strings.HasSuffix(l.MediaType, ociimage.MediaTypeEncryptedSuffix)
+}
+
+// CheckDecrypted refuses layers that are still encrypted (the repository
+// was opened without a key that opens them) with AUTH_FAILED, naming the
+// keys they are encrypted for: what a reader checks before fetching any.
+func CheckDecrypted(layers []ocispec.Descriptor) error {
+	for _, l := range layers {
+		if IsEncrypted(l) {
+			return notForTheseKeys(l, nil)
+		}
+	}
+	return nil
+}
+
+// EncryptedFor lists the KeyIDs an encrypted layer's key is wrapped for, as
+// its JWE headers name them ("kid"; a recipient without one is listed by
+// its algorithm). Nothing secret is needed to read them.
+func EncryptedFor(l ocispec.Descriptor) []string {
+	var ids []string
+	for _, w := range wrappedKeys(l) {
+		for _, r := range w.recipients() {
+			if !slices.Contains(ids, r) {
+				ids = append(ids, r)
+			}
+		}
+	}
+	slices.Sort(ids)
+	return ids
 }

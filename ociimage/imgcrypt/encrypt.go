@@ -1,9 +1,7 @@
-package ociimage
+package imgcrypt
 
 import (
 	"context"
-	"io"
-	"maps"
 	"sync"
 
 	"github.com/opencontainers/go-digest"
@@ -11,6 +9,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/sha256pair"
+	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // EncryptOptions says how Encrypt encrypts layers.
@@ -37,7 +36,7 @@ type EncryptOptions struct {
 // Configs and manifests stay plaintext. Callers put and name the plaintext
 // blobs as before. HasBlob reports only the layers put through this
 // repository, so that every other layer is put (and encrypted).
-func Encrypt(repo Repository, o EncryptOptions) (Repository, error) {
+func Encrypt(repo ociimage.Repository, o EncryptOptions) (ociimage.Repository, error) {
 	if len(o.Recipients) == 0 {
 		return nil, errcode.New(errcode.Usage, "encryption needs at least one recipient (%s)", errcode.Field("encryptRecipient"))
 	}
@@ -45,7 +44,7 @@ func Encrypt(repo Repository, o EncryptOptions) (Repository, error) {
 }
 
 type encrypting struct {
-	Repository
+	ociimage.Repository
 	o      EncryptOptions
 	seal   *sealer // wraps every layer key of this repository (jwe.go)
 	mu     sync.Mutex
@@ -60,13 +59,13 @@ type encLayer struct {
 }
 
 // Unwrap returns the repository underneath.
-func (e *encrypting) Unwrap() Repository { return e.Repository }
+func (e *encrypting) Unwrap() ociimage.Repository { return e.Repository }
 
 // isConfig reports whether a blob of this media type is a config, which
 // stays plaintext (its digest is what the manifest's config names).
 func isConfig(mediaType string) bool {
 	switch mediaType {
-	case MediaTypeVMStateConfig, MediaTypeDiskConfig, ocispec.MediaTypeImageConfig,
+	case ociimage.MediaTypeVMStateConfig, ociimage.MediaTypeDiskConfig, ocispec.MediaTypeImageConfig,
 		"application/vnd.docker.container.image.v1+json", ocispec.MediaTypeEmptyJSON:
 		return true
 	}
@@ -162,47 +161,6 @@ func (e *encrypting) store(ctx context.Context, k layerKey, plain ocispec.Descri
 	return enc, sent, err
 }
 
-// PutBlobStream encrypts a layer of any size as it streams (CTR can start
-// anywhere, so the ciphertext is read twice without being stored: once to
-// digest it, once to upload it).
-func (e *encrypting) PutBlobStream(ctx context.Context, desc ocispec.Descriptor, src io.ReaderAt) error {
-	if isConfig(desc.MediaType) {
-		return PutBlobFrom(ctx, e.Repository, desc, src)
-	}
-	_, err := e.once(ctx, desc.Digest, func() (ocispec.Descriptor, bool, error) {
-		k, err := newLayerKey(desc.Digest, e.o.DedupSecret)
-		if err != nil {
-			return ocispec.Descriptor{}, false, err
-		}
-		ct := &ctrReaderAt{src: src, k: k}
-		h := sha256pair.NewWithPlain(k.key)
-		buf, cbuf := make([]byte, 1<<20), make([]byte, 1<<20)
-		for off := int64(0); off < desc.Size; {
-			n := int(min(int64(len(buf)), desc.Size-off))
-			got, err := src.ReadAt(buf[:n], off)
-			if got < n {
-				if err == nil || err == io.EOF {
-					return ocispec.Descriptor{}, false, errcode.New(errcode.DigestMismatch, "data for blob %s is shorter than the %d bytes its descriptor says", desc.Digest, desc.Size)
-				}
-				return ocispec.Descriptor{}, false, errcode.Ensure(errcode.Internal, err, "reading layer %s to encrypt it", desc.Digest)
-			}
-			k.xorAt(cbuf[:n], buf[:n], off)
-			h.Write2(buf[:n], cbuf[:n])
-			off += int64(n)
-		}
-		plain, sum, mac := h.Sums()
-		if digest.NewDigestFromBytes(digest.SHA256, plain[:]) != desc.Digest {
-			return ocispec.Descriptor{}, false, errcode.New(errcode.DigestMismatch, "data for blob %s does not match its descriptor", desc.Digest)
-		}
-		enc, err := e.describe(k, desc, sum, mac)
-		if err != nil {
-			return enc, false, err
-		}
-		return enc, true, PutBlobFrom(ctx, e.Repository, enc, ct)
-	})
-	return err
-}
-
 // once runs put for the first caller of a plaintext digest; later callers
 // share its result. A failed put is forgotten, so it can be tried again.
 func (e *encrypting) once(ctx context.Context, d digest.Digest, put func() (ocispec.Descriptor, bool, error)) (bool, error) {
@@ -238,73 +196,17 @@ func (e *encrypting) describe(k layerKey, plain ocispec.Descriptor, sum, mac [sh
 		return ocispec.Descriptor{}, err
 	}
 	return ocispec.Descriptor{
-		MediaType:   plain.MediaType + MediaTypeEncryptedSuffix,
+		MediaType:   plain.MediaType + ociimage.MediaTypeEncryptedSuffix,
 		Digest:      digest.NewDigestFromBytes(digest.SHA256, sum[:]),
 		Size:        plain.Size,
 		Annotations: ann,
 	}, nil
 }
 
-// PutManifest stores m with every layer put through this repository
-// replaced by its encrypted blob. A layer stored before (a memory-file
-// delta names its parent's) keeps the encrypted blob it has: as given if
-// it is encrypted, or the one it was read from through Decrypt. Any other
-// layer is refused: it would be stored in the clear.
-func (e *encrypting) PutManifest(ctx context.Context, m ocispec.Manifest) (ocispec.Descriptor, error) {
-	layers := make([]ocispec.Descriptor, len(m.Layers))
-	for i, l := range m.Layers {
-		e.mu.Lock()
-		el := e.layers[l.Digest]
-		e.mu.Unlock()
-		if el == nil {
-			enc, ok := e.stored(l)
-			if !ok {
-				return ocispec.Descriptor{}, errcode.New(errcode.Internal, "layer %s was not stored through the encrypting repository and would be stored in the clear", l.Digest)
-			}
-			layers[i] = enc
-			continue
-		}
-		select {
-		case <-el.done:
-		case <-ctx.Done():
-			return ocispec.Descriptor{}, ctx.Err()
-		}
-		if el.err != nil {
-			return ocispec.Descriptor{}, el.err
-		}
-		enc := l
-		enc.MediaType, enc.Digest, enc.Size = el.desc.MediaType, el.desc.Digest, el.desc.Size
-		enc.Annotations = maps.Clone(l.Annotations)
-		if enc.Annotations == nil {
-			enc.Annotations = map[string]string{}
-		}
-		maps.Copy(enc.Annotations, el.desc.Annotations)
-		layers[i] = enc
-	}
-	m.Layers = layers
-	return e.Repository.PutManifest(ctx, m)
-}
-
-// stored returns the encrypted form of a layer stored before this
-// checkpoint.
-func (e *encrypting) stored(l ocispec.Descriptor) (ocispec.Descriptor, bool) {
-	if IsEncrypted(l) {
-		return l, true
-	}
-	d, ok := e.Repository.(*decrypting)
-	if !ok {
-		return ocispec.Descriptor{}, false
-	}
-	d.mu.Lock()
-	dl, ok := d.layers[l.Digest]
-	d.mu.Unlock()
-	return dl.enc, ok
-}
-
 // addBlob puts data into repo, saying whether it was sent: through the
 // store's AddBlob when it has one (one request for a blob it holds), else
 // HasBlob and PutBlob.
-func addBlob(ctx context.Context, repo Repository, desc ocispec.Descriptor, data []byte) (bool, error) {
+func addBlob(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor, data []byte) (bool, error) {
 	if a, ok := repo.(interface {
 		AddBlob(context.Context, ocispec.Descriptor, []byte) (bool, error)
 	}); ok {
@@ -332,16 +234,3 @@ func getBuffer(n int) []byte {
 }
 
 func putBuffer(b []byte) { buffers.Put(&b) }
-
-// ctrReaderAt is a layer's ciphertext, read from its plaintext at any
-// offset.
-type ctrReaderAt struct {
-	src io.ReaderAt
-	k   layerKey
-}
-
-func (c *ctrReaderAt) ReadAt(p []byte, off int64) (int, error) {
-	n, err := c.src.ReadAt(p, off)
-	c.k.xorAt(p[:n], p[:n], off)
-	return n, err
-}
