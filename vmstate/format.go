@@ -23,18 +23,22 @@ const (
 	// FormatMappedRAM is QEMU's mapped-ram file (QEMU 9.0 or later): the
 	// image's chunks, in order, are that file's bytes.
 	FormatMappedRAM Format = "mapped-ram"
+	// FormatMemoryFile is the guest's RAM stored page-addressed beside the
+	// device state (package ramfile, and memfile.go). It needs a shared
+	// memory-backend-file.
+	FormatMemoryFile Format = "memory-file"
 )
 
 // ParseFormat accepts the format names of the command line ("" is auto).
 func ParseFormat(s string) (Format, error) {
-	switch f := Format(s); f {
-	case "":
+	if s == "" {
 		return FormatAuto, nil
-	case FormatAuto, FormatStream, FormatMappedRAM, FormatMemoryFile:
-		return f, nil
 	}
-	return "", errcode.New(errcode.Usage, "unknown state format %q: use auto, stream, mapped-ram or memory-file", s)
+	return parseName(s, "state format", formatNames...)
 }
+
+// formatNames are the formats a checkpoint may be asked for.
+var formatNames = []Format{FormatAuto, FormatStream, FormatMappedRAM, FormatMemoryFile}
 
 // checkFormat refuses a config whose format this vmsnap does not know.
 func (c Config) checkFormat() error {
@@ -98,7 +102,7 @@ func chooseFormat(ctx context.Context, mon Executor, opts CheckpointOptions, rec
 		}
 		explicit = true
 	default:
-		return "", errcode.New(errcode.Usage, "unknown state format %q: use auto, stream, mapped-ram or memory-file", opts.Format)
+		return "", unknownName("state format", string(opts.Format), formatNames...)
 	}
 	// auto picks mapped-ram for snapshot mode only, where it wins: the VM
 	// runs again once QEMU has written the file, before the upload. In

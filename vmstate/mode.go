@@ -1,6 +1,11 @@
 package vmstate
 
-import "github.com/vmsnap/vmsnap/internal/errcode"
+import (
+	"slices"
+	"strings"
+
+	"github.com/vmsnap/vmsnap/internal/errcode"
+)
 
 // Mode says what happens to the source VM during and after a checkpoint.
 type Mode string
@@ -18,9 +23,24 @@ const (
 
 // ParseMode accepts the mode names of the command line.
 func ParseMode(s string) (Mode, error) {
-	switch m := Mode(s); m {
-	case ModePause, ModeSnapshot, ModeLive:
-		return m, nil
+	return parseName(s, "mode", ModePause, ModeSnapshot, ModeLive)
+}
+
+// parseName accepts one of names, the values of a command line's option
+// (what names it in the error, which lists them).
+func parseName[T ~string](s, what string, names ...T) (T, error) {
+	if i := slices.Index(names, T(s)); i >= 0 {
+		return names[i], nil
 	}
-	return "", errcode.New(errcode.Usage, "unknown mode %q: use pause, snapshot or live", s)
+	return "", unknownName(what, s, names...)
+}
+
+// unknownName is USAGE for a value that is none of names.
+func unknownName[T ~string](what, s string, names ...T) error {
+	list := make([]string, len(names))
+	for i, n := range names {
+		list[i] = string(n)
+	}
+	last := len(list) - 1
+	return errcode.New(errcode.Usage, "unknown %s %q: use %s or %s", what, s, strings.Join(list[:last], ", "), list[last])
 }
