@@ -9,14 +9,14 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // restoreMappedRAM is Restore's mapped-ram path, from Restore, which has
 // loaded and checked the image and the target: it stages the verified file,
 // then has QEMU load it.
-func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository, layers []ocispec.Descriptor, opts RestoreOptions, res *RestoreResult, start time.Time) (out *RestoreResult, err error) {
+func (r *restoreRun) restoreMappedRAM(ctx context.Context, layers []ocispec.Descriptor) (out *RestoreResult, err error) {
+	mon, opts, res := r.mon, r.opts, r.res
 	cfg := res.Config
 	dir := stagingDir(opts.StagingDir)
 	// The checkpoint's bound, whatever sizes the image declares: the VM's
@@ -29,7 +29,7 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	}
 	defer func() {
 		// Last, so that QEMU 9.0 closes its descriptor: it does only while
-		// the VM runs, that is once finishRestore has continued it. QEMU
+		// the VM runs, that is once finish has continued it. QEMU
 		// reads the file: one that holds it open for writing now fails the
 		// restore; one that keeps reading it (9.0, paused) is let be.
 		serr := staging.settle(ctx, err != nil)
@@ -44,12 +44,12 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	if err := f.Truncate(cfg.RawBytes); err != nil {
 		return nil, stagingError(dir, err, "sizing the staging file")
 	}
-	res.Durations.Prepare = time.Since(start)
+	res.Durations.Prepare = time.Since(r.start)
 
 	// Every chunk is verified before it is written, and QEMU sees the file
 	// only once all of them are: a bad chunk leaves the target untouched.
 	streamStart := time.Now()
-	n, err := chunk.DecodeStream(ctx, layers, repo, &sparseWriter{f: f}, opts.Stream)
+	n, err := chunk.DecodeStream(ctx, layers, r.repo, &sparseWriter{f: f}, opts.Stream)
 	if err != nil {
 		// A failed write names the staging file; a failed read from the
 		// store is reported as it is.
@@ -84,5 +84,5 @@ func restoreMappedRAM(ctx context.Context, mon Monitor, repo ociimage.Repository
 	}
 	staging.free() // QEMU has loaded it
 	res.Durations.Stream = time.Since(streamStart)
-	return finishRestore(ctx, mon, opts, res, start)
+	return r.finish(ctx)
 }

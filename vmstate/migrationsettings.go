@@ -42,7 +42,7 @@ type migrationSettings struct {
 // even with an error, and undoes whatever was changed.
 func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (func(context.Context), error) {
 	var undoCaps []map[string]any
-	undoParams := map[string]any{}
+	var undoParams map[string]any
 	undo := func(ctx context.Context) {
 		// Best effort: these only matter to whoever migrates this QEMU next.
 		if len(undoParams) > 0 {
@@ -52,12 +52,23 @@ func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (
 			_ = mon.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": undoCaps}, nil)
 		}
 	}
+	var err error
+	if undoCaps, err = setCapabilities(ctx, mon, set); err != nil || !set.source {
+		return undo, err
+	}
+	undoParams, err = setSourceParameters(ctx, mon, set)
+	return undo, err
+}
+
+// setCapabilities turns on the capabilities set asks for and every other
+// off; it returns what puts them back (nil with an error: nothing changed).
+func setCapabilities(ctx context.Context, mon Monitor, set migrationSettings) ([]map[string]any, error) {
 	var caps []struct {
 		Capability string `json:"capability"`
 		State      bool   `json:"state"`
 	}
 	if err := mon.Execute(ctx, "query-migrate-capabilities", nil, &caps); err != nil {
-		return undo, errcode.Ensure(errcode.QMPError, err, "query-migrate-capabilities")
+		return nil, errcode.Ensure(errcode.QMPError, err, "query-migrate-capabilities")
 	}
 	var change, revert []map[string]any
 	for _, c := range caps {
@@ -79,20 +90,23 @@ func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (
 	}
 	if len(change) > 0 {
 		if err := mon.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": change}, nil); err != nil {
-			return undo, errcode.Ensure(errcode.QMPError, err, "setting the migration capabilities")
+			return nil, errcode.Ensure(errcode.QMPError, err, "setting the migration capabilities")
 		}
-		undoCaps = revert
 	}
-	if !set.source {
-		return undo, nil
-	}
+	return revert, nil
+}
+
+// setSourceParameters sets the source's pace (and multifd channels); it
+// returns the previous values of what it changed (nil with an error:
+// nothing changed).
+func setSourceParameters(ctx context.Context, mon Monitor, set migrationSettings) (map[string]any, error) {
 	var params struct {
 		MaxBandwidth    *int64 `json:"max-bandwidth"`
 		DowntimeLimit   *int64 `json:"downtime-limit"`
 		MultifdChannels *int64 `json:"multifd-channels"`
 	}
 	if err := mon.Execute(ctx, "query-migrate-parameters", nil, &params); err != nil {
-		return undo, errcode.Ensure(errcode.QMPError, err, "query-migrate-parameters")
+		return nil, errcode.Ensure(errcode.QMPError, err, "query-migrate-parameters")
 	}
 	want := map[string]any{}
 	if params.MaxBandwidth != nil {
@@ -108,19 +122,21 @@ func prepareMigration(ctx context.Context, mon Monitor, set migrationSettings) (
 	if set.mappedRAM && params.MultifdChannels != nil {
 		want["multifd-channels"] = multifdChannels()
 	}
-	if len(want) > 0 {
-		if err := mon.Execute(ctx, "migrate-set-parameters", want, nil); err != nil {
-			return undo, errcode.Ensure(errcode.QMPError, err, "setting the migration parameters")
-		}
-		if _, ok := want["max-bandwidth"]; ok {
-			undoParams["max-bandwidth"] = *params.MaxBandwidth
-		}
-		if _, ok := want["downtime-limit"]; ok {
-			undoParams["downtime-limit"] = *params.DowntimeLimit
-		}
-		if _, ok := want["multifd-channels"]; ok {
-			undoParams["multifd-channels"] = *params.MultifdChannels
-		}
+	if len(want) == 0 {
+		return nil, nil
+	}
+	if err := mon.Execute(ctx, "migrate-set-parameters", want, nil); err != nil {
+		return nil, errcode.Ensure(errcode.QMPError, err, "setting the migration parameters")
+	}
+	undo := map[string]any{}
+	if _, ok := want["max-bandwidth"]; ok {
+		undo["max-bandwidth"] = *params.MaxBandwidth
+	}
+	if _, ok := want["downtime-limit"]; ok {
+		undo["downtime-limit"] = *params.DowntimeLimit
+	}
+	if _, ok := want["multifd-channels"]; ok {
+		undo["multifd-channels"] = *params.MultifdChannels
 	}
 	return undo, nil
 }
