@@ -154,7 +154,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 			return err
 		}
 		res, err := snapshot.RestoreState(ctx, snapshot.RestoreSpec{
-			QMPPath: req.VM.QMPPath, QMP: vm.QMP, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
+			QMPPath: req.VM.QMPPath, Handles: &vm.Handles, Image: req.Image, AllowTag: req.AllowTag, Paused: req.Paused,
 			Stream: chunk.StreamOptions{Workers: req.Workers}, Store: store, Progress: s.progress(o),
 			// A mapped-ram image is staged as a file: the agent's root is
 			// read-only, its state directory is not.

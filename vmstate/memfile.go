@@ -36,10 +36,6 @@ import (
 //     them, and writes stay in the VM. Restore then loads the device
 //     state, which takes milliseconds whatever the guest's size.
 
-// FormatMemoryFile is the guest's RAM stored page-addressed beside the
-// device state (package ramfile). It needs a shared memory-backend-file.
-const FormatMemoryFile Format = "memory-file"
-
 const (
 	capIgnoreShared = "x-ignore-shared"
 	// DefaultMaxChain is how many deltas a chain holds before the next
@@ -208,16 +204,16 @@ func (o CheckpointOptions) maxChain() int {
 // maxChainLinks checkpoints).
 const MaxChain = maxChainLinks - 1
 
-// checkpointMemoryFile is Checkpoint's memory-file path: from Checkpoint,
-// which has checked the VM's run state (st) and read its record, whose RAM
-// is a shared memory-backend-file.
-func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Repository, opts CheckpointOptions, st runState, res *CheckpointResult, start time.Time) (out *CheckpointResult, err error) {
+// checkpointMemoryFile is Checkpoint's memory-file path, for a VM whose
+// RAM is a shared memory-backend-file.
+func (r *checkpointRun) checkpointMemoryFile(ctx context.Context) (out *CheckpointResult, err error) {
+	res, opts := r.res, r.opts
 	be := res.Config.Record.RAM
 	res.Config.Format = FormatMemoryFile
 	if be.Bytes != res.Config.Record.MemoryBytes {
 		return nil, errcode.New(errcode.Usage, "the memory backend %s holds %d MiB but the VM has %d MiB of memory (hotplugged memory?): use %s stream", be.ID, be.Bytes>>20, res.Config.Record.MemoryBytes>>20, errcode.Field("format"))
 	}
-	f, err := openCheckpointRAMFile(ctx, mon, opts, be)
+	f, err := openCheckpointRAMFile(ctx, r.mon, opts, be)
 	if err != nil {
 		return nil, err
 	}
@@ -229,7 +225,7 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 		return nil, err
 	}
 	defer release()
-	c := &memFileCheckpoint{mon: mon, repo: repo, opts: opts, res: res, be: be, f: f}
+	c := &memFileCheckpoint{checkpointRun: r, be: be, f: f}
 	if err := c.findParent(ctx); err != nil {
 		return nil, err
 	}
@@ -241,31 +237,25 @@ func checkpointMemoryFile(ctx context.Context, mon Monitor, repo ociimage.Reposi
 	// then wait out its first 100 ms bandwidth window before completing:
 	// 100 ms of the guest's downtime. At full bandwidth it sends them in its
 	// first iteration and completes at once.
-	g, err := guardSource(ctx, mon, st.Running, migrationSettings{source: true, ignoreShared: true})
+	g, err := r.guard(ctx, migrationSettings{source: true, ignoreShared: true})
 	defer g.finish(&out, &err)
 	if err != nil {
 		return nil, err
 	}
-	c.g = g
 	defer c.close()
-	if err := c.tryPrecopy(ctx, st); err != nil {
+	if err := c.tryPrecopy(ctx); err != nil {
 		return nil, err
 	}
 	if c.pre == nil {
-		sub := mon.Subscribe()
-		defer sub.Close()
-		var closeStream func()
-		c.saveDevices, closeStream, err = streamSaver(ctx, mon, g, sub, repo, opts, res)
-		defer closeStream()
-		if err != nil {
+		if c.devices, err = r.newStreamCapture(ctx); err != nil {
 			return nil, err
 		}
 	}
-	if err = stopAndSave(ctx, mon, g, repo, opts, res, start, c.save, c.store); err != nil {
+	if err = r.stopAndSave(ctx, c); err != nil {
 		return nil, err
 	}
 	// Committed: the VM's next checkpoint builds on this one.
-	if err := opts.Records.save(f, be, repo, res.Manifest, c.recorded); err != nil {
+	if err := opts.Records.save(f, be, r.repo, res.Manifest, c.recorded); err != nil {
 		res.RAMRecordNote = fmt.Sprintf("this checkpoint could not be recorded as the VM's next parent (%v): the next is a base", err)
 	}
 	return res, nil

@@ -11,20 +11,15 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
 // memFileCheckpoint carries one memory-file checkpoint's parts between its
 // phases (find the parent, pre-copy, save while stopped, store while
-// running), which stopAndSave calls back into.
+// running): it is the format's capturePhases.
 type memFileCheckpoint struct {
-	mon       Monitor
-	repo      ociimage.Repository
-	opts      CheckpointOptions
-	res       *CheckpointResult
-	g         *sourceGuard
+	*checkpointRun
 	be        *RAMBackend
 	f         *os.File
 	parent    *parentImage
@@ -32,9 +27,9 @@ type memFileCheckpoint struct {
 	// capture and pre are closed by close unless a phase handed them on.
 	capture *ramfile.Capture
 	pre     *precopied
-	// saveDevices streams the device state when no pre-copy carried it.
-	saveDevices func(context.Context) error
-	recorded    *ramfile.PageMap // the page map of this checkpoint, stored
+	// devices streams the device state when no pre-copy carried it.
+	devices  *streamCapture
+	recorded *ramfile.PageMap // the page map of this checkpoint, stored
 }
 
 // openCheckpointRAMFile opens the VM's RAM file and checks that it holds
@@ -72,9 +67,12 @@ func (c *memFileCheckpoint) findParent(ctx context.Context) error {
 	return nil
 }
 
-// close releases what no phase handed on: a pre-copy's files first, then
-// the captured pages.
+// close releases what no phase handed on: the device state's migration,
+// a pre-copy's files, then the captured pages.
 func (c *memFileCheckpoint) close() {
+	if c.devices != nil {
+		c.devices.close()
+	}
 	if c.pre != nil {
 		c.pre.close()
 	}
@@ -89,10 +87,10 @@ func (c *memFileCheckpoint) close() {
 // also the way back from a pre-copy that failed before QEMU stopped the
 // VM, and the only way where QEMU's dirty log misses the guest's writes
 // (precopyUntrusted). An error returned means no scan can follow.
-func (c *memFileCheckpoint) tryPrecopy(ctx context.Context, st runState) error {
+func (c *memFileCheckpoint) tryPrecopy(ctx context.Context) error {
 	res := c.res
 	res.RAMCapture = CaptureScan
-	try := c.opts.Mode == ModeSnapshot && st.Running
+	try := c.opts.Mode == ModeSnapshot && c.st.Running
 	if try {
 		if why := precopyUntrusted(ctx, c.mon, res.Config.Record.QEMUVersion); why != "" {
 			res.RAMCaptureNote, try = why, false
@@ -127,8 +125,8 @@ func (c *memFileCheckpoint) tryPrecopy(ctx context.Context, st runState) error {
 // save runs while the VM is stopped: the device state (unless a pre-copy
 // carried it), then the changed pages copied aside.
 func (c *memFileCheckpoint) save(ctx context.Context) error {
-	if c.saveDevices != nil {
-		if err := c.saveDevices(ctx); err != nil {
+	if c.devices != nil {
+		if err := c.devices.save(ctx); err != nil {
 			return err
 		}
 	}

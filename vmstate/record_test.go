@@ -2,6 +2,7 @@ package vmstate
 
 import (
 	"context"
+	"encoding/json"
 	"maps"
 	"slices"
 	"strings"
@@ -229,5 +230,39 @@ func TestRestoreRefusesOtherCPUFeaturesBeforeSendingAByte(t *testing.T) {
 	}
 	if slices.Contains(dst.Commands(), "getfd") || dst.Status() != "inmigrate" {
 		t.Fatalf("the target was touched: %v, status %s", dst.Commands(), dst.Status())
+	}
+}
+
+// executorFunc answers QMP commands from a function, as a QEMU would.
+type executorFunc func(command string) (string, error)
+
+func (f executorFunc) Execute(_ context.Context, command string, _, result any) error {
+	reply, err := f(command)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal([]byte(reply), result)
+}
+
+// TestReadPCIWalksBridges reads query-pci's answer as QEMU gives it for a
+// device behind a PCI bridge (the bridge's bus is an object there, the
+// root bus's a number): every function is listed, sorted.
+func TestReadPCIWalksBridges(t *testing.T) {
+	reply := `[{"bus": 0, "devices": [
+		{"bus": 0, "slot": 3, "function": 0, "class_info": {"class": 1540}, "id": {"vendor": 6966, "device": 1}, "qdev_id": "br0",
+		 "pci_bridge": {"bus": {"number": 1, "secondary": 1, "subordinate": 1}, "devices": [
+			{"bus": 1, "slot": 1, "function": 0, "class_info": {"class": 512}, "id": {"vendor": 6900, "device": 4096}, "qdev_id": "net0"}]}},
+		{"bus": 0, "slot": 0, "function": 0, "class_info": {"class": 1536}, "id": {"vendor": 32902, "device": 4663}}]}]`
+	got, err := readPCI(context.Background(), executorFunc(func(string) (string, error) { return reply, nil }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		"00:00.0 8086:1237 class=0600",
+		"00:03.0 1b36:0001 class=0604 id=br0",
+		"01:01.0 1af4:1000 class=0200 id=net0",
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("devices:\n%q\nwant\n%q", got, want)
 	}
 }

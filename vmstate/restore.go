@@ -2,7 +2,6 @@ package vmstate
 
 import (
 	"context"
-	"io"
 	"os"
 	"time"
 
@@ -127,69 +126,25 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	if err := checkRestorable(ctx, mon, res.Config, res.Manifest.Digest, target, prepared); err != nil {
 		return nil, err
 	}
+	run := &restoreRun{mon: mon, repo: repo, opts: opts, res: res, start: start}
 	if res.Config.Format == FormatMappedRAM {
-		return restoreMappedRAM(ctx, mon, repo, m.Layers, opts, res, start)
+		return run.restoreMappedRAM(ctx, m.Layers)
 	}
-	// A memory-file image's RAM is the file the target maps (Prepare):
-	// only the device state goes through the stream.
-	stream, _, err := res.Config.checkRAM(m.Layers)
-	if err != nil {
-		return nil, err
-	}
-	if _, err := prepareMigration(ctx, mon, migrationSettings{ignoreShared: res.Config.Format == FormatMemoryFile}); err != nil {
-		// A target is discarded on failure: its settings need no undo.
-		return nil, err
-	}
-	sub := mon.Subscribe()
-	defer sub.Close()
-	res.Durations.Prepare = time.Since(start)
+	return run.restoreStream(ctx, m.Layers)
+}
 
-	streamStart := time.Now()
-	r, w, err := os.Pipe()
-	if err != nil {
-		return nil, errcode.Wrap(errcode.Internal, err, "creating the migration pipe")
-	}
-	defer w.Close()
-	growPipe(w)
-	in := &lazyIncoming{w: w, start: func() error {
-		name, err := passFile(ctx, mon, r)
-		r.Close() // QEMU holds its own copy now
-		if err != nil {
-			return err
-		}
-		if err := mon.Execute(ctx, "migrate-incoming", map[string]string{"uri": "fd:" + name}, nil); err != nil {
-			_ = mon.Execute(ctx, "closefd", map[string]string{"fdname": name}, nil)
-			return errcode.Ensure(errcode.QMPError, err, "starting the incoming migration")
-		}
-		return nil
-	}}
-	// A QEMU that stops reading must not hold us past the caller's deadline.
-	unblock := context.AfterFunc(ctx, func() { _ = w.SetWriteDeadline(time.Unix(1, 0)) })
-	res.RawBytes, err = chunk.DecodeStream(ctx, stream, repo, in, opts.Stream)
-	unblock()
-	w.Close() // end of stream for QEMU: it loads what it has and finishes or fails
-	if !in.started {
-		r.Close()
-		if err == nil {
-			err = errcode.New(errcode.InvalidInput, "the image holds no VM state")
-		}
-	}
-	if err != nil {
-		if in.started {
-			// QEMU has part of a stream. If the cut fell after the stream's
-			// end marker it may even load and run it: make sure it does not.
-			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-			_ = mon.Execute(cctx, "quit", nil, nil)
-			cancel()
-			return nil, errcode.Wrap(errcode.Of(err), err, "the restore stopped part-way, so the waiting QEMU was told to quit: start a new one to try again")
-		}
-		return nil, err
-	}
-	if _, err := waitMigration(ctx, mon, sub, nil); err != nil {
-		return nil, err
-	}
-	res.Durations.Stream = time.Since(streamStart)
-	return finishRestore(ctx, mon, opts, res, start)
+// restoreRun is one restore, as each format's path shares it: the waiting
+// QEMU's monitor, the store the image is read from (the node's cache, if
+// it has the image), the options, and the result it fills in. Restore
+// fills it in once the image and the target are checked, and hands it to
+// the format's path (restoreStream, restoreMappedRAM), which ends in
+// finish.
+type restoreRun struct {
+	mon   Monitor
+	repo  ociimage.Repository
+	opts  RestoreOptions
+	res   *RestoreResult
+	start time.Time
 }
 
 // holdCache opens a restore's cache for lookups. A cache that cannot be
@@ -206,9 +161,10 @@ func holdCache(c *ramfile.Cache) *ramfile.Held {
 	return h
 }
 
-// finishRestore sets a loaded VM's run state (continued, or stopped if
-// opts.Paused) and completes res: the end of either restore path.
-func finishRestore(ctx context.Context, mon Monitor, opts RestoreOptions, res *RestoreResult, start time.Time) (*RestoreResult, error) {
+// finish sets a loaded VM's run state (continued, or stopped if
+// opts.Paused) and completes res: the end of every restore path.
+func (r *restoreRun) finish(ctx context.Context) (*RestoreResult, error) {
+	mon, opts, res := r.mon, r.opts, r.res
 	st, err := queryStatus(ctx, mon)
 	if err != nil {
 		return nil, err
@@ -223,30 +179,8 @@ func finishRestore(ctx context.Context, mon Monitor, opts RestoreOptions, res *R
 		return nil, errcode.Ensure(errcode.QMPError, err, "setting the restored VM's run state")
 	}
 	res.VMRunning = !opts.Paused
-	res.Durations.Total = time.Since(start)
+	res.Durations.Total = time.Since(r.start)
 	return res, nil
-}
-
-// lazyIncoming starts QEMU's incoming migration on the first write, that is
-// once the first chunk has been fetched and verified.
-type lazyIncoming struct {
-	w       io.Writer
-	start   func() error
-	started bool
-}
-
-func (l *lazyIncoming) Write(p []byte) (int, error) {
-	if !l.started {
-		l.started = true
-		if err := l.start(); err != nil {
-			return 0, err
-		}
-	}
-	n, err := l.w.Write(p)
-	if err != nil {
-		err = errcode.Wrap(errcode.QMPError, err, "QEMU stopped reading the state stream (see QEMU's log for why)")
-	}
-	return n, err
 }
 
 // FinishIncoming waits until a QEMU that loads a stream by itself (started

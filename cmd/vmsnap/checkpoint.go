@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"strconv"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -21,10 +22,16 @@ type streamFlags struct {
 	workers   int
 }
 
-func (f *streamFlags) add(c *cobra.Command) {
+// add adds the flags to c; workersDefault says what an unset --workers
+// means for c: chunk.DefaultWorkers, unless c has its own.
+func (f *streamFlags) add(c *cobra.Command, workersDefault string) {
 	c.Flags().IntVar(&f.chunkSize, "chunk-size", 8<<20, "average raw bytes per chunk, a power of two (each chunk is one compressed, digest-addressed blob, cut where the content says, between a quarter and 1.5 times this; grows for VMs over 64 GiB)")
-	c.Flags().IntVar(&f.workers, "workers", 0, "chunks compressed, fetched or decompressed at once (default 2; each one more holds up to two chunks in memory, 24 MiB at the default chunk size: raise it for a fast registry link with spare cores)")
+	c.Flags().IntVar(&f.workers, "workers", 0, "chunks compressed, fetched or decompressed at once (default "+workersDefault+"; each one more holds up to two chunks in memory, 24 MiB at the default chunk size: raise it for a fast registry link with spare cores)")
 }
+
+// streamWorkers is the default of --workers where only the chunk codec
+// uses it.
+var streamWorkers = strconv.Itoa(chunk.DefaultWorkers)
 
 func (f *streamFlags) options() chunk.StreamOptions {
 	return chunk.StreamOptions{ChunkSize: f.chunkSize, Workers: f.workers}
@@ -96,7 +103,7 @@ func newCheckpointCmd(out *globalOutput) *cobra.Command {
 	c.Flags().StringVar(&f.stagingDir, "staging-dir", "", "where a mapped-ram checkpoint has QEMU write the state before it is stored (default $TMPDIR; sparse, about the guest's used memory)")
 	c.Flags().IntVar(&f.keep, "keep", 0, "after the checkpoint, keep the `N` newest checkpoints of the --image repository and delete the older ones (see vmsnap prune; 0: prune nothing, through --agent: the agent's --keep)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
-	f.stream.add(c)
+	f.stream.add(c, streamWorkers)
 	f.registry.add(c)
 	f.encrypt.add(c)
 	f.decrypt.add(c)

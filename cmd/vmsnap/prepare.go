@@ -15,6 +15,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/ramfile"
 )
 
 type prepareFlags struct {
@@ -67,7 +68,7 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 	c.Flags().StringVar(&f.stateDir, "state-dir", "", "where restore --to-dir staged this snapshot: record the result there (prepared.json) for vmsnap launch --state-dir")
 	c.Flags().StringVar(&f.agent, "agent", "", "ask the node agent at unix:///PATH to prepare the file in its cache of your namespace instead of here")
 	c.Flags().StringVar(&f.namespace, "namespace", "", "with --agent, for an admin caller: the namespace whose cache to fill (default the caller's)")
-	f.stream.add(c)
+	f.stream.add(c, fmt.Sprintf("%d, the RAM file's regions fetched and written at once", ramfile.DefaultMaterializeWorkers))
 	f.registry.add(c)
 	f.decrypt.add(c)
 	f.verify.add(c)

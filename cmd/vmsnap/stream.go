@@ -53,7 +53,7 @@ loads: prefer "vmsnap restore --qmp SOCK" into a QEMU started with
 	c.Flags().StringVar(&dir, "dir", "", "the directory restore --to-dir staged the snapshot in (required)")
 	c.Flags().StringVar(&qmpPath, "qmp", "", "the loading QEMU's monitor socket: continue the VM once it has loaded the state")
 	c.Flags().BoolVar(&paused, "paused", false, "with --qmp: leave the VM stopped once loaded")
-	stream.add(c)
+	stream.add(c, streamWorkers)
 	return c
 }
 
@@ -185,7 +185,7 @@ func newLoadCmd() *cobra.Command {
 	c.Flags().StringVar(&dir, "dir", "", "where restore --to-dir staged the snapshot and prepare --state-dir recorded its RAM file")
 	c.Flags().StringVar(&qmpPath, "qmp", "", "the waiting QEMU's monitor socket")
 	c.Flags().DurationVar(&timeout, "timeout", 10*time.Minute, "give up (and quit QEMU) after this long")
-	stream.add(c)
+	stream.add(c, streamWorkers)
 	return c
 }
 

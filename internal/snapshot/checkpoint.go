@@ -144,13 +144,11 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 	if err != nil {
 		return nil, err
 	}
-	h, err := s.handles()
+	h, done, err := handlesFor("checkpoint", s.Handles, s.QMPPath, s.DiskPath)
 	if err != nil {
 		return nil, err
 	}
-	if s.Handles == nil {
-		defer h.Close()
-	}
+	defer done()
 	c.h = h
 	if h.Disk != nil {
 		// Refuse a bad overlay before the VM is touched.
@@ -185,18 +183,6 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 		out.Pruned = PruneAfterCheckpoint(ctx, s.Image, s.Keep, s.Store)
 	}
 	return out, nil
-}
-
-// handles returns the spec's Handles, or opens its paths (OpenLocal); the
-// caller closes what it opened.
-func (s CheckpointSpec) handles() (*Handles, error) {
-	if s.Handles == nil {
-		return OpenLocal(s.QMPPath, s.DiskPath)
-	}
-	if s.Handles.QMP == nil || (s.Handles.Disk != nil) != (s.DiskPath != "") {
-		return nil, errcode.New(errcode.Internal, "the checkpoint's opened files do not match its QMP socket and disk paths")
-	}
-	return s.Handles, nil
 }
 
 // formatName is a config's format as results print it ("stream" for the

@@ -35,6 +35,23 @@ func (h *Handles) Close() error {
 	return errors.Join(errs...)
 }
 
+// handlesFor returns the Handles an operation (what) was given, checked
+// against the paths they stand for, or else opens those paths as the
+// caller's own (OpenLocal). done closes what handlesFor opened: given
+// Handles stay their caller's.
+func handlesFor(what string, given *Handles, qmpPath, diskPath string) (h *Handles, done func(), err error) {
+	if given == nil {
+		if h, err = OpenLocal(qmpPath, diskPath); err != nil {
+			return nil, nil, err
+		}
+		return h, func() { h.Close() }, nil
+	}
+	if given.QMP == nil || (given.Disk != nil) != (diskPath != "") {
+		return nil, nil, errcode.New(errcode.Internal, "the %s's opened files do not match its QMP socket and disk paths", what)
+	}
+	return given, func() {}, nil
+}
+
 // OpenLocal opens the disk overlay (if diskPath is not empty) and the QMP
 // socket at paths the caller owns, as the CLI does for a VM of its own:
 // each path is followed as given, once, and checked through what was

@@ -2,7 +2,6 @@ package snapshot
 
 import (
 	"context"
-	"os"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -17,10 +16,11 @@ import (
 // RestoreSpec is a restore of VM state into a QEMU waiting with -incoming defer.
 type RestoreSpec struct {
 	QMPPath string // names the QMP socket, as CheckpointSpec's
-	// QMP is the socket opened by whoever resolved it (an O_PATH
-	// descriptor, the agent's); without it, QMPPath is opened as the
-	// caller's own path. The caller keeps ownership.
-	QMP      *os.File
+	// Handles, as CheckpointSpec's: the QMP socket opened by whoever
+	// resolved it (the agent's resolver), and no disk (a restore loads
+	// the state only). Without them, QMPPath is opened as the caller's own
+	// path. The caller keeps ownership.
+	Handles  *Handles
 	Image    string // REF@sha256:...
 	AllowTag bool
 	Paused   bool
@@ -49,16 +49,12 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 	if err != nil {
 		return nil, err
 	}
-	q := s.QMP
-	if q == nil {
-		h, err := OpenLocal(s.QMPPath, "")
-		if err != nil {
-			return nil, err
-		}
-		defer h.Close()
-		q = h.QMP
+	h, done, err := handlesFor("restore", s.Handles, s.QMPPath, "")
+	if err != nil {
+		return nil, err
 	}
-	mon, err := qmp.DialFile(ctx, q, s.QMPPath)
+	defer done()
+	mon, err := qmp.DialFile(ctx, h.QMP, s.QMPPath)
 	if err != nil {
 		return nil, err
 	}

@@ -26,7 +26,7 @@ type StageSpec struct {
 	Dir      string
 	AllowTag bool
 	MaxBytes int64
-	Workers  int // blobs fetched at once (0: defaultStageWorkers)
+	Workers  int // blobs fetched at once (0: DefaultStageWorkers)
 	Store    []ociimage.Option
 }
 
@@ -75,15 +75,16 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	return st, nil
 }
 
-// defaultStageWorkers is how many blobs Stage fetches at once unless told:
+// DefaultStageWorkers is how many blobs Stage fetches at once unless told:
 // an init container has nothing else to do, and each holds one chunk.
-const defaultStageWorkers = 4
+// It is a default, not a floor: --workers 1 fetches one at a time.
+const DefaultStageWorkers = 4
 
 // stageWorkers honours a caller's count (--workers 1 fetches one blob at a
 // time) and defaults the unset one.
 func stageWorkers(n int) int {
 	if n <= 0 {
-		return defaultStageWorkers
+		return DefaultStageWorkers
 	}
 	return n
 }

@@ -71,9 +71,12 @@ type StreamOptions struct {
 	Fixed bool
 }
 
+// DefaultWorkers is how many chunks a stream compresses, fetches or
+// decompresses at once unless told (StreamOptions.Workers).
+const DefaultWorkers = 2
+
 const (
 	defaultChunkSize = 8 << 20
-	defaultWorkers   = 2
 	defaultUploads   = 3
 	// maxAverageChunk keeps every chunk storable: chunks reach twice the
 	// average, and incompressible data grows a little in zstd, so twice
@@ -100,7 +103,7 @@ func EffectiveChunkSize(n int) int {
 func (o StreamOptions) WithDefaults() StreamOptions {
 	o.ChunkSize = EffectiveChunkSize(o.ChunkSize)
 	if o.Workers <= 0 {
-		o.Workers = defaultWorkers
+		o.Workers = DefaultWorkers
 	}
 	if o.Uploads <= 0 {
 		o.Uploads = defaultUploads

@@ -34,9 +34,13 @@ func fetch(ctx context.Context, src chunk.BlobSource, dec interface {
 	return out, nil
 }
 
+// DefaultMaterializeWorkers is how many regions Materialize fetches and
+// writes at once unless told: a fetch mostly waits on the store.
+const DefaultMaterializeWorkers = 4
+
 // MaterializeOptions tunes Materialize.
 type MaterializeOptions struct {
-	Workers  int                   // regions fetched and written at once (default 4: a fetch mostly waits on the store)
+	Workers  int                   // regions fetched and written at once (default DefaultMaterializeWorkers)
 	Progress func(bytesDone int64) // compressed bytes fetched so far
 	// MaxDataBytes, if above 0, is the most the file may allocate (the
 	// image's declared data, with room for rounding): an image whose
@@ -61,7 +65,7 @@ func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os
 		return 0, errcode.Wrap(errcode.Internal, err, "sizing the RAM file")
 	}
 	if opts.Workers <= 0 {
-		opts.Workers = 4
+		opts.Workers = DefaultMaterializeWorkers
 	}
 	m := &materializer{src: src, f: f, size: size, opts: opts, written: make([]byte, (Pages(size)+7)/8)}
 	// Runs of strictly increasing offsets hold each region at most once:
