@@ -37,7 +37,7 @@ var bodyTimeout = 10 * time.Second
 //
 //	POST   /v1/checkpoints          api.CheckpointRequest -> 202 api.Operation
 //	POST   /v1/restores             api.RestoreRequest    -> 202 api.Operation
-//	POST   /v1/prepare              api.PrepareRequest    -> 200 api.PrepareResult (synchronous)
+//	POST   /v1/prepares             api.PrepareRequest    -> 202 api.Operation
 //	GET    /v1/operations           {"operations": [api.Operation]}
 //	GET    /v1/operations/{id}      api.Operation
 //	DELETE /v1/operations/{id}      cancel -> 202 api.Operation
@@ -68,21 +68,14 @@ func (s *Server) Handler() http.Handler {
 		s.log.Info("restore requested", "pod", req.VM.PodUID, "container", req.VM.Container, "image", req.Image, "caller", c.String())
 		respond(w, http.StatusAccepted)(s.StartRestore(r.Context(), req))
 	})
-	v1("POST /v1/prepare", func(w http.ResponseWriter, r *http.Request) {
+	v1("POST /v1/prepares", func(w http.ResponseWriter, r *http.Request) {
 		var req api.PrepareRequest
 		if !decode(w, r, &req) {
 			return
 		}
 		c, _ := callerFrom(r.Context())
 		s.log.Info("prepare requested", "image", req.Image, "namespace", req.Namespace, "caller", c.String())
-		res, err := s.Prepare(r.Context(), req)
-		if err != nil {
-			s.log.Info("prepare failed", "image", req.Image, "code", errcode.Of(err), "err", err)
-			writeError(w, err)
-			return
-		}
-		s.log.Info("prepare done", "image", res.Image, "fetchedBytes", res.FetchedBytes)
-		writeJSON(w, http.StatusOK, res)
+		respond(w, http.StatusAccepted)(s.StartPrepare(r.Context(), req))
 	})
 	v1("GET /v1/operations", func(w http.ResponseWriter, r *http.Request) {
 		c, _ := callerFrom(r.Context())

@@ -160,7 +160,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 			// read-only, its state directory is not.
 			StagingDir: s.cfg.StateDir, StagingOwner: stagingOwner(target),
 			// The RAM cache of the VM's own namespace, and no other: what
-			// its callers prepared there (Prepare).
+			// its callers prepared there (StartPrepare).
 			CacheDir: restoreCacheDir(s.cfg.StateDir, target.Namespace),
 		})
 		if err == nil {

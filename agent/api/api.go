@@ -96,7 +96,8 @@ type ChainLink struct {
 }
 
 // PrepareRequest asks the node agent to ready a memory-file image's RAM
-// file in its cache (POST /v1/prepare). The cache is the caller's
+// file in its cache (POST /v1/prepares: an operation, whose result is a
+// PrepareResult). The cache is the caller's
 // namespace's (STATE_DIR/ram/NAMESPACE): QEMU before 8.2 opens a
 // share=off file read-write, so files are shared within one tenant only.
 type PrepareRequest struct {
@@ -380,6 +381,7 @@ type RestoreRequest struct {
 const (
 	KindCheckpoint = "checkpoint"
 	KindRestore    = "restore"
+	KindPrepare    = "prepare"
 
 	StatePending   = "pending"   // waiting for a slot on the node
 	StateRunning   = "running"   // under way
@@ -388,19 +390,25 @@ const (
 	StateCancelled = "cancelled" // cancelled by a caller or because the VM went away; Error says which
 )
 
-// Operation is one checkpoint or restore run by the agent.
+// Operation is one checkpoint, restore or prepare run by the agent.
 type Operation struct {
-	ID       string             `json:"id"`
-	Kind     string             `json:"kind"`
-	State    string             `json:"state"`
-	VM       VMRef              `json:"vm"`
-	Target   *Target            `json:"target,omitempty"`
-	Created  time.Time          `json:"created"`
-	Updated  time.Time          `json:"updated"`
-	Progress *OperationProgress `json:"progress,omitempty"`
+	ID    string `json:"id"`
+	Kind  string `json:"kind"`
+	State string `json:"state"`
+	// VM and Target are the VM a checkpoint or restore acts on (a
+	// prepare acts on none).
+	VM     VMRef   `json:"vm"`
+	Target *Target `json:"target,omitempty"`
+	// Namespace is the namespace the operation acts in (who may see it):
+	// its VM's pod's, or the one whose RAM cache a prepare fills.
+	Namespace string             `json:"namespace,omitempty"`
+	Created   time.Time          `json:"created"`
+	Updated   time.Time          `json:"updated"`
+	Progress  *OperationProgress `json:"progress,omitempty"`
 	// Exactly one of these is set once the operation has ended.
 	Checkpoint *CheckpointResult `json:"checkpoint,omitempty"`
 	Restore    *RestoreResult    `json:"restore,omitempty"`
+	Prepare    *PrepareResult    `json:"prepare,omitempty"`
 	Error      *Error            `json:"error,omitempty"`
 }
 

@@ -254,7 +254,11 @@ func viaAgent(ctx context.Context, out *globalOutput, address string, start func
 	if err != nil {
 		return o, fromAgent(err)
 	}
-	fmt.Fprintf(out.stderr, "vmsnap: %s %s of pod %s accepted by the agent (%s)\n", o.Kind, o.ID, o.VM.PodUID, o.State)
+	of := "pod " + o.VM.PodUID
+	if o.Kind == api.KindPrepare {
+		of = "namespace " + o.Namespace
+	}
+	fmt.Fprintf(out.stderr, "vmsnap: %s %s of %s accepted by the agent (%s)\n", o.Kind, o.ID, of, o.State)
 	last := o.State
 	var lastPrint time.Time
 	o, err = c.Wait(ctx, o.ID, func(o api.Operation) {
