@@ -13,7 +13,6 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/rootfs"
-	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 // StartCheckpoint validates and resolves a checkpoint request, registers the
@@ -23,7 +22,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		return api.Operation{}, err
 	}
 	spec := snapshot.CheckpointSpec{
-		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: vmstate.Mode(req.Mode),
+		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: req.Mode,
 		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers},
 		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
 		// gets it as a descriptor, so its container need not see the path).

@@ -13,30 +13,19 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
-// Mode says what happens to the source VM during and after a checkpoint.
-type Mode string
+// Mode is vmspec.Mode, by the name vmstate's own code uses (one type:
+// defined in the leaf so that agent/api carries it without vmstate).
+type Mode = vmspec.Mode
 
+// The modes (vmspec).
 const (
-	// ModePause stops the VM and leaves it stopped once the snapshot is
-	// stored: the source is about to be discarded. On failure it runs again.
-	ModePause Mode = "pause"
-	// ModeSnapshot stops the VM, captures it and lets it run again.
-	ModeSnapshot Mode = "snapshot"
-	// ModeLive uses QEMU's background-snapshot: the VM keeps running and the
-	// image holds its state at the start of the checkpoint.
-	ModeLive Mode = "live"
+	ModePause    = vmspec.ModePause
+	ModeSnapshot = vmspec.ModeSnapshot
+	ModeLive     = vmspec.ModeLive
 )
-
-// ParseMode accepts the mode names of the command line.
-func ParseMode(s string) (Mode, error) {
-	switch m := Mode(s); m {
-	case ModePause, ModeSnapshot, ModeLive:
-		return m, nil
-	}
-	return "", errcode.New(errcode.Usage, "unknown mode %q: use pause, snapshot or live", s)
-}
 
 // Config is the config blob of a VM state image.
 type Config struct {

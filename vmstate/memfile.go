@@ -35,10 +35,6 @@ import (
 //     them, and writes stay in the VM. Restore then loads the device
 //     state, which takes milliseconds whatever the guest's size.
 
-// FormatMemoryFile is the guest's RAM stored page-addressed beside the
-// device state (package ramfile). It needs a shared memory-backend-file.
-const FormatMemoryFile Format = "memory-file"
-
 const (
 	capIgnoreShared = "x-ignore-shared"
 	// DefaultMaxChain is how many deltas a chain holds before the next

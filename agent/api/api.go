@@ -3,6 +3,11 @@
 // HTTP API, and its events. The CLI running locally, the agent, and the
 // Job client talking to the agent all produce and read these same types, so
 // a controller sees one shape whichever way a checkpoint ran.
+//
+// It is a light package, for the agent's callers: it links no more than
+// errcode and vmstate/vmspec (the names of modes and formats), never
+// vmstate itself (what inspect prints, which holds vmstate's config, is
+// internal/snapshot's InspectResult).
 package api
 
 import (
@@ -11,6 +16,7 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // CheckpointResult is what a checkpoint produced.
@@ -21,7 +27,7 @@ type CheckpointResult struct {
 	VMState    VMStateResult  `json:"vmstate"`
 	Disk       *DiskResult    `json:"disk,omitempty"`
 	Rootfs     *RootfsResult  `json:"rootfs,omitempty"`
-	Mode       string         `json:"mode"`
+	Mode       vmspec.Mode    `json:"mode"`
 	DowntimeMs float64        `json:"downtimeMs"`
 	VMRunning  bool           `json:"vmRunning"`
 	TotalMs    float64        `json:"totalMs"`
@@ -50,7 +56,7 @@ type VMStateResult struct {
 	MemoryBytes   int64  `json:"memoryBytes"`
 	// Format is how the image holds the state: stream, mapped-ram or
 	// memory-file (then RAM describes the RAM file).
-	Format      string             `json:"format"`
+	Format      vmspec.Format      `json:"format"`
 	RAM         *RAMResult         `json:"ram,omitempty"`
 	DurationsMs map[string]float64 `json:"durationsMs"`
 }
@@ -230,7 +236,7 @@ type StagedState struct {
 	Bytes      int64  `json:"bytes"`
 	// Format is the image's state format; "memory-file": only its device
 	// state was staged, its RAM file is prepared apart (vmsnap prepare).
-	Format string `json:"format,omitempty"`
+	Format vmspec.Format `json:"format,omitempty"`
 }
 
 // Endpoint is where a restored VM now lives. Whoever routes to the VM
@@ -347,10 +353,10 @@ type CheckpointRequest struct {
 	DiskImage string `json:"diskImage,omitempty"`
 	// RootfsImage, if set, is where the QEMU container's writable layer
 	// goes, as a container image (its image plus one layer).
-	RootfsImage string `json:"rootfsImage,omitempty"`
-	Mode        string `json:"mode,omitempty"` // pause, snapshot (default) or live
-	ChunkSize   int    `json:"chunkSize,omitempty"`
-	Workers     int    `json:"workers,omitempty"`
+	RootfsImage string      `json:"rootfsImage,omitempty"`
+	Mode        vmspec.Mode `json:"mode,omitempty"` // pause, snapshot (default) or live
+	ChunkSize   int         `json:"chunkSize,omitempty"`
+	Workers     int         `json:"workers,omitempty"`
 	// Keep, if above 0, prunes the state image's repository once the
 	// checkpoint succeeded, keeping the Keep newest checkpoints (as vmsnap
 	// prune --keep). 0 takes the agent's --keep default (none: no prune).

@@ -14,6 +14,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 type streamFlags struct {
@@ -88,8 +89,8 @@ func newCheckpointCmd(out *globalOutput) *cobra.Command {
 	c.Flags().StringVar(&f.disk, "disk", "", "the VM's writable qcow2 overlay to capture as well")
 	c.Flags().StringVar(&f.diskImage, "disk-image", "", "where to store the disk overlay image (required with --disk, unless the disk is in the container's writable layer captured by --rootfs-image)")
 	c.Flags().StringVar(&f.rootfsImage, "rootfs-image", "", "with --agent: also capture the QEMU container's writable layer (its image plus one layer of changes) as an image here")
-	c.Flags().StringVar(&f.mode, "mode", string(vmstate.ModeSnapshot), "pause, snapshot or live (see above)")
-	c.Flags().StringVar(&f.format, "format", string(vmstate.FormatAuto), "auto, stream, mapped-ram or memory-file (see above)")
+	c.Flags().StringVar(&f.mode, "mode", string(vmspec.ModeSnapshot), "pause, snapshot or live (see above)")
+	c.Flags().StringVar(&f.format, "format", string(vmspec.FormatAuto), "auto, stream, mapped-ram or memory-file (see above)")
 	c.Flags().StringVar(&f.parent, "parent", "", "memory-file: store the pages that changed since this checkpoint, REF@sha256:... in the --image repository, each page it vouches for checked against the VM's memory unless this node recorded it (default: the VM's last checkpoint as --parent-records holds it)")
 	c.Flags().StringVar(&f.parentRecords, "parent-records", snapshot.DefaultParentRecordsDir(), "memory-file: the directory (yours, mode 0700) where this node records each VM's last checkpoint, the parent of its next; \"\" keeps none (every checkpoint a base, or on --parent)")
 	c.Flags().IntVar(&f.maxChain, "max-chain", vmstate.DefaultMaxChain, "memory-file: how many deltas a chain may hold before the next checkpoint is a fresh base (each delta adds layers that a cold restore fetches)")
@@ -116,11 +117,11 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 	if err := f.agent.check(); err != nil {
 		return err
 	}
-	mode, err := vmstate.ParseMode(f.mode)
+	mode, err := vmspec.ParseMode(f.mode)
 	if err != nil {
 		return err
 	}
-	format, err := vmstate.ParseFormat(f.format)
+	format, err := vmspec.ParseFormat(f.format)
 	if err != nil {
 		return err
 	}
@@ -146,7 +147,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		return err
 	}
 	encrypt = append(encrypt, sign...)
-	if f.agent.address != "" && (format != vmstate.FormatAuto || f.stagingDir != "" || f.parentRecordsSet) {
+	if f.agent.address != "" && (format != vmspec.FormatAuto || f.stagingDir != "" || f.parentRecordsSet) {
 		return errcode.New(errcode.Usage, "--format, --staging-dir and --parent-records apply to a local checkpoint: the node agent picks the format itself and keeps its own records")
 	}
 	if f.maxChain < 0 {
@@ -158,7 +159,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 	if f.agent.address != "" {
 		o, err := viaAgent(ctx, out, f.agent.address, func(c *agent.Client) (api.Operation, error) {
 			return c.Checkpoint(ctx, api.CheckpointRequest{
-				VM: f.agent.vm(f.qmp, f.disk), Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: string(mode),
+				VM: f.agent.vm(f.qmp, f.disk), Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: mode,
 				ChunkSize: f.stream.chunkSize, Workers: f.stream.workers, Keep: f.keep, Parent: f.parent, MaxChain: f.maxChain,
 			})
 		})

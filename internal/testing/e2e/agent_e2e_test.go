@@ -25,6 +25,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testing/containerd"
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/internal/testing/ocischema"
@@ -485,7 +486,7 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 			t.Errorf("the rootfs layer holds %s, from the volume", name)
 		}
 	}
-	ins := cliJSON[api.InspectResult](t, "inspect", cp.Checkpoint.Image)
+	ins := cliJSON[snapshot.InspectResult](t, "inspect", cp.Checkpoint.Image)
 	if c := ins.Checkpoint; c == nil || c.VMState != cp.VMState.Image || c.Disk != cp.Disk.Image || c.Rootfs != cp.Rootfs.Image || c.DiskInRootfs != nil ||
 		ins.LinkedDisk == nil || ins.LinkedRootfs == nil || ins.LinkedRootfs.Layer != cp.Rootfs.Layer {
 		t.Fatalf("inspect does not show the checkpoint's images: %+v (linked rootfs %+v)", ins.Checkpoint, ins.LinkedRootfs)
@@ -568,7 +569,7 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 	if _, ok := entries["vm/disk/base.qcow2"]; !ok {
 		t.Fatal("the rootfs layer does not hold the overlay's base")
 	}
-	ins := cliJSON[api.InspectResult](t, "inspect", "oci:"+stateStore+":vm")
+	ins := cliJSON[snapshot.InspectResult](t, "inspect", "oci:"+stateStore+":vm")
 	if c := ins.Checkpoint; c == nil || c.Disk != "" || c.DiskInRootfs == nil || *c.DiskInRootfs != want || c.Rootfs != cp.Rootfs.Image || ins.LinkedDisk != nil {
 		t.Fatalf("inspect does not show the disk in the rootfs image: %+v", ins.Checkpoint)
 	}
