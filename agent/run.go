@@ -10,6 +10,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/snapshot"
+	"github.com/vmsnap/vmsnap/internal/testing/hook"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/rootfs"
@@ -92,7 +93,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	}
 	o := newOp(api.KindCheckpoint, req.VM, &target, s.cfg.OperationTimeout)
 	return s.start(hold, o, vm, func(ctx context.Context) error {
-		afterResolve()
+		hook.AfterResolve()
 		spec.Progress = s.progress(o)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
 			return s.journal.write(journalEntry{Op: o.snapshot(), VMWasRunning: running})
@@ -200,10 +201,6 @@ func (s *Server) checkImages(ctx context.Context, image string, more ...string) 
 	}
 	return nil
 }
-
-// afterResolve runs in a checkpoint between resolving the VM and using
-// what was resolved: tests swap the VM's files there.
-var afterResolve = func() {}
 
 // resolve finds the VM and opens its files; the caller owns them. It is
 // FORBIDDEN unless the VM is in the request's caller's namespace or the
