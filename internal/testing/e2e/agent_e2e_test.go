@@ -245,13 +245,10 @@ func TestAgentE2EJobCheckpointAndAgentRestore(t *testing.T) {
 	}
 	assertResumed(t, dst.vm, before, resume, resume)
 
-	// A wrong pod UID is VM_NOT_FOUND, at once.
-	start := time.Now()
+	// A wrong pod UID is VM_NOT_FOUND, at once: the request itself is
+	// refused, no operation started (TestAgentRefusesUnknownVMAtOnce).
 	cliError(t, errcode.VMNotFound, "checkpoint", "--agent", "unix://"+sock, "--pod-uid", containerd.NewPodUID(), "--container", "qemu",
 		"--qmp", "/run/vm/vm1.qmp", "--image", "oci:"+store+":x")
-	if d := time.Since(start); d > 3*time.Second {
-		t.Fatalf("a wrong pod UID took %v to refuse", d)
-	}
 }
 
 // A guest big enough that its checkpoint takes a moment under TCG.
