@@ -42,18 +42,11 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
 	}
-	if err := s.checkImages(ctx, req.Image, req.DiskImage, req.RootfsImage); err != nil {
-		return api.Operation{}, err
-	}
-	hold, err := s.holdOperation(ctx)
+	hold, vm, err := s.admit(ctx, req.VM, req.Image, req.DiskImage, req.RootfsImage)
 	if err != nil {
 		return api.Operation{}, err
 	}
 	defer hold.drop()
-	vm, err := s.resolve(ctx, req.VM)
-	if err != nil {
-		return api.Operation{}, err
-	}
 	if spec.Store, err = s.storeFor(ctx, vm.Namespace); err != nil {
 		vm.Close()
 		return api.Operation{}, err
@@ -128,18 +121,11 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if req.VM.DiskPath != "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "the agent restores VM state only: put the disk overlay in place before QEMU starts (the restore init container does)")
 	}
-	if err := s.checkImages(ctx, req.Image); err != nil {
-		return api.Operation{}, err
-	}
-	hold, err := s.holdOperation(ctx)
+	hold, vm, err := s.admit(ctx, req.VM, req.Image)
 	if err != nil {
 		return api.Operation{}, err
 	}
 	defer hold.drop()
-	vm, err := s.resolve(ctx, req.VM)
-	if err != nil {
-		return api.Operation{}, err
-	}
 	store, err := s.readStore(ctx, vm.Namespace, req.Image)
 	if err != nil {
 		vm.Close()
@@ -200,6 +186,28 @@ func (s *Server) checkImages(ctx context.Context, image string, more ...string) 
 		}
 	}
 	return nil
+}
+
+// admit readies a request on a VM for its operation, in this order, so
+// that a refused caller costs the agent least: the images it names must
+// be allowed (checkImages), the caller must have an operation to spare
+// (holdOperation), and the VM must be one it may act on (resolve). The
+// caller owns vm's files and drops the hold (which an operation it
+// started keeps).
+func (s *Server) admit(ctx context.Context, ref api.VMRef, image string, more ...string) (*opHold, *Resolved, error) {
+	if err := s.checkImages(ctx, image, more...); err != nil {
+		return nil, nil, err
+	}
+	hold, err := s.holdOperation(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	vm, err := s.resolve(ctx, ref)
+	if err != nil {
+		hold.drop()
+		return nil, nil, err
+	}
+	return hold, vm, nil
 }
 
 // resolve finds the VM and opens its files; the caller owns them. It is

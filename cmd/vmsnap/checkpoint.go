@@ -97,12 +97,7 @@ func newCheckpointCmd(out *globalOutput) *cobra.Command {
 	c.Flags().StringVar(&f.stagingDir, "staging-dir", "", "where a mapped-ram checkpoint has QEMU write the state before it is stored (default $TMPDIR; sparse, about the guest's used memory)")
 	c.Flags().IntVar(&f.keep, "keep", 0, "after the checkpoint, keep the `N` newest checkpoints of the --image repository and delete the older ones (see vmsnap prune; 0: prune nothing, through --agent: the agent's --keep)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
-	f.stream.add(c)
-	f.registry.add(c)
-	f.encrypt.add(c)
-	f.decrypt.add(c)
-	f.sign.add(c)
-	f.agent.add(c)
+	addFlagGroups(c, &f.stream, &f.registry, &f.encrypt, &f.decrypt, &f.sign, &f.agent)
 	addOutputFlags(c, out, true)
 	return c
 }

@@ -67,10 +67,7 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 	c.Flags().StringVar(&f.stateDir, "state-dir", "", "where restore --to-dir staged this snapshot: record the result there (prepared.json) for vmsnap launch --state-dir")
 	c.Flags().StringVar(&f.agent, "agent", "", "ask the node agent at unix:///PATH to prepare the file in its cache of your namespace instead of here")
 	c.Flags().StringVar(&f.namespace, "namespace", "", "with --agent, for an admin caller: the namespace whose cache to fill (default the caller's)")
-	f.stream.add(c)
-	f.registry.add(c)
-	f.decrypt.add(c)
-	f.verify.add(c)
+	addFlagGroups(c, &f.stream, &f.registry, &f.decrypt, &f.verify)
 	addOutputFlags(c, out, true)
 	return c
 }

@@ -102,11 +102,7 @@ on this node has its signature read from its repository all the same.`,
 	c.Flags().StringVar(&f.markerDir, "marker-dir", "", "restore once per pod: skip (and say so) when this directory holds the marker of an earlier successful run of the same restore; write it on success")
 	c.Flags().BoolVar(&f.allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up after this long")
-	f.stream.add(c)
-	f.registry.add(c)
-	f.decrypt.add(c)
-	f.verify.add(c)
-	f.agent.add(c)
+	addFlagGroups(c, &f.stream, &f.registry, &f.decrypt, &f.verify, &f.agent)
 	addOutputFlags(c, out, true)
 	return c
 }

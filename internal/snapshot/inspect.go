@@ -118,23 +118,9 @@ func describe(ctx context.Context, repo ociimage.Repository, opts []ociimage.Opt
 	describeLayers(doc, m)
 	switch m.ArtifactType {
 	case ociimage.ArtifactTypeVMState:
-		var cfg vmstate.Config
-		if len(doc.EncryptedFor) > 0 {
-			// Without a key the chunks cannot be checked, but the config is
-			// plaintext.
-			_, _, err = ociimage.PullArtifact(ctx, repo, ociimage.ArtifactTypeVMState, &cfg)
-		} else {
-			_, _, cfg, err = vmstate.LoadConfig(ctx, repo)
-		}
-		doc.VMState = &cfg
+		doc.VMState, err = imageConfig(ctx, repo, m.ArtifactType, len(doc.EncryptedFor) > 0, vmstate.LoadConfig)
 	case ociimage.ArtifactTypeDisk:
-		var cfg disk.DiskConfig
-		if len(doc.EncryptedFor) > 0 {
-			_, _, err = ociimage.PullArtifact(ctx, repo, ociimage.ArtifactTypeDisk, &cfg)
-		} else {
-			_, _, cfg, err = disk.LoadDiskConfig(ctx, repo)
-		}
-		doc.Disk = &cfg
+		doc.Disk, err = imageConfig(ctx, repo, m.ArtifactType, len(doc.EncryptedFor) > 0, disk.LoadDiskConfig)
 		if err == nil {
 			doc.Referrers, err = stateReferrers(ctx, repo, desc)
 		}
@@ -145,6 +131,21 @@ func describe(ctx context.Context, repo ociimage.Repository, opts []ociimage.Opt
 		return nil, m, err
 	}
 	return doc, m, nil
+}
+
+// imageConfig reads the config of an image of artifactType: checked by
+// load, or, for an encrypted image, as the plaintext it is (without a key
+// the chunks cannot be checked).
+func imageConfig[C any](ctx context.Context, repo ociimage.Repository, artifactType string, encrypted bool,
+	load func(context.Context, ociimage.Repository) (ocispec.Descriptor, ocispec.Manifest, C, error)) (*C, error) {
+	var cfg C
+	var err error
+	if encrypted {
+		_, _, err = ociimage.PullArtifact(ctx, repo, artifactType, &cfg)
+	} else {
+		_, _, cfg, err = load(ctx, repo)
+	}
+	return &cfg, err
 }
 
 // describeLayers counts m's layers by kind, and the keys they are
