@@ -156,3 +156,38 @@ func partialFiles(t *testing.T, cache string) []string {
 	}
 	return files
 }
+
+// A prepare the agent was running when it stopped is in its journal: the
+// restarted agent reports it failed, to its namespace's callers only; an
+// entry an older agent wrote (the namespace in its target only) is seen
+// by the same callers.
+func TestAgentRecoversAJournaledPrepare(t *testing.T) {
+	stateDir := t.TempDir()
+	j, err := openJournal(stateDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prep := api.Operation{ID: "prep1", Kind: api.KindPrepare, State: api.StateRunning, Namespace: "tenant-a"}
+	older := api.Operation{ID: "rest1", Kind: api.KindRestore, State: api.StateRunning, Target: &api.Target{PodUID: uid1, Container: "qemu", Namespace: "tenant-a"}}
+	for _, o := range []api.Operation{prep, older} {
+		if err := j.write(journalEntry{Op: o}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s := startAgentConfig(t, Config{StateDir: stateDir, Resolver: newStaticResolver()}).srv
+	for _, id := range []string{"prep1", "rest1"} {
+		o, err := s.visibleOp(withCaller(context.Background(), callerA), id)
+		if err != nil {
+			t.Fatalf("%s as tenant-a sees it: %v", id, err)
+		}
+		if d := o.snapshot(); d.State != api.StateFailed || d.Error == nil || !strings.Contains(d.Error.Message, "the agent stopped during this operation") {
+			t.Errorf("%s recovered as %s %+v; want failed, saying the agent stopped", id, d.State, d.Error)
+		}
+		if _, err := s.visibleOp(withCaller(context.Background(), callerB), id); err == nil {
+			t.Errorf("tenant-b sees tenant-a's %s", id)
+		}
+	}
+	if entries, _ := s.journal.list(); len(entries) != 0 {
+		t.Errorf("the journal still holds %d entries after recovery", len(entries))
+	}
+}
