@@ -126,7 +126,7 @@ func TestAgentPrepareCancelledMidFetch(t *testing.T) {
 	if final.State != api.StateCancelled || final.Error == nil || final.Prepare != nil {
 		t.Fatalf("the cancelled prepare ended %s, error %+v, result %+v; want cancelled with an error", final.State, final.Error, final.Prepare)
 	}
-	if states[0] != api.StatePending && states[0] != api.StateRunning || states[len(states)-1] != api.StateCancelled {
+	if len(states) < 2 || states[0] != api.StatePending && states[0] != api.StateRunning || states[len(states)-1] != api.StateCancelled {
 		t.Errorf("the events' states %v: want the prepare under way, then cancelled", states)
 	}
 	if partial := partialFiles(t, cache); len(partial) != 0 {
