@@ -451,9 +451,9 @@ func (s *Server) recover(ctx context.Context) {
 		op.Progress = nil
 		if op.Checkpoint != nil {
 			// It had succeeded; only the last bookkeeping was lost.
-			op.State = "succeeded"
+			op.State = api.StateSucceeded
 		} else {
-			op.State = "failed"
+			op.State = api.StateFailed
 			apiErr := toAPIError(errcode.New(errcode.Internal, "%s", outcome))
 			op.Error = &apiErr
 		}

@@ -126,16 +126,12 @@ func (c *Client) Restore(ctx context.Context, req api.RestoreRequest) (api.Opera
 	return o, c.do(ctx, http.MethodPost, "/v1/restores", req, &o)
 }
 
-// Prepare readies a memory-file image's RAM file in the agent's cache of
-// the caller's namespace and returns the QEMU arguments that map it. It
-// answers once the file is ready (or failed): give ctx a deadline that
-// fits the image's size.
-func (c *Client) Prepare(ctx context.Context, req api.PrepareRequest) (*api.PrepareResult, error) {
-	var res api.PrepareResult
-	if err := c.do(ctx, http.MethodPost, "/v1/prepare", req, &res); err != nil {
-		return nil, err
-	}
-	return &res, nil
+// Prepare starts a prepare: an operation that readies a memory-file
+// image's RAM file in the agent's cache of the caller's namespace; its
+// result (Operation.Prepare) holds the QEMU arguments that map it.
+func (c *Client) Prepare(ctx context.Context, req api.PrepareRequest) (api.Operation, error) {
+	var o api.Operation
+	return o, c.do(ctx, http.MethodPost, "/v1/prepares", req, &o)
 }
 
 // Get returns an operation.

@@ -12,17 +12,13 @@ import (
 // SetAfterResolve runs f in every checkpoint between resolving the VM and
 // using what was resolved, until the test ends.
 func SetAfterResolve(t testing.TB, f func()) {
-	old := afterResolve
-	afterResolve = f
-	t.Cleanup(func() { afterResolve = old })
+	t.Cleanup(hook.Swap(&hook.AfterResolve, f))
 }
 
 // SetBeforeDiskCapture runs f in every checkpoint just before the disk
 // overlay is read, the VM stopped, until the test ends.
 func SetBeforeDiskCapture(t testing.TB, f func()) {
-	old := hook.BeforeDiskCapture
-	hook.BeforeDiskCapture = f
-	t.Cleanup(func() { hook.BeforeDiskCapture = old })
+	t.Cleanup(hook.Swap(&hook.BeforeDiskCapture, f))
 }
 
 // StartTestAgent runs an agent with resolver until the test ends and

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -37,7 +38,7 @@ var bodyTimeout = 10 * time.Second
 //
 //	POST   /v1/checkpoints          api.CheckpointRequest -> 202 api.Operation
 //	POST   /v1/restores             api.RestoreRequest    -> 202 api.Operation
-//	POST   /v1/prepare              api.PrepareRequest    -> 200 api.PrepareResult (synchronous)
+//	POST   /v1/prepares             api.PrepareRequest    -> 202 api.Operation
 //	GET    /v1/operations           {"operations": [api.Operation]}
 //	GET    /v1/operations/{id}      api.Operation
 //	DELETE /v1/operations/{id}      cancel -> 202 api.Operation
@@ -50,40 +51,15 @@ var bodyTimeout = 10 * time.Second
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
 	v1 := func(pattern string, h http.HandlerFunc) { mux.HandleFunc(pattern, s.identified(h)) }
-	v1("POST /v1/checkpoints", func(w http.ResponseWriter, r *http.Request) {
-		var req api.CheckpointRequest
-		if !decode(w, r, &req) {
-			return
-		}
-		c, _ := callerFrom(r.Context())
-		s.log.Info("checkpoint requested", "pod", req.VM.PodUID, "container", req.VM.Container, "image", req.Image, "mode", req.Mode, "caller", c.String())
-		respond(w, http.StatusAccepted)(s.StartCheckpoint(r.Context(), req))
-	})
-	v1("POST /v1/restores", func(w http.ResponseWriter, r *http.Request) {
-		var req api.RestoreRequest
-		if !decode(w, r, &req) {
-			return
-		}
-		c, _ := callerFrom(r.Context())
-		s.log.Info("restore requested", "pod", req.VM.PodUID, "container", req.VM.Container, "image", req.Image, "caller", c.String())
-		respond(w, http.StatusAccepted)(s.StartRestore(r.Context(), req))
-	})
-	v1("POST /v1/prepare", func(w http.ResponseWriter, r *http.Request) {
-		var req api.PrepareRequest
-		if !decode(w, r, &req) {
-			return
-		}
-		c, _ := callerFrom(r.Context())
-		s.log.Info("prepare requested", "image", req.Image, "namespace", req.Namespace, "caller", c.String())
-		res, err := s.Prepare(r.Context(), req)
-		if err != nil {
-			s.log.Info("prepare failed", "image", req.Image, "code", errcode.Of(err), "err", err)
-			writeError(w, err)
-			return
-		}
-		s.log.Info("prepare done", "image", res.Image, "fetchedBytes", res.FetchedBytes)
-		writeJSON(w, http.StatusOK, res)
-	})
+	v1("POST /v1/checkpoints", starting(s, api.KindCheckpoint, s.StartCheckpoint, func(q api.CheckpointRequest) []any {
+		return []any{"pod", q.VM.PodUID, "container", q.VM.Container, "image", q.Image, "mode", q.Mode}
+	}))
+	v1("POST /v1/restores", starting(s, api.KindRestore, s.StartRestore, func(q api.RestoreRequest) []any {
+		return []any{"pod", q.VM.PodUID, "container", q.VM.Container, "image", q.Image}
+	}))
+	v1("POST /v1/prepares", starting(s, api.KindPrepare, s.StartPrepare, func(q api.PrepareRequest) []any {
+		return []any{"image", q.Image, "namespace", q.Namespace}
+	}))
 	v1("GET /v1/operations", func(w http.ResponseWriter, r *http.Request) {
 		c, _ := callerFrom(r.Context())
 		writeJSON(w, http.StatusOK, map[string][]api.Operation{"operations": s.ops.list(c.sees)})
@@ -132,6 +108,21 @@ func (s *Server) Handler() http.Handler {
 		writeError(w, errcode.New(errcode.InvalidInput, "no endpoint %s %s: the API is listed by `vmsnap agent --help`", r.Method, r.URL.Path))
 	})
 	return recovering(s.log, mux)
+}
+
+// starting is the handler of a request R that starts an operation of
+// kind: it decodes the request, logs it with what describe says of it and
+// its caller, and answers 202 with the operation start began.
+func starting[R any](s *Server, kind string, start func(context.Context, R) (api.Operation, error), describe func(R) []any) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		var req R
+		if !decode(w, r, &req) {
+			return
+		}
+		c, _ := callerFrom(r.Context())
+		s.log.Info(kind+" requested", append(describe(req), "caller", c.String())...)
+		respond(w, http.StatusAccepted)(start(r.Context(), req))
+	}
 }
 
 // decode reads a JSON request strictly: unknown fields, trailing data and

@@ -95,6 +95,10 @@ func (j *journal) read(id string) (journalEntry, bool, error) {
 		_ = os.Remove(j.path(id))
 		return journalEntry{}, false, nil
 	}
+	if e.Op.Namespace == "" {
+		// Written by an agent that kept a VM's namespace in its Target only.
+		e.Op.Namespace = targetNamespace(e.Op.Target)
+	}
 	return e, true, nil
 }
 

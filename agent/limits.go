@@ -25,8 +25,7 @@ type Limits struct {
 	Connections int
 	// Streams: event streams (GET /v1/events).
 	Streams int
-	// Operations: checkpoints and restores pending or running, and
-	// prepares under way.
+	// Operations: checkpoints, restores and prepares pending or running.
 	Operations int
 }
 

@@ -43,8 +43,15 @@ func newOp(kind string, vm api.VMRef, target *api.Target, timeout time.Duration)
 	return &op{
 		id: hex.EncodeToString(b[:]), key: vmKey(vm.PodUID, vm.Container),
 		ctx: ctx, cancel: cancel, done: make(chan struct{}),
-		data: api.Operation{ID: hex.EncodeToString(b[:]), Kind: kind, State: api.StatePending, VM: vm, Target: target, Created: now, Updated: now},
+		data: api.Operation{ID: hex.EncodeToString(b[:]), Kind: kind, State: api.StatePending, VM: vm, Target: target, Namespace: targetNamespace(target), Created: now, Updated: now},
 	}
+}
+
+func targetNamespace(t *api.Target) string {
+	if t == nil {
+		return ""
+	}
+	return t.Namespace
 }
 
 // ended reports whether the operation's end is recorded (or it was
@@ -189,13 +196,8 @@ type forgotten struct {
 
 func (f *forgotten) Unwrap() error { return f.error }
 
-// namespaceOf is the pod namespace of an operation's VM ("" if unknown).
-func namespaceOf(d api.Operation) string {
-	if d.Target == nil {
-		return ""
-	}
-	return d.Target.Namespace
-}
+// namespaceOf is the namespace an operation acts in ("" if unknown).
+func namespaceOf(d api.Operation) string { return d.Namespace }
 
 func (t *table) get(id string) (*op, error) {
 	t.mu.Lock()

@@ -63,9 +63,8 @@ func TestAgentCheckpointPanicContinuesVM(t *testing.T) {
 	req := api.CheckpointRequest{VM: api.VMRef{PodUID: uid1, Container: "qemu", QMPPath: "/run/vm/qmp.sock", DiskPath: "/run/vm/overlay.qcow2"},
 		Image: "oci:" + store + ":vm", DiskImage: "oci:" + store + ":vm-disk", Mode: "pause"}
 
-	old := hook.BeforeDiskCapture
-	hook.BeforeDiskCapture = func() { panic("a bug while the VM is stopped") }
-	t.Cleanup(func() { hook.BeforeDiskCapture = old })
+	restore := hook.Swap(&hook.BeforeDiskCapture, func() { panic("a bug while the VM is stopped") })
+	t.Cleanup(restore)
 	final := checkpointAndWait(t, a, req)
 	if final.State != api.StateFailed || final.Error == nil || final.Error.Code != errcode.Internal ||
 		!strings.Contains(final.Error.Message, "a bug while the VM is stopped") || !strings.Contains(final.Error.Message, "the VM was continued") {
@@ -78,7 +77,7 @@ func TestAgentCheckpointPanicContinuesVM(t *testing.T) {
 	if entries, _ := a.srv.journal.list(); len(entries) != 0 {
 		t.Fatalf("the journal holds %d entries", len(entries))
 	}
-	hook.BeforeDiskCapture = old
+	restore()
 	if again := checkpointAndWait(t, a, req); again.State != api.StateSucceeded {
 		t.Fatalf("the next checkpoint of the VM ended %s: %+v", again.State, again.Error)
 	}

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"errors"
 	"path"
 	"path/filepath"
 	"strings"
@@ -32,81 +31,87 @@ func restoreCacheDir(stateDir, namespace string) string {
 // maxQEMUDir bounds a request's qemuDir: it becomes part of a QEMU option.
 const maxQEMUDir = 1024
 
-// Prepare readies a memory-file image's RAM file in the cache of the
-// request's namespace (the caller's, or for an admin any) and returns the
-// QEMU arguments that map it. The image must be allowed by the agent's
-// policy, as a restore's is. It takes one of the node's operation slots,
-// and the operation timeout bounds it.
-func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.PrepareResult, error) {
+// StartPrepare validates a prepare request and runs it in the background
+// as an operation like a checkpoint's: it readies a memory-file image's
+// RAM file in the cache of the request's namespace (the caller's, or for
+// an admin any), and its result holds the QEMU arguments that map it. The
+// image must be allowed by the agent's policy, as a restore's is. It
+// counts as one of the caller's operations, takes one of the node's
+// slots, and the operation timeout bounds it.
+func (s *Server) StartPrepare(ctx context.Context, req api.PrepareRequest) (api.Operation, error) {
+	ns, err := s.checkPrepare(ctx, req)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	hold, err := s.holdOperation(ctx)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	defer hold.drop()
+	store, err := s.readStore(ctx, ns, req.Image)
+	if err != nil {
+		return api.Operation{}, err
+	}
+	o := newOp(api.KindPrepare, api.VMRef{}, nil, s.cfg.OperationTimeout)
+	// Prepares act on no VM: each is its own, never BUSY for another.
+	o.key = api.KindPrepare + "/" + o.id
+	o.data.Namespace = ns
+	// A prepare holds no VM's files: nothing of it for start to close.
+	return s.start(hold, o, &Resolved{}, func(ctx context.Context) error {
+		// Journaled, so that after a crash it is reported failed; its
+		// half-filled file is the cache's to clean (ramfile.Cache).
+		if err := s.journal.write(journalEntry{Op: o.snapshot()}); err != nil {
+			return err
+		}
+		res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
+			Image: req.Image, AllowTag: req.AllowTag, CacheDir: RAMCacheDir(s.cfg.StateDir, ns), MaxCacheBytes: s.cfg.RAMCacheMaxBytes,
+			MaxGuestMemory: s.cfg.MaxGuestMemory, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store, Progress: s.progress(o),
+		})
+		if err != nil {
+			return err
+		}
+		// The result names the file as QEMU sees it, not the node's path.
+		if req.QEMUDir != "" {
+			res.MemoryFile = path.Join(req.QEMUDir, path.Base(res.MemoryFile))
+		}
+		o.update(func(d *api.Operation) { d.Prepare = res })
+		return nil
+	})
+}
+
+// checkPrepare refuses, before anything is held or fetched, a prepare
+// that is malformed or that its caller may not make, and returns the
+// namespace whose cache it fills.
+func (s *Server) checkPrepare(ctx context.Context, req api.PrepareRequest) (string, error) {
 	c, err := requestCaller(ctx)
 	if err != nil {
-		return nil, err
+		return "", err
 	}
 	if req.Image == "" {
-		return nil, errcode.New(errcode.Usage, "a prepare needs %s (REF@sha256:...)", errcode.Field("image"))
+		return "", errcode.New(errcode.Usage, "a prepare needs %s (REF@sha256:...)", errcode.Field("image"))
 	}
 	if err := s.checkStream(req.Workers, 0); err != nil {
-		return nil, err
+		return "", err
 	}
 	ns := req.Namespace
 	if ns == "" {
 		ns = c.Namespace
 	}
 	if ns == "" {
-		return nil, errcode.New(errcode.Usage, "%s calls from the node, in no namespace: name the namespace whose RAM cache to fill (%s)", c, errcode.Field("namespace"))
+		return "", errcode.New(errcode.Usage, "%s calls from the node, in no namespace: name the namespace whose RAM cache to fill (%s)", c, errcode.Field("namespace"))
 	}
 	if !isDNSLabel(ns) {
-		return nil, errcode.New(errcode.InvalidInput, "namespace %q is not a Kubernetes namespace name (a DNS label)", clipString(ns))
+		return "", errcode.New(errcode.InvalidInput, "namespace %q is not a Kubernetes namespace name (a DNS label)", clipString(ns))
 	}
 	if err := c.mayActOn(ns); err != nil {
-		return nil, errcode.New(errcode.Forbidden, "%s may fill only its own namespace's RAM cache (%s), not %s's: leave %s out", c, c.Namespace, ns, errcode.Field("namespace"))
+		return "", errcode.New(errcode.Forbidden, "%s may fill only its own namespace's RAM cache (%s), not %s's: leave %s out", c, c.Namespace, ns, errcode.Field("namespace"))
 	}
 	if q := req.QEMUDir; q != "" {
 		if len(q) > maxQEMUDir || !strings.HasPrefix(q, "/") || path.Clean(q) != q || strings.ContainsAny(q, "\x00\n") {
-			return nil, errcode.New(errcode.InvalidInput, "%s %q: give the cache directory as the target QEMU sees it, an absolute clean path of at most %d bytes", errcode.Field("qemuDir"), clipString(q), maxQEMUDir)
+			return "", errcode.New(errcode.InvalidInput, "%s %q: give the cache directory as the target QEMU sees it, an absolute clean path of at most %d bytes", errcode.Field("qemuDir"), clipString(q), maxQEMUDir)
 		}
 	}
-	if err := s.checkImages(ctx, req.Image); err != nil {
-		return nil, err
-	}
-	hold, err := s.holdOperation(ctx)
-	if err != nil {
-		return nil, err
-	}
-	defer hold.drop()
-	store, err := s.readStore(ctx, ns, req.Image)
-	if err != nil {
-		return nil, err
-	}
-	timedOut := errcode.New(errcode.Busy, "the prepare did not finish within the agent's --operation-timeout of %s", s.cfg.OperationTimeout)
-	ctx, cancel := context.WithTimeoutCause(ctx, s.cfg.OperationTimeout, timedOut)
-	defer cancel()
-	select {
-	case s.slots <- struct{}{}:
-		defer func() { <-s.slots }()
-	case <-ctx.Done():
-		return nil, errcode.New(errcode.Busy, "the node's %d operation slots stayed taken: try again later", s.cfg.MaxConcurrent)
-	}
-	res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
-		Image: req.Image, AllowTag: req.AllowTag, CacheDir: RAMCacheDir(s.cfg.StateDir, ns),
-		MaxCacheBytes: s.cfg.RAMCacheMaxBytes, MaxGuestMemory: s.cfg.MaxGuestMemory, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store,
-	})
-	if err != nil {
-		if ctx.Err() != nil && context.Cause(ctx) != nil && errcode.Of(err) == errcode.Internal {
-			return nil, context.Cause(ctx)
-		}
-		if errors.Is(context.Cause(ctx), timedOut) {
-			// What it waited for keeps its code (a registry that did not
-			// answer is REGISTRY_ERROR), as an operation's does (end).
-			return nil, errcode.Wrap(errcode.Of(err), err, "%v", timedOut)
-		}
-		return nil, err
-	}
-	// The result names the file as QEMU sees it, not the node's path.
-	if req.QEMUDir != "" {
-		res.MemoryFile = path.Join(req.QEMUDir, path.Base(res.MemoryFile))
-	}
-	return res, nil
+	return ns, s.checkImages(ctx, req.Image)
 }
 
 func clipString(s string) string {

@@ -31,6 +31,13 @@ func memoryFileImage(t *testing.T, dir string, size int, store ...ociimage.Optio
 // memoryFileImageState is memoryFileImage, and the fake's device state.
 func memoryFileImageState(t *testing.T, dir string, size int, store ...ociimage.Option) (string, []byte, []byte) {
 	t.Helper()
+	return memoryFileImageAt(t, "oci:"+dir+":vm", size, store...)
+}
+
+// memoryFileImageAt is memoryFileImageState into the image ref (a layout
+// or a registry).
+func memoryFileImageAt(t *testing.T, ref string, size int, store ...ociimage.Option) (string, []byte, []byte) {
+	t.Helper()
 	ram := make([]byte, size)
 	rand.Read(ram[:size/4])
 	ramPath := filepath.Join(t.TempDir(), "guest.ram")
@@ -46,7 +53,7 @@ func memoryFileImageState(t *testing.T, dir string, size int, store ...ociimage.
 	vm.Caps["x-ignore-shared"] = false
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	res, err := snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{QMPPath: vm.Path(), Image: "oci:" + dir + ":vm", Mode: "snapshot", Store: store})
+	res, err := snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{QMPPath: vm.Path(), Image: ref, Mode: "snapshot", Store: store})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -54,6 +61,34 @@ func memoryFileImageState(t *testing.T, dir string, size int, store ...ociimage.
 		t.Fatalf("format %s", res.VMState.Format)
 	}
 	return res.VMState.Image, ram, state
+}
+
+// prepareNow runs a prepare through the server as the caller in ctx and
+// waits for the operation's end: its result, or its error.
+func prepareNow(s *Server, ctx context.Context, req api.PrepareRequest) (*api.PrepareResult, error) {
+	started, err := s.StartPrepare(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	o, err := s.ops.get(started.ID)
+	if err != nil {
+		return nil, err
+	}
+	<-o.done
+	final := o.snapshot()
+	return final.Prepare, Result(final)
+}
+
+// prepareVia runs a prepare through the client, as the CLI does.
+func prepareVia(ctx context.Context, c *Client, req api.PrepareRequest) (*api.PrepareResult, error) {
+	o, err := c.Prepare(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	if o, err = c.Wait(ctx, o.ID, nil); err != nil {
+		return nil, err
+	}
+	return o.Prepare, Result(o)
 }
 
 // The agent prepares into the cache of the caller's namespace, only what
@@ -67,7 +102,7 @@ func TestAgentPrepare(t *testing.T) {
 	s := ta.srv
 	ctx := func(c Caller) context.Context { return withCaller(context.Background(), c) }
 
-	res, err := s.Prepare(ctx(callerA), api.PrepareRequest{Image: imgA, QEMUDir: "/vm/ram"})
+	res, err := prepareNow(s, ctx(callerA), api.PrepareRequest{Image: imgA, QEMUDir: "/vm/ram"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -93,13 +128,13 @@ func TestAgentPrepare(t *testing.T) {
 	// Again, named by its checkpoint (the index the tag names): the same
 	// state image, so the cached file.
 	index := "oci:" + filepath.Join(root, "tenant-a", "vms") + ":vm"
-	again, err := s.Prepare(ctx(callerA), api.PrepareRequest{Image: index, AllowTag: true, QEMUDir: "/vm/ram"})
+	again, err := prepareNow(s, ctx(callerA), api.PrepareRequest{Image: index, AllowTag: true, QEMUDir: "/vm/ram"})
 	if err != nil || again.FetchedBytes != 0 || again.Image != imgA || !strings.HasPrefix(again.Checkpoint, "oci:"+filepath.Join(root, "tenant-a", "vms")+"@sha256:") {
 		t.Errorf("the second prepare, through the checkpoint: %+v, %v; want the cached file of %s, nothing fetched", again, err, imgA)
 	}
 	// The same image for tenant-b (an admin asks for it): its own copy,
 	// in its own cache, never tenant-a's file.
-	if res, err := s.Prepare(ctx(callerAdmin), api.PrepareRequest{Image: imgA, Namespace: "tenant-b"}); err != nil || res.FetchedBytes == 0 ||
+	if res, err := prepareNow(s, ctx(callerAdmin), api.PrepareRequest{Image: imgA, Namespace: "tenant-b"}); err != nil || res.FetchedBytes == 0 ||
 		!strings.HasPrefix(res.MemoryFile, filepath.Join(stateDir, "ram", "tenant-b")+"/") {
 		t.Errorf("an admin for tenant-b: %+v, %v; want a file of tenant-b's cache, fetched", res, err)
 	}
@@ -127,7 +162,7 @@ func TestAgentPrepare(t *testing.T) {
 		{"no image", callerA, api.PrepareRequest{}, errcode.Usage},
 		{"a node process without a namespace", Caller{Admin: true, PID: 1}, api.PrepareRequest{Image: imgA}, errcode.Usage},
 	} {
-		if res, err := s.Prepare(ctx(tc.c), tc.req); errcode.Of(err) != tc.code {
+		if res, err := prepareNow(s, ctx(tc.c), tc.req); errcode.Of(err) != tc.code {
 			t.Errorf("%s: %+v, %v; want %s", tc.name, res, err, tc.code)
 		}
 	}
@@ -159,14 +194,14 @@ func TestAgentPrepareOverHTTPEvicts(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	// The test process is on the node: an admin, which names the namespace.
-	if _, err := ta.client.Prepare(ctx, api.PrepareRequest{Image: img1}); errcode.Of(err) != errcode.Usage {
+	if _, err := prepareVia(ctx, ta.client, api.PrepareRequest{Image: img1}); errcode.Of(err) != errcode.Usage {
 		t.Fatalf("a node process without a namespace: %v, want USAGE", err)
 	}
-	r1, err := ta.client.Prepare(ctx, api.PrepareRequest{Image: img1, Namespace: "tenant-a"})
+	r1, err := prepareVia(ctx, ta.client, api.PrepareRequest{Image: img1, Namespace: "tenant-a"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	r2, err := ta.client.Prepare(ctx, api.PrepareRequest{Image: img2, Namespace: "tenant-a"})
+	r2, err := prepareVia(ctx, ta.client, api.PrepareRequest{Image: img2, Namespace: "tenant-a"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,7 +227,7 @@ func TestAgentPrepareRefusesMoreGuestMemoryThanTheNodeTakes(t *testing.T) {
 	img, _ := memoryFileImage(t, filepath.Join(root, "tenant-a", "vms"), 4<<20)
 	stateDir := t.TempDir()
 	ta := startAgentConfig(t, Config{StateDir: stateDir, Resolver: newStaticResolver(), LayoutRoot: root, MaxGuestMemory: 2 << 20})
-	_, err := ta.srv.Prepare(withCaller(context.Background(), callerA), api.PrepareRequest{Image: img})
+	_, err := prepareNow(ta.srv, withCaller(context.Background(), callerA), api.PrepareRequest{Image: img})
 	if errcode.Of(err) != errcode.InvalidInput || !strings.Contains(err.Error(), "maxGuestMemory") {
 		t.Fatalf("a 4 MiB image under a 2 MiB bound: %v, want INVALID_INPUT naming maxGuestMemory", err)
 	}

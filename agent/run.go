@@ -10,10 +10,10 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/snapshot"
+	"github.com/vmsnap/vmsnap/internal/testing/hook"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/rootfs"
-	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 // StartCheckpoint validates and resolves a checkpoint request, registers the
@@ -23,7 +23,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 		return api.Operation{}, err
 	}
 	spec := snapshot.CheckpointSpec{
-		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: vmstate.Mode(req.Mode),
+		QMPPath: req.VM.QMPPath, DiskPath: req.VM.DiskPath, Image: req.Image, DiskImage: req.DiskImage, RootfsImage: req.RootfsImage, Mode: req.Mode,
 		Stream: chunk.StreamOptions{ChunkSize: req.ChunkSize, Workers: req.Workers},
 		// QEMU 9+ in snapshot mode writes a mapped-ram file there (QEMU
 		// gets it as a descriptor, so its container need not see the path).
@@ -42,18 +42,11 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	if err := spec.Validate(); err != nil {
 		return api.Operation{}, err
 	}
-	if err := s.checkImages(ctx, req.Image, req.DiskImage, req.RootfsImage); err != nil {
-		return api.Operation{}, err
-	}
-	hold, err := s.holdOperation(ctx)
+	hold, vm, err := s.admit(ctx, req.VM, req.Image, req.DiskImage, req.RootfsImage)
 	if err != nil {
 		return api.Operation{}, err
 	}
 	defer hold.drop()
-	vm, err := s.resolve(ctx, req.VM)
-	if err != nil {
-		return api.Operation{}, err
-	}
 	if spec.Store, err = s.storeFor(ctx, vm.Namespace); err != nil {
 		vm.Close()
 		return api.Operation{}, err
@@ -93,7 +86,7 @@ func (s *Server) StartCheckpoint(ctx context.Context, req api.CheckpointRequest)
 	}
 	o := newOp(api.KindCheckpoint, req.VM, &target, s.cfg.OperationTimeout)
 	return s.start(hold, o, vm, func(ctx context.Context) error {
-		afterResolve()
+		hook.AfterResolve()
 		spec.Progress = s.progress(o)
 		spec.BeforeStop = func(ctx context.Context, running bool) error {
 			return s.journal.write(journalEntry{Op: o.snapshot(), VMWasRunning: running})
@@ -128,18 +121,11 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 	if req.VM.DiskPath != "" {
 		return api.Operation{}, errcode.New(errcode.Usage, "the agent restores VM state only: put the disk overlay in place before QEMU starts (the restore init container does)")
 	}
-	if err := s.checkImages(ctx, req.Image); err != nil {
-		return api.Operation{}, err
-	}
-	hold, err := s.holdOperation(ctx)
+	hold, vm, err := s.admit(ctx, req.VM, req.Image)
 	if err != nil {
 		return api.Operation{}, err
 	}
 	defer hold.drop()
-	vm, err := s.resolve(ctx, req.VM)
-	if err != nil {
-		return api.Operation{}, err
-	}
 	store, err := s.readStore(ctx, vm.Namespace, req.Image)
 	if err != nil {
 		vm.Close()
@@ -160,7 +146,7 @@ func (s *Server) StartRestore(ctx context.Context, req api.RestoreRequest) (api.
 			// read-only, its state directory is not.
 			StagingDir: s.cfg.StateDir, StagingOwner: stagingOwner(target),
 			// The RAM cache of the VM's own namespace, and no other: what
-			// its callers prepared there (Prepare).
+			// its callers prepared there (StartPrepare).
 			CacheDir: restoreCacheDir(s.cfg.StateDir, target.Namespace),
 		})
 		if err == nil {
@@ -202,9 +188,27 @@ func (s *Server) checkImages(ctx context.Context, image string, more ...string) 
 	return nil
 }
 
-// afterResolve runs in a checkpoint between resolving the VM and using
-// what was resolved: tests swap the VM's files there.
-var afterResolve = func() {}
+// admit readies a request on a VM for its operation, in this order, so
+// that a refused caller costs the agent least: the images it names must
+// be allowed (checkImages), the caller must have an operation to spare
+// (holdOperation), and the VM must be one it may act on (resolve). The
+// caller owns vm's files and drops the hold (which an operation it
+// started keeps).
+func (s *Server) admit(ctx context.Context, ref api.VMRef, image string, more ...string) (*opHold, *Resolved, error) {
+	if err := s.checkImages(ctx, image, more...); err != nil {
+		return nil, nil, err
+	}
+	hold, err := s.holdOperation(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	vm, err := s.resolve(ctx, ref)
+	if err != nil {
+		hold.drop()
+		return nil, nil, err
+	}
+	return hold, vm, nil
+}
 
 // resolve finds the VM and opens its files; the caller owns them. It is
 // FORBIDDEN unless the VM is in the request's caller's namespace or the

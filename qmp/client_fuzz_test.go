@@ -111,10 +111,9 @@ func FuzzClientReplies(f *testing.F) {
 		path := rawQEMU(t, greeting, script, closeAtEnd)
 		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 		defer cancel()
-		start := time.Now()
 		c, err := qmp.Dial(ctx, path)
 		if err != nil {
-			checkCoded(t, "Dial", err, start)
+			checkCoded(t, "Dial", err)
 			return
 		}
 		defer c.Close()
@@ -124,10 +123,9 @@ func FuzzClientReplies(f *testing.F) {
 			Status  string `json:"status"`
 			Running bool   `json:"running"`
 		}
-		start = time.Now()
 		err = c.Execute(ctx, "query-status", nil, &out)
 		if err != nil {
-			checkCoded(t, "Execute", err, start)
+			checkCoded(t, "Execute", err)
 		}
 		// Events are drained, never block the reader. (The channel is
 		// closed once the connection ends.)
@@ -145,11 +143,11 @@ func FuzzClientReplies(f *testing.F) {
 	})
 }
 
-func checkCoded(t *testing.T, what string, err error, start time.Time) {
+// checkCoded checks that a call that failed says why with a code. (That
+// it returned at all is the check that it kept its caller's deadline: the
+// scripted QEMU never answers past its script.)
+func checkCoded(t *testing.T, what string, err error) {
 	t.Helper()
-	if elapsed := time.Since(start); elapsed > 2*time.Second {
-		t.Fatalf("%s took %v with a 300ms deadline", what, elapsed)
-	}
 	switch errcode.Of(err) {
 	case errcode.QMPError, errcode.Busy, errcode.VMNotFound:
 	default:
@@ -211,14 +209,11 @@ func TestHugeReplyLine(t *testing.T) {
 				}
 				select {
 				case <-c.Done():
-				case <-time.After(5 * time.Second):
+				case <-ctx.Done():
 					t.Fatal("the connection is still up after an over-long line")
 				}
 			} else if err != nil || len(out.Blob) != under {
 				t.Fatalf("Execute = %v, %d bytes", err, len(out.Blob))
-			}
-			if elapsed > 30*time.Second {
-				t.Errorf("a %d MiB line took %v", len(tc.reply)>>20, elapsed)
 			}
 			// The line in pieces (up to twice the cap as it grows), the
 			// reply's copy and its decoded string: never the whole line.

@@ -5,37 +5,20 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
-// Format is how a VM state image holds the VM's state.
-type Format string
+// Format is vmspec.Format, by the name vmstate's own code uses (one
+// type: defined in the leaf so that agent/api carries it without vmstate).
+type Format = vmspec.Format
 
+// The formats (vmspec).
 const (
-	// FormatAuto picks memory-file for a VM whose RAM is a shared
-	// memory-backend-file (in pause and snapshot mode), else mapped-ram in
-	// snapshot mode where the source QEMU has it and the staging directory
-	// has room, else the stream. It is an option, never recorded.
-	FormatAuto Format = "auto"
-	// FormatStream is QEMU's sequential migration stream, as QEMU writes it
-	// into a pipe. Configs leave it out (an empty format is a stream), so
-	// that their JSON is what it was before formats existed.
-	FormatStream Format = "stream"
-	// FormatMappedRAM is QEMU's mapped-ram file (QEMU 9.0 or later): the
-	// image's chunks, in order, are that file's bytes.
-	FormatMappedRAM Format = "mapped-ram"
-	// FormatMemoryFile is the guest's RAM stored page-addressed beside the
-	// device state (package ramfile, and memfile.go). It needs a shared
-	// memory-backend-file.
-	FormatMemoryFile Format = "memory-file"
+	FormatAuto       = vmspec.FormatAuto
+	FormatStream     = vmspec.FormatStream
+	FormatMappedRAM  = vmspec.FormatMappedRAM
+	FormatMemoryFile = vmspec.FormatMemoryFile
 )
-
-// ParseFormat accepts the format names of the command line ("" is auto).
-func ParseFormat(s string) (Format, error) {
-	if s == "" {
-		return FormatAuto, nil
-	}
-	return parseName(s, "state format", formatNames...)
-}
 
 // formatNames are the formats a checkpoint may be asked for.
 var formatNames = []Format{FormatAuto, FormatStream, FormatMappedRAM, FormatMemoryFile}

@@ -1,41 +1,25 @@
 package vmstate
 
 import (
-	"slices"
 	"strings"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
-// Mode says what happens to the source VM during and after a checkpoint.
-type Mode string
+// Mode is vmspec.Mode, by the name vmstate's own code uses (one type:
+// defined in the leaf so that agent/api carries it without vmstate).
+type Mode = vmspec.Mode
 
+// The modes (vmspec).
 const (
-	// ModePause stops the VM and leaves it stopped once the snapshot is
-	// stored: the source is about to be discarded. On failure it runs again.
-	ModePause Mode = "pause"
-	// ModeSnapshot stops the VM, captures it and lets it run again.
-	ModeSnapshot Mode = "snapshot"
-	// ModeLive uses QEMU's background-snapshot: the VM keeps running and the
-	// image holds its state at the start of the checkpoint.
-	ModeLive Mode = "live"
+	ModePause    = vmspec.ModePause
+	ModeSnapshot = vmspec.ModeSnapshot
+	ModeLive     = vmspec.ModeLive
 )
 
-// ParseMode accepts the mode names of the command line.
-func ParseMode(s string) (Mode, error) {
-	return parseName(s, "mode", ModePause, ModeSnapshot, ModeLive)
-}
-
-// parseName accepts one of names, the values of a command line's option
-// (what names it in the error, which lists them).
-func parseName[T ~string](s, what string, names ...T) (T, error) {
-	if i := slices.Index(names, T(s)); i >= 0 {
-		return names[i], nil
-	}
-	return "", unknownName(what, s, names...)
-}
-
-// unknownName is USAGE for a value that is none of names.
+// unknownName is USAGE for a value that is none of names (what names the
+// option in the error, which lists them).
 func unknownName[T ~string](what, s string, names ...T) error {
 	list := make([]string, len(names))
 	for i, n := range names {

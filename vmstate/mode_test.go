@@ -5,24 +5,25 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // TestParseModeAndFormat pins the names the command line accepts and the
 // USAGE message that lists them, the same for a checkpoint's options.
 func TestParseModeAndFormat(t *testing.T) {
-	if m, err := ParseMode("live"); err != nil || m != ModeLive {
+	if m, err := vmspec.ParseMode("live"); err != nil || m != ModeLive {
 		t.Fatalf("ParseMode(live) = %q, %v", m, err)
 	}
 	for _, s := range []string{"", "auto"} {
-		if f, err := ParseFormat(s); err != nil || f != FormatAuto {
-			t.Fatalf("ParseFormat(%q) = %q, %v", s, f, err)
+		if f, err := vmspec.ParseFormat(s); err != nil || f != FormatAuto {
+			t.Fatalf("vmspec.ParseFormat(%q) = %q, %v", s, f, err)
 		}
 	}
-	if f, err := ParseFormat("memory-file"); err != nil || f != FormatMemoryFile {
-		t.Fatalf("ParseFormat(memory-file) = %q, %v", f, err)
+	if f, err := vmspec.ParseFormat("memory-file"); err != nil || f != FormatMemoryFile {
+		t.Fatalf("vmspec.ParseFormat(memory-file) = %q, %v", f, err)
 	}
-	_, modeErr := ParseMode("teleport")
-	_, formatErr := ParseFormat("tape")
+	_, modeErr := vmspec.ParseMode("teleport")
+	_, formatErr := vmspec.ParseFormat("tape")
 	_, chooseErr := chooseFormat(context.Background(), nil, CheckpointOptions{Format: "tape"}, Record{})
 	for _, c := range []struct {
 		err  error

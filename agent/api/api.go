@@ -3,6 +3,11 @@
 // HTTP API, and its events. The CLI running locally, the agent, and the
 // Job client talking to the agent all produce and read these same types, so
 // a controller sees one shape whichever way a checkpoint ran.
+//
+// It is a light package, for the agent's callers: it links no more than
+// errcode and vmstate/vmspec (the names of modes and formats), never
+// vmstate itself (what inspect prints, which holds vmstate's config, is
+// internal/snapshot's InspectResult).
 package api
 
 import (
@@ -11,6 +16,7 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // CheckpointResult is what a checkpoint produced.
@@ -21,7 +27,7 @@ type CheckpointResult struct {
 	VMState    VMStateResult  `json:"vmstate"`
 	Disk       *DiskResult    `json:"disk,omitempty"`
 	Rootfs     *RootfsResult  `json:"rootfs,omitempty"`
-	Mode       string         `json:"mode"`
+	Mode       vmspec.Mode    `json:"mode"`
 	DowntimeMs float64        `json:"downtimeMs"`
 	VMRunning  bool           `json:"vmRunning"`
 	TotalMs    float64        `json:"totalMs"`
@@ -50,7 +56,7 @@ type VMStateResult struct {
 	MemoryBytes   int64  `json:"memoryBytes"`
 	// Format is how the image holds the state: stream, mapped-ram or
 	// memory-file (then RAM describes the RAM file).
-	Format      string             `json:"format"`
+	Format      vmspec.Format      `json:"format"`
 	RAM         *RAMResult         `json:"ram,omitempty"`
 	DurationsMs map[string]float64 `json:"durationsMs"`
 }
@@ -96,7 +102,8 @@ type ChainLink struct {
 }
 
 // PrepareRequest asks the node agent to ready a memory-file image's RAM
-// file in its cache (POST /v1/prepare). The cache is the caller's
+// file in its cache (POST /v1/prepares: an operation, whose result is a
+// PrepareResult). The cache is the caller's
 // namespace's (STATE_DIR/ram/NAMESPACE): QEMU before 8.2 opens a
 // share=off file read-write, so files are shared within one tenant only.
 type PrepareRequest struct {
@@ -229,7 +236,7 @@ type StagedState struct {
 	Bytes      int64  `json:"bytes"`
 	// Format is the image's state format; "memory-file": only its device
 	// state was staged, its RAM file is prepared apart (vmsnap prepare).
-	Format string `json:"format,omitempty"`
+	Format vmspec.Format `json:"format,omitempty"`
 }
 
 // Endpoint is where a restored VM now lives. Whoever routes to the VM
@@ -346,10 +353,10 @@ type CheckpointRequest struct {
 	DiskImage string `json:"diskImage,omitempty"`
 	// RootfsImage, if set, is where the QEMU container's writable layer
 	// goes, as a container image (its image plus one layer).
-	RootfsImage string `json:"rootfsImage,omitempty"`
-	Mode        string `json:"mode,omitempty"` // pause, snapshot (default) or live
-	ChunkSize   int    `json:"chunkSize,omitempty"`
-	Workers     int    `json:"workers,omitempty"`
+	RootfsImage string      `json:"rootfsImage,omitempty"`
+	Mode        vmspec.Mode `json:"mode,omitempty"` // pause, snapshot (default) or live
+	ChunkSize   int         `json:"chunkSize,omitempty"`
+	Workers     int         `json:"workers,omitempty"`
 	// Keep, if above 0, prunes the state image's repository once the
 	// checkpoint succeeded, keeping the Keep newest checkpoints (as vmsnap
 	// prune --keep). 0 takes the agent's --keep default (none: no prune).
@@ -380,6 +387,7 @@ type RestoreRequest struct {
 const (
 	KindCheckpoint = "checkpoint"
 	KindRestore    = "restore"
+	KindPrepare    = "prepare"
 
 	StatePending   = "pending"   // waiting for a slot on the node
 	StateRunning   = "running"   // under way
@@ -388,19 +396,25 @@ const (
 	StateCancelled = "cancelled" // cancelled by a caller or because the VM went away; Error says which
 )
 
-// Operation is one checkpoint or restore run by the agent.
+// Operation is one checkpoint, restore or prepare run by the agent.
 type Operation struct {
-	ID       string             `json:"id"`
-	Kind     string             `json:"kind"`
-	State    string             `json:"state"`
-	VM       VMRef              `json:"vm"`
-	Target   *Target            `json:"target,omitempty"`
-	Created  time.Time          `json:"created"`
-	Updated  time.Time          `json:"updated"`
-	Progress *OperationProgress `json:"progress,omitempty"`
+	ID    string `json:"id"`
+	Kind  string `json:"kind"`
+	State string `json:"state"`
+	// VM and Target are the VM a checkpoint or restore acts on (a
+	// prepare acts on none).
+	VM     VMRef   `json:"vm"`
+	Target *Target `json:"target,omitempty"`
+	// Namespace is the namespace the operation acts in (who may see it):
+	// its VM's pod's, or the one whose RAM cache a prepare fills.
+	Namespace string             `json:"namespace,omitempty"`
+	Created   time.Time          `json:"created"`
+	Updated   time.Time          `json:"updated"`
+	Progress  *OperationProgress `json:"progress,omitempty"`
 	// Exactly one of these is set once the operation has ended.
 	Checkpoint *CheckpointResult `json:"checkpoint,omitempty"`
 	Restore    *RestoreResult    `json:"restore,omitempty"`
+	Prepare    *PrepareResult    `json:"prepare,omitempty"`
 	Error      *Error            `json:"error,omitempty"`
 }
 

@@ -26,26 +26,17 @@ func watch(t *testing.T, r *Resolver) (<-chan agent.Gone, context.CancelFunc) {
 	return ch, cancel
 }
 
-// nextGone waits for a Gone for container id, failing on any other and
-// after within.
-func nextGone(t *testing.T, ch <-chan agent.Gone, want agent.Gone, within time.Duration) time.Duration {
+// nextGone waits for a Gone for container id, failing on any other. It
+// waits as long as it takes (the test's -timeout ends a watch that never
+// reports): how soon a Gone comes is a benchmark's question, not a test's.
+func nextGone(t *testing.T, ch <-chan agent.Gone, want agent.Gone) {
 	t.Helper()
-	t0 := time.Now()
-	timer := time.NewTimer(within)
-	defer timer.Stop()
-	for {
-		select {
-		case g, ok := <-ch:
-			if !ok {
-				t.Fatal("watch channel closed")
-			}
-			if g != want {
-				t.Fatalf("got %+v, want %+v", g, want)
-			}
-			return time.Since(t0)
-		case <-timer.C:
-			t.Fatalf("no Gone for %s within %v", want.ContainerID, within)
-		}
+	g, ok := <-ch
+	if !ok {
+		t.Fatal("watch channel closed")
+	}
+	if g != want {
+		t.Fatalf("got %+v, want %+v", g, want)
 	}
 }
 
@@ -78,17 +69,14 @@ func TestWatchDelete(t *testing.T) {
 	t0 := time.Now()
 	e.d.Delete(t, e.c)
 	deleted := time.Since(t0)
-	nextGone(t, ch, gone(e.uid, e.c), 5*time.Second)
+	nextGone(t, ch, gone(e.uid, e.c))
 	t.Logf("Gone %v after the deletion started (the deletion took %v)", time.Since(t0), deleted)
 	// Once per container, although exit, task delete and container delete
 	// all arrive.
 	quiet(t, ch, 500*time.Millisecond, "after the Gone")
 
-	_, took, err := resolve(t, e.r, e.ref())
+	_, _, err := resolve(t, e.r, e.ref())
 	wantCode(t, "deleted container", err, errcode.VMNotFound, "no pod")
-	if took > time.Second {
-		t.Errorf("resolving a deleted VM took %v", took)
-	}
 }
 
 func TestWatchReplace(t *testing.T) {
@@ -99,7 +87,7 @@ func TestWatchReplace(t *testing.T) {
 	}
 	ch, _ := watch(t, e.r)
 	n := e.d.Replace(t, e.c)
-	nextGone(t, ch, gone(e.uid, e.c), 5*time.Second)
+	nextGone(t, ch, gone(e.uid, e.c))
 	quiet(t, ch, 300*time.Millisecond, "after the replacement")
 	tg2, _, err := resolve(t, e.r, e.ref())
 	if err != nil {
@@ -111,7 +99,7 @@ func TestWatchReplace(t *testing.T) {
 	// The replacement is watched too, although Resolve saw it after Watch
 	// started.
 	e.d.Delete(t, n)
-	nextGone(t, ch, gone(e.uid, n), 5*time.Second)
+	nextGone(t, ch, gone(e.uid, n))
 }
 
 // TestWatchExitAndSupersede: a VM whose main process dies is gone even if
@@ -123,21 +111,21 @@ func TestWatchExitAndSupersede(t *testing.T) {
 	// Not resolved by this Resolver (as after an agent restart): still
 	// reported, from the labels read at watch time.
 	e.d.Kill(t, e.c)
-	nextGone(t, ch, gone(e.uid, e.c), 5*time.Second)
+	nextGone(t, ch, gone(e.uid, e.c))
 
 	second := e.d.Create(t, testcontainerd.PodContainer{PodUID: e.uid, Name: "qemu", HostDir: e.c.HostDir})
 	quiet(t, ch, 300*time.Millisecond, "a restart's new container (the old one was reported)")
 	third := e.d.Create(t, testcontainerd.PodContainer{PodUID: e.uid, Name: "qemu", HostDir: e.c.HostDir})
-	nextGone(t, ch, gone(e.uid, second), 5*time.Second)
+	nextGone(t, ch, gone(e.uid, second))
 	// Other containers of the pod and other pods are not touched.
 	side := e.d.Create(t, testcontainerd.PodContainer{PodUID: e.uid, Name: "sidecar", HostDir: "-"})
 	otherUID := testcontainerd.NewPodUID()
 	e.d.Create(t, testcontainerd.PodContainer{PodUID: otherUID, Name: "qemu", HostDir: "-"})
 	quiet(t, ch, 300*time.Millisecond, "other containers created")
 	e.d.Delete(t, side)
-	nextGone(t, ch, agent.Gone{PodUID: e.uid, Container: "sidecar", ContainerID: side.ID}, 5*time.Second)
+	nextGone(t, ch, agent.Gone{PodUID: e.uid, Container: "sidecar", ContainerID: side.ID})
 	e.d.Delete(t, third)
-	nextGone(t, ch, gone(e.uid, third), 5*time.Second)
+	nextGone(t, ch, gone(e.uid, third))
 }
 
 // TestWatchReconnect restarts containerd: the watcher subscribes again and
@@ -158,7 +146,7 @@ func TestWatchReconnect(t *testing.T) {
 		time.Sleep(200 * time.Millisecond)
 	})
 	up := time.Since(t0)
-	nextGone(t, ch, gone(e.uid, e.c), 10*time.Second)
+	nextGone(t, ch, gone(e.uid, e.c))
 	t.Logf("containerd restarted in %v; Gone %v after the restart began", up, time.Since(t0))
 
 	// And the stream works again.
@@ -167,7 +155,7 @@ func TestWatchReconnect(t *testing.T) {
 		t.Fatalf("after restart: %+v, %v", tg, err)
 	}
 	e.d.Delete(t, other)
-	nextGone(t, ch, gone(e.uid, other), 5*time.Second)
+	nextGone(t, ch, gone(e.uid, other))
 }
 
 // TestWatchStops: the channel closes when the context ends, also with
@@ -190,7 +178,7 @@ func TestWatchStops(t *testing.T) {
 	}
 	e.d.Delete(t, e2)
 	ch, cancel = watch(t, e.r)
-	nextGone(t, ch, gone(e.uid, e2), 2*time.Second)
+	nextGone(t, ch, gone(e.uid, e2))
 
 	// Cancelled while containerd is down and the watcher retries.
 	e.d.Restart(t, func() {

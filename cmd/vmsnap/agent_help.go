@@ -4,11 +4,13 @@ package main
 // newAgentCmd reads on one screen.
 const agentLong = `Run the node daemon (a Kubernetes DaemonSet on KVM nodes). It serves a JSON HTTP
 API on a unix socket (mode 0660; give access to a group with --socket-group)
-through which Jobs and controllers checkpoint and restore VMs on this node:
+through which Jobs and controllers checkpoint, restore and prepare VMs on this
+node, each an operation (202 with its id, followed in the events, cancelled by
+DELETE):
 
   POST   /v1/checkpoints        {"vm":{"podUID","container","qmp","disk"},"image","diskImage","mode","keep"}
   POST   /v1/restores           {"vm":{"podUID","container","qmp"},"image":"REF@sha256:...","paused"}
-  POST   /v1/prepare            {"image":"REF@sha256:...","qemuDir","namespace"} -> {"qemuArgs","memoryFile",...}
+  POST   /v1/prepares           {"image":"REF@sha256:...","qemuDir","namespace"}
   GET    /v1/operations[/ID]    DELETE /v1/operations/ID cancels
   GET    /v1/events[?operation=ID]   server-sent events of operation changes
   GET    /healthz  /readyz  /metrics (Prometheus)
@@ -49,14 +51,16 @@ namespace its VM or cache is in, and for an --admin-namespace caller also
 with the node's; a checkpoint of a namespace's VM is encrypted for that
 namespace's keys and every --encrypt-recipient.
 
-POST /v1/prepare (vmsnap prepare --agent) materializes such a snapshot's RAM
+POST /v1/prepares (vmsnap prepare --agent) materializes such a snapshot's RAM
 file in the agent's cache of the caller's namespace, --state-dir/ram/NAMESPACE
 (an admin may name another with "namespace"), under the same --allow-repository
-and --layout-root checks as a restore, and answers with the QEMU arguments that
-map it ("qemuDir": the cache directory as the target QEMU sees it). One cache
+and --layout-root checks as a restore; the operation's result ("prepare") holds
+the QEMU arguments that map it ("qemuDir": the cache directory as the target
+QEMU sees it). One cache
 per namespace: QEMU before 8.2 opens a share=off file read-write, so a RAM file
 is never shared across tenants. --ram-cache-max-bytes bounds each namespace's
-cache. The request is synchronous and takes one of the --max-concurrent slots.
+cache. A prepare waits for one of the --max-concurrent slots as the others do,
+and a cancelled one leaves no partial file in the cache.
 
 Registry credentials come from $DOCKER_CONFIG or --registry-config (a mounted
 dockerconfigjson secret), never from flags.

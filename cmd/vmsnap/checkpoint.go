@@ -15,6 +15,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 type streamFlags struct {
@@ -95,8 +96,8 @@ func newCheckpointCmd(out *globalOutput) *cobra.Command {
 	c.Flags().StringVar(&f.disk, "disk", "", "the VM's writable qcow2 overlay to capture as well")
 	c.Flags().StringVar(&f.diskImage, "disk-image", "", "where to store the disk overlay image (required with --disk, unless the disk is in the container's writable layer captured by --rootfs-image)")
 	c.Flags().StringVar(&f.rootfsImage, "rootfs-image", "", "with --agent: also capture the QEMU container's writable layer (its image plus one layer of changes) as an image here")
-	c.Flags().StringVar(&f.mode, "mode", string(vmstate.ModeSnapshot), "pause, snapshot or live (see above)")
-	c.Flags().StringVar(&f.format, "format", string(vmstate.FormatAuto), "auto, stream, mapped-ram or memory-file (see above)")
+	c.Flags().StringVar(&f.mode, "mode", string(vmspec.ModeSnapshot), "pause, snapshot or live (see above)")
+	c.Flags().StringVar(&f.format, "format", string(vmspec.FormatAuto), "auto, stream, mapped-ram or memory-file (see above)")
 	c.Flags().StringVar(&f.parent, "parent", "", "memory-file: store the pages that changed since this checkpoint, REF@sha256:... in the --image repository, each page it vouches for checked against the VM's memory unless this node recorded it (default: the VM's last checkpoint as --parent-records holds it)")
 	c.Flags().StringVar(&f.parentRecords, "parent-records", snapshot.DefaultParentRecordsDir(), "memory-file: the directory (yours, mode 0700) where this node records each VM's last checkpoint, the parent of its next; \"\" keeps none (every checkpoint a base, or on --parent)")
 	c.Flags().IntVar(&f.maxChain, "max-chain", vmstate.DefaultMaxChain, "memory-file: how many deltas a chain may hold before the next checkpoint is a fresh base (each delta adds layers that a cold restore fetches)")
@@ -104,11 +105,7 @@ func newCheckpointCmd(out *globalOutput) *cobra.Command {
 	c.Flags().IntVar(&f.keep, "keep", 0, "after the checkpoint, keep the `N` newest checkpoints of the --image repository and delete the older ones (see vmsnap prune; 0: prune nothing, through --agent: the agent's --keep)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up (and continue the VM) after this long")
 	f.stream.add(c, streamWorkers)
-	f.registry.add(c)
-	f.encrypt.add(c)
-	f.decrypt.add(c)
-	f.sign.add(c)
-	f.agent.add(c)
+	addFlagGroups(c, &f.registry, &f.encrypt, &f.decrypt, &f.sign, &f.agent)
 	addOutputFlags(c, out, true)
 	return c
 }
@@ -123,11 +120,11 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 	if err := f.agent.check(); err != nil {
 		return err
 	}
-	mode, err := vmstate.ParseMode(f.mode)
+	mode, err := vmspec.ParseMode(f.mode)
 	if err != nil {
 		return err
 	}
-	format, err := vmstate.ParseFormat(f.format)
+	format, err := vmspec.ParseFormat(f.format)
 	if err != nil {
 		return err
 	}
@@ -153,7 +150,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 		return err
 	}
 	encrypt = append(encrypt, sign...)
-	if f.agent.address != "" && (format != vmstate.FormatAuto || f.stagingDir != "" || f.parentRecordsSet) {
+	if f.agent.address != "" && (format != vmspec.FormatAuto || f.stagingDir != "" || f.parentRecordsSet) {
 		return errcode.New(errcode.Usage, "--format, --staging-dir and --parent-records apply to a local checkpoint: the node agent picks the format itself and keeps its own records")
 	}
 	if f.maxChain < 0 {
@@ -165,7 +162,7 @@ func runCheckpoint(ctx context.Context, out *globalOutput, f checkpointFlags) er
 	if f.agent.address != "" {
 		o, err := viaAgent(ctx, out, f.agent.address, func(c *agent.Client) (api.Operation, error) {
 			return c.Checkpoint(ctx, api.CheckpointRequest{
-				VM: f.agent.vm(f.qmp, f.disk), Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: string(mode),
+				VM: f.agent.vm(f.qmp, f.disk), Image: f.image, DiskImage: f.diskImage, RootfsImage: f.rootfsImage, Mode: mode,
 				ChunkSize: f.stream.chunkSize, Workers: f.stream.workers, Keep: f.keep, Parent: f.parent, MaxChain: f.maxChain,
 			})
 		})
@@ -261,7 +258,11 @@ func viaAgent(ctx context.Context, out *globalOutput, address string, start func
 	if err != nil {
 		return o, fromAgent(err)
 	}
-	fmt.Fprintf(out.stderr, "vmsnap: %s %s of pod %s accepted by the agent (%s)\n", o.Kind, o.ID, o.VM.PodUID, o.State)
+	of := "pod " + o.VM.PodUID
+	if o.Kind == api.KindPrepare {
+		of = "namespace " + o.Namespace
+	}
+	fmt.Fprintf(out.stderr, "vmsnap: %s %s of %s accepted by the agent (%s)\n", o.Kind, o.ID, of, o.State)
 	last := o.State
 	var lastPrint time.Time
 	o, err = c.Wait(ctx, o.ID, func(o api.Operation) {

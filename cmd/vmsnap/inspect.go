@@ -10,7 +10,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
@@ -59,7 +58,7 @@ func runInspect(ctx context.Context, out *globalOutput, s string, opts []ociimag
 	return nil
 }
 
-func printInspect(w io.Writer, d *api.InspectResult, indent string) {
+func printInspect(w io.Writer, d *snapshot.InspectResult, indent string) {
 	if c := d.Checkpoint; c != nil {
 		if c.Image != "" {
 			fmt.Fprintf(w, "%scheckpoint: %s\n", indent, c.Image)

@@ -19,7 +19,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/atomicfile"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/snapshot"
-	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // execQEMU replaces this process with QEMU. Tests replace it to see the
@@ -213,7 +213,7 @@ func (f launchFlags) plan(ctx context.Context) (name, what string, incoming, loa
 	if err != nil {
 		return "", "", nil, nil, errcode.Wrap(errcode.Internal, err, "finding the vmsnap binary for QEMU's exec: command")
 	}
-	if cfg.Format == vmstate.FormatMemoryFile {
+	if cfg.Format == vmspec.FormatMemoryFile {
 		prepared, err := snapshot.PreparedArgs(ctx, f.stateDir)
 		if err != nil {
 			return "", "", nil, nil, err

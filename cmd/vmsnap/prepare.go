@@ -69,9 +69,7 @@ func newPrepareCmd(out *globalOutput) *cobra.Command {
 	c.Flags().StringVar(&f.agent, "agent", "", "ask the node agent at unix:///PATH to prepare the file in its cache of your namespace instead of here")
 	c.Flags().StringVar(&f.namespace, "namespace", "", "with --agent, for an admin caller: the namespace whose cache to fill (default the caller's)")
 	f.stream.add(c, fmt.Sprintf("%d, the RAM file's regions fetched and written at once", ramfile.DefaultMaterializeWorkers))
-	f.registry.add(c)
-	f.decrypt.add(c)
-	f.verify.add(c)
+	addFlagGroups(c, &f.registry, &f.decrypt, &f.verify)
 	addOutputFlags(c, out, true)
 	return c
 }
@@ -121,16 +119,13 @@ func prepareViaAgent(ctx context.Context, out *globalOutput, f prepareFlags, ima
 	if len(f.localSet) > 0 {
 		return errcode.New(errcode.Usage, "--%s is the agent's with --agent (its --state-dir/ram/NAMESPACE and --ram-cache-max-bytes): leave it out", f.localSet[0])
 	}
-	cl, err := agent.NewClient(f.agent)
+	o, err := viaAgent(ctx, out, f.agent, func(c *agent.Client) (api.Operation, error) {
+		return c.Prepare(ctx, api.PrepareRequest{Image: image, AllowTag: f.allowTag, Namespace: f.namespace, QEMUDir: f.qemuDir, Workers: f.stream.workers})
+	})
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(out.stderr, "vmsnap: asking the agent at %s to prepare %s\n", f.agent, image)
-	res, err := cl.Prepare(ctx, api.PrepareRequest{Image: image, AllowTag: f.allowTag, Namespace: f.namespace, QEMUDir: f.qemuDir, Workers: f.stream.workers})
-	if err != nil {
-		return fromAgent(err)
-	}
-	report(out, res, func(w io.Writer) { printPrepare(w, res) })
+	report(out, o.Prepare, func(w io.Writer) { printPrepare(w, o.Prepare) })
 	return nil
 }
 

@@ -103,10 +103,7 @@ on this node has its signature read from its repository all the same.`,
 	c.Flags().BoolVar(&f.allowTag, "allow-tag", false, "accept a tag instead of a digest (the image may change under you)")
 	c.Flags().DurationVar(&f.timeout, "timeout", 30*time.Minute, "give up after this long")
 	f.stream.add(c, fmt.Sprintf("%s; with --to-dir, %d blobs fetched at once", streamWorkers, snapshot.DefaultStageWorkers))
-	f.registry.add(c)
-	f.decrypt.add(c)
-	f.verify.add(c)
-	f.agent.add(c)
+	addFlagGroups(c, &f.registry, &f.decrypt, &f.verify, &f.agent)
 	addOutputFlags(c, out, true)
 	return c
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/vmsnap/vmsnap/rootfs"
 	"github.com/vmsnap/vmsnap/vmstate"
 	vmdisk "github.com/vmsnap/vmsnap/vmstate/disk"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // CheckpointSpec is one checkpoint of the VM behind a QMP socket.
@@ -45,13 +46,13 @@ type CheckpointSpec struct {
 	// and in pause and snapshot modes it runs while the VM is stopped.
 	RootfsImage   string
 	CaptureRootfs func(ctx context.Context, repo ociimage.Repository, progress func(layerBytes int64)) (*rootfs.LayerResult, error)
-	Mode          vmstate.Mode
+	Mode          vmspec.Mode
 	Stream        chunk.StreamOptions
 	Store         []ociimage.Option
 	Progress      Progress
 	// Format and StagingDir: vmstate.CheckpointOptions's (auto and $TMPDIR
 	// when left empty).
-	Format     vmstate.Format
+	Format     vmspec.Format
 	StagingDir string
 	// StagingOwner: vmstate.CheckpointOptions's (the agent: the VM's
 	// namespace).
@@ -81,7 +82,7 @@ type CheckpointSpec struct {
 // checked, by Checkpoint and, before it resolves the VM, by the agent.
 func (s *CheckpointSpec) Validate() error {
 	if s.Mode == "" {
-		s.Mode = vmstate.ModeSnapshot
+		s.Mode = vmspec.ModeSnapshot
 	}
 	if s.QMPPath == "" || s.Image == "" {
 		return errcode.New(errcode.Usage, "a checkpoint needs a QMP socket and an image reference")
@@ -95,10 +96,10 @@ func (s *CheckpointSpec) Validate() error {
 	if s.DiskInRootfs && s.DiskRootfsPath == "" {
 		return errcode.New(errcode.Usage, "a disk overlay in the container's writable layer needs its path inside the container")
 	}
-	if s.RootfsImage != "" && s.Mode == vmstate.ModeLive {
+	if s.RootfsImage != "" && s.Mode == vmspec.ModeLive {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so the container's writable layer would not match the captured memory: use mode snapshot or pause to capture it")
 	}
-	if s.Mode == vmstate.ModeLive && s.DiskPath != "" {
+	if s.Mode == vmspec.ModeLive && s.DiskPath != "" {
 		return errcode.New(errcode.Usage, "live mode keeps the VM running, so its disk would not match the captured memory: use mode snapshot or pause to capture the disk")
 	}
 	if s.MaxChain < 0 || s.MaxChain > vmstate.MaxChain {
@@ -107,7 +108,7 @@ func (s *CheckpointSpec) Validate() error {
 	if s.Keep < 0 {
 		return errcode.New(errcode.Usage, "keep %d: give the number of checkpoints to keep, or 0 to prune nothing", s.Keep)
 	}
-	_, err := vmstate.ParseMode(string(s.Mode))
+	_, err := vmspec.ParseMode(string(s.Mode))
 	return err
 }
 
@@ -187,11 +188,11 @@ func Checkpoint(ctx context.Context, s CheckpointSpec) (*api.CheckpointResult, e
 
 // formatName is a config's format as results print it ("stream" for the
 // empty format of a stream).
-func formatName(f vmstate.Format) string {
+func formatName(f vmspec.Format) vmspec.Format {
 	if f == "" {
-		return string(vmstate.FormatStream)
+		return vmspec.FormatStream
 	}
-	return string(f)
+	return f
 }
 
 // ramResult describes a memory-file image's RAM file, or nil.

@@ -33,7 +33,7 @@ func (c *checkpointRun) result(res *vmstate.CheckpointResult) *api.CheckpointRes
 				"precopy": api.Ms(res.Durations.Precopy),
 			},
 		},
-		Mode:       string(c.s.Mode),
+		Mode:       c.s.Mode,
 		DowntimeMs: api.Ms(res.Downtime),
 		VMRunning:  res.VMRunning,
 		TotalMs:    api.Ms(res.Durations.Total),

@@ -18,7 +18,7 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/rootfs"
-	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // resolveIn resolves ref (a tag or a digest) in the layout dir.
@@ -50,13 +50,13 @@ func TestCheckpointTagsMoveOnlyOnceEverythingIsStored(t *testing.T) {
 	ctx := context.Background()
 	overlay := guest.NewDisk(t, t.TempDir())
 	stateDir, diskDir := t.TempDir(), t.TempDir()
-	spec := func(vm *qmptest.FakeQEMU, mode vmstate.Mode) CheckpointSpec {
+	spec := func(vm *qmptest.FakeQEMU, mode vmspec.Mode) CheckpointSpec {
 		return CheckpointSpec{
 			QMPPath: vm.Path(), DiskPath: overlay, Image: "oci:" + stateDir + ":vm", DiskImage: "oci:" + diskDir + ":vm-disk",
 			Mode: mode, Stream: chunk.StreamOptions{ChunkSize: 256 << 10},
 		}
 	}
-	first, err := Checkpoint(ctx, spec(qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20)), vmstate.ModeSnapshot))
+	first, err := Checkpoint(ctx, spec(qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20)), vmspec.ModeSnapshot))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,7 +75,7 @@ func TestCheckpointTagsMoveOnlyOnceEverythingIsStored(t *testing.T) {
 		t.Fatal(err)
 	}
 	vm := qmptest.NewFakeQEMU(t, "running", randomState(t, 1<<20))
-	_, err = Checkpoint(ctx, spec(vm, vmstate.ModePause))
+	_, err = Checkpoint(ctx, spec(vm, vmspec.ModePause))
 	if errcode.Of(err) != errcode.RegistryError || !strings.Contains(err.Error(), "index.json.lock") {
 		t.Fatalf("checkpoint into a store refusing the state manifest: %v, want REGISTRY_ERROR", err)
 	}
@@ -108,7 +108,7 @@ func TestCheckpointTagsMoveOnlyOnceEverythingIsStored(t *testing.T) {
 	if err := os.Remove(lock); err != nil {
 		t.Fatal(err)
 	}
-	third, err := Checkpoint(ctx, spec(vm, vmstate.ModePause))
+	third, err := Checkpoint(ctx, spec(vm, vmspec.ModePause))
 	if err != nil {
 		t.Fatal(err)
 	}

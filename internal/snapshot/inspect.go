@@ -27,7 +27,7 @@ type InspectSpec struct {
 // image (also described) and the rootfs image. For a disk image it lists
 // the VM state images whose subject it is (before indexes). Nothing is
 // restored.
-func Inspect(ctx context.Context, s InspectSpec) (*api.InspectResult, error) {
+func Inspect(ctx context.Context, s InspectSpec) (*InspectResult, error) {
 	ref, err := ociimage.ParseReference(s.Image)
 	if err != nil {
 		return nil, err
@@ -65,8 +65,8 @@ func Inspect(ctx context.Context, s InspectSpec) (*api.InspectResult, error) {
 
 // followParts adds to doc, which describes c's VM state image, the images
 // of checkpoint c (read from repo): each pinned, the disk image described.
-func followParts(ctx context.Context, doc *api.InspectResult, repo ociimage.Repository, c *ociimage.Checkpoint, opts []ociimage.Option) error {
-	doc.Checkpoint = &api.CheckpointImages{VMState: doc.Image}
+func followParts(ctx context.Context, doc *InspectResult, repo ociimage.Repository, c *ociimage.Checkpoint, opts []ociimage.Option) error {
+	doc.Checkpoint = &CheckpointImages{VMState: doc.Image}
 	if !c.Legacy {
 		doc.Checkpoint.Image, doc.Checkpoint.Digest = c.Ref.String(), c.Ref.Digest.String()
 	}
@@ -102,7 +102,7 @@ func followParts(ctx context.Context, doc *api.InspectResult, repo ociimage.Repo
 // describe describes the VM state or disk image repo is pinned to, and
 // returns its manifest; a disk image lists the state images that refer to
 // it through their subject.
-func describe(ctx context.Context, repo ociimage.Repository, opts []ociimage.Option) (*api.InspectResult, ocispec.Manifest, error) {
+func describe(ctx context.Context, repo ociimage.Repository, opts []ociimage.Option) (*InspectResult, ocispec.Manifest, error) {
 	desc, err := repo.Resolve(ctx)
 	if err != nil {
 		return nil, ocispec.Manifest{}, err
@@ -112,30 +112,16 @@ func describe(ctx context.Context, repo ociimage.Repository, opts []ociimage.Opt
 		return nil, m, err
 	}
 	ref := repo.Reference()
-	doc := &api.InspectResult{
+	doc := &InspectResult{
 		Image: ref.WithDigest(desc.Digest).String(), Digest: desc.Digest.String(),
 		ArtifactType: m.ArtifactType, Chunks: len(m.Layers), Annotations: m.Annotations,
 	}
 	describeLayers(doc, m)
 	switch m.ArtifactType {
 	case ociimage.ArtifactTypeVMState:
-		var cfg vmstate.Config
-		if len(doc.EncryptedFor) > 0 {
-			// Without a key the chunks cannot be checked, but the config is
-			// plaintext.
-			_, _, err = ociimage.PullArtifact(ctx, repo, ociimage.ArtifactTypeVMState, &cfg)
-		} else {
-			_, _, cfg, err = vmstate.LoadConfig(ctx, repo)
-		}
-		doc.VMState = &cfg
+		doc.VMState, err = imageConfig(ctx, repo, m.ArtifactType, len(doc.EncryptedFor) > 0, vmstate.LoadConfig)
 	case ociimage.ArtifactTypeDisk:
-		var cfg disk.DiskConfig
-		if len(doc.EncryptedFor) > 0 {
-			_, _, err = ociimage.PullArtifact(ctx, repo, ociimage.ArtifactTypeDisk, &cfg)
-		} else {
-			_, _, cfg, err = disk.LoadDiskConfig(ctx, repo)
-		}
-		doc.Disk = &cfg
+		doc.Disk, err = imageConfig(ctx, repo, m.ArtifactType, len(doc.EncryptedFor) > 0, disk.LoadDiskConfig)
 		if err == nil {
 			doc.Referrers, err = stateReferrers(ctx, repo, desc)
 		}
@@ -148,10 +134,25 @@ func describe(ctx context.Context, repo ociimage.Repository, opts []ociimage.Opt
 	return doc, m, nil
 }
 
+// imageConfig reads the config of an image of artifactType: checked by
+// load, or, for an encrypted image, as the plaintext it is (without a key
+// the chunks cannot be checked).
+func imageConfig[C any](ctx context.Context, repo ociimage.Repository, artifactType string, encrypted bool,
+	load func(context.Context, ociimage.Repository) (ocispec.Descriptor, ocispec.Manifest, C, error)) (*C, error) {
+	var cfg C
+	var err error
+	if encrypted {
+		_, _, err = ociimage.PullArtifact(ctx, repo, artifactType, &cfg)
+	} else {
+		_, _, cfg, err = load(ctx, repo)
+	}
+	return &cfg, err
+}
+
 // describeLayers counts m's layers by kind, and the keys they are
 // encrypted for.
-func describeLayers(doc *api.InspectResult, m ocispec.Manifest) {
-	kinds := map[string]*api.LayerKind{}
+func describeLayers(doc *InspectResult, m ocispec.Manifest) {
+	kinds := map[string]*LayerKind{}
 	for _, l := range m.Layers {
 		doc.StoredBytes += l.Size
 		for _, id := range imgcrypt.EncryptedFor(l) {
@@ -162,7 +163,7 @@ func describeLayers(doc *api.InspectResult, m ocispec.Manifest) {
 		kind := layerKind(l.MediaType)
 		k := kinds[kind]
 		if k == nil {
-			doc.Layers = append(doc.Layers, api.LayerKind{Kind: kind})
+			doc.Layers = append(doc.Layers, LayerKind{Kind: kind})
 			k = &doc.Layers[len(doc.Layers)-1]
 			kinds[kind] = k
 		}
@@ -174,17 +175,17 @@ func describeLayers(doc *api.InspectResult, m ocispec.Manifest) {
 
 // stateReferrers are the VM state images whose subject is the disk image
 // desc names: how checkpoints linked their disk before the checkpoint index.
-func stateReferrers(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor) ([]api.Referrer, error) {
+func stateReferrers(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor) ([]Referrer, error) {
 	refs, err := repo.Referrers(ctx, desc)
 	if err != nil {
 		return nil, err
 	}
-	var out []api.Referrer
+	var out []Referrer
 	for _, r := range refs {
 		// Some registries report the config's media type as the
 		// artifact type of a referrer.
 		if r.ArtifactType == ociimage.ArtifactTypeVMState || r.ArtifactType == ociimage.MediaTypeVMStateConfig {
-			out = append(out, api.Referrer{
+			out = append(out, Referrer{
 				Image: repo.Reference().WithDigest(r.Digest).String(), Digest: r.Digest.String(),
 				ArtifactType: ociimage.ArtifactTypeVMState, Annotations: r.Annotations,
 			})
@@ -195,7 +196,7 @@ func stateReferrers(ctx context.Context, repo ociimage.Repository, desc ocispec.
 
 // inspectRootfs describes the captured container image repo is pinned
 // to, by its manifest.
-func inspectRootfs(ctx context.Context, repo ociimage.Repository) (*api.RootfsLink, error) {
+func inspectRootfs(ctx context.Context, repo ociimage.Repository) (*RootfsLink, error) {
 	ref := repo.Reference()
 	desc, err := repo.Resolve(ctx)
 	if err != nil {
@@ -209,7 +210,7 @@ func inspectRootfs(ctx context.Context, repo ociimage.Repository) (*api.RootfsLi
 		return nil, errcode.New(errcode.InvalidInput, "%s is not a container image (artifact type %q, config %q, %d layers)", ref, m.ArtifactType, m.Config.MediaType, len(m.Layers))
 	}
 	top := m.Layers[len(m.Layers)-1]
-	d := &api.RootfsLink{
+	d := &RootfsLink{
 		Image: ref.WithDigest(desc.Digest).String(), Digest: desc.Digest.String(), Layers: len(m.Layers),
 		BaseImage: m.Annotations[ocispec.AnnotationBaseImageName], Layer: top.Digest.String(), LayerBytes: top.Size,
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // PrepareSpec readies the restore of a memory-file image on this node.
@@ -142,7 +143,7 @@ func PreparedArgs(ctx context.Context, dir string) (Prepared, error) {
 	if err != nil {
 		return Prepared{}, err
 	}
-	if cfg.Format != vmstate.FormatMemoryFile {
+	if cfg.Format != vmspec.FormatMemoryFile {
 		return Prepared{}, errcode.New(errcode.Usage, "the snapshot staged in %s is in the %s format, which needs no prepare", dir, cfg.Format)
 	}
 	p := filepath.Join(dir, PreparedFile)

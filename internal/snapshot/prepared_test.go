@@ -14,7 +14,7 @@ import (
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
-	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // A memory-file image staged for an init container holds its device state
@@ -49,7 +49,7 @@ func TestStageAndPreparedArgsMemoryFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st.Digest != cp.VMState.Digest || st.Format != string(vmstate.FormatMemoryFile) || st.Bytes >= 1<<20 {
+	if st.Digest != cp.VMState.Digest || st.Format != vmspec.FormatMemoryFile || st.Bytes >= 1<<20 {
 		t.Fatalf("staged %+v: want the image's digest, the device state only", st)
 	}
 	var blobBytes int64

@@ -13,6 +13,7 @@ import (
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // StagedTag names the VM state image Stage puts in a directory, for
@@ -61,7 +62,7 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	// not streamed: only its device state is staged. The manifest is the
 	// same, so the staged digest is the image's.
 	var keep func(ocispec.Descriptor) bool
-	if cfg.Format == vmstate.FormatMemoryFile {
+	if cfg.Format == vmspec.FormatMemoryFile {
 		keep = func(l ocispec.Descriptor) bool { return !ramfile.IsRAMLayer(l) }
 	}
 	copied, err := ociimage.CopyLayers(ctx, pinned, dst, s.MaxBytes, stageWorkers(s.Workers), keep)
@@ -71,7 +72,7 @@ func Stage(ctx context.Context, s StageSpec) (*api.StagedState, error) {
 	if err := ociimage.TagManifest(ctx, dst, copied, StagedTag); err != nil {
 		return nil, err
 	}
-	st := &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Checkpoint: checkpointRef(cp), Dir: dir, Bytes: sizeOf(m, keep), Format: string(cfg.Format)}
+	st := &api.StagedState{Image: pinned.Reference().String(), Digest: desc.Digest.String(), Checkpoint: checkpointRef(cp), Dir: dir, Bytes: sizeOf(m, keep), Format: cfg.Format}
 	return st, nil
 }
 
@@ -148,12 +149,12 @@ func StreamStaged(ctx context.Context, dir string, w interface{ Write([]byte) (i
 	if err != nil {
 		return err
 	}
-	if cfg.Format == vmstate.FormatMappedRAM {
+	if cfg.Format == vmspec.FormatMappedRAM {
 		return errcode.New(errcode.CompatMismatch,
 			"the staged image is in the mapped-ram format, which QEMU loads from a file, not from a stream: restore it with vmsnap restore --qmp into a QEMU 9.0 or later waiting with -incoming defer")
 	}
 	layers := m.Layers
-	if cfg.Format == vmstate.FormatMemoryFile {
+	if cfg.Format == vmspec.FormatMemoryFile {
 		// The device state only: QEMU maps the RAM file vmsnap prepare
 		// made (and must run with x-ignore-shared).
 		layers = nil

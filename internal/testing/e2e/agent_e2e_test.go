@@ -25,6 +25,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testing/containerd"
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/internal/testing/ocischema"
@@ -244,13 +245,10 @@ func TestAgentE2EJobCheckpointAndAgentRestore(t *testing.T) {
 	}
 	assertResumed(t, dst.vm, before, resume, resume)
 
-	// A wrong pod UID is VM_NOT_FOUND, at once.
-	start := time.Now()
+	// A wrong pod UID is VM_NOT_FOUND, at once: the request itself is
+	// refused, no operation started (TestAgentRefusesUnknownVMAtOnce).
 	cliError(t, errcode.VMNotFound, "checkpoint", "--agent", "unix://"+sock, "--pod-uid", containerd.NewPodUID(), "--container", "qemu",
 		"--qmp", "/run/vm/vm1.qmp", "--image", "oci:"+store+":x")
-	if d := time.Since(start); d > 3*time.Second {
-		t.Fatalf("a wrong pod UID took %v to refuse", d)
-	}
 }
 
 // A guest big enough that its checkpoint takes a moment under TCG.
@@ -485,7 +483,7 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 			t.Errorf("the rootfs layer holds %s, from the volume", name)
 		}
 	}
-	ins := cliJSON[api.InspectResult](t, "inspect", cp.Checkpoint.Image)
+	ins := cliJSON[snapshot.InspectResult](t, "inspect", cp.Checkpoint.Image)
 	if c := ins.Checkpoint; c == nil || c.VMState != cp.VMState.Image || c.Disk != cp.Disk.Image || c.Rootfs != cp.Rootfs.Image || c.DiskInRootfs != nil ||
 		ins.LinkedDisk == nil || ins.LinkedRootfs == nil || ins.LinkedRootfs.Layer != cp.Rootfs.Layer {
 		t.Fatalf("inspect does not show the checkpoint's images: %+v (linked rootfs %+v)", ins.Checkpoint, ins.LinkedRootfs)
@@ -568,7 +566,7 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 	if _, ok := entries["vm/disk/base.qcow2"]; !ok {
 		t.Fatal("the rootfs layer does not hold the overlay's base")
 	}
-	ins := cliJSON[api.InspectResult](t, "inspect", "oci:"+stateStore+":vm")
+	ins := cliJSON[snapshot.InspectResult](t, "inspect", "oci:"+stateStore+":vm")
 	if c := ins.Checkpoint; c == nil || c.Disk != "" || c.DiskInRootfs == nil || *c.DiskInRootfs != want || c.Rootfs != cp.Rootfs.Image || ins.LinkedDisk != nil {
 		t.Fatalf("inspect does not show the disk in the rootfs image: %+v", ins.Checkpoint)
 	}

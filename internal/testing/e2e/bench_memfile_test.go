@@ -56,7 +56,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/internal/testing/registry"
-	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 const (
@@ -233,7 +233,7 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 		streamCkpt := func() {
 			bb.settled(src)
 			bb.runCLI(src, &sc, "checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:r%d", streamRepo, i), "--mode", "snapshot", "--format", "stream")
-			if sc.VMState.Format != string(vmstate.FormatStream) || !sc.VMRunning {
+			if sc.VMState.Format != vmspec.FormatStream || !sc.VMRunning {
 				b.Fatalf("stream checkpoint: format %q, running %v", sc.VMState.Format, sc.VMRunning)
 			}
 			r.streamDown, r.streamTotal = append(r.streamDown, sc.DowntimeMs), append(r.streamTotal, sc.TotalMs)
@@ -246,7 +246,7 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 		alloc := allocated(b, g.ram)
 		// No parent records: each a base.
 		rss, _, _ := bb.peakRun(&mc, "checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:r%d", mfRepo, i), "--mode", "snapshot", "--format", "memory-file", "--parent-records", "")
-		if mc.VMState.Format != string(vmstate.FormatMemoryFile) || !mc.VMRunning || mc.VMState.RAM == nil || len(mc.VMState.RAM.Chain) != 1 {
+		if mc.VMState.Format != vmspec.FormatMemoryFile || !mc.VMRunning || mc.VMState.RAM == nil || len(mc.VMState.RAM.Chain) != 1 {
 			b.Fatalf("memory-file checkpoint: format %q, running %v, ram %+v: want a base", mc.VMState.Format, mc.VMRunning, mc.VMState.RAM)
 		}
 		checkSnapshotCapture(b, mc.VMState.RAM, bb.mfQEMU != "")

@@ -8,6 +8,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // trustCost is what trusting a parent only as far as a checkpoint verified
@@ -45,16 +46,16 @@ func (bb *bench) parentTrustCost(g *mfGuest, records string) *trustCost {
 		args := append([]string{"checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:t%d", repo, seq), "--format", "memory-file", "--mode", mode,
 			"--max-chain", "64"}, extra...)
 		tm := bb.runCLI(src, &cp, args...)
-		if mode == string(vmstate.ModePause) {
+		if mode == string(vmspec.ModePause) {
 			qmpOnce(b, src.QMPPath(), "cont", nil)
 		}
 		return cp, tm
 	}
 	var parent string
 	for i := range 2 * bb.benchPairs() {
-		mode := string(vmstate.ModeSnapshot)
+		mode := string(vmspec.ModeSnapshot)
 		if i >= bb.benchPairs() {
-			mode = string(vmstate.ModePause)
+			mode = string(vmspec.ModePause)
 		}
 		recorded := func() (api.CheckpointResult, timed) {
 			cp, tm := ckpt(mode, "--parent-records", records)
@@ -82,7 +83,7 @@ func (bb *bench) parentTrustCost(g *mfGuest, records string) *trustCost {
 				b.Fatalf("the %s delta: %+v", name, r)
 			}
 		}
-		if mode == string(vmstate.ModeSnapshot) {
+		if mode == string(vmspec.ModeSnapshot) {
 			c.snapDown = append(c.snapDown, vc.DowntimeMs/rc.DowntimeMs)
 			c.snapCPU = append(c.snapCPU, vt.cpu.client/rt.cpu.client)
 		} else {

@@ -153,19 +153,17 @@ func TestAgentE2EHostileQEMU(t *testing.T) {
 	if final.State != api.StateFailed || final.Error.Code != errcode.QMPError || !strings.Contains(final.Error.Message, "--operation-timeout of 3s") {
 		t.Fatalf("checkpoint of a QEMU that never answers: %s %+v, want failed with QMP_ERROR naming the timeout", final.State, final.Error)
 	}
-	if d < timeout || d > timeout+5*time.Second {
-		t.Fatalf("the silent QEMU's operation ended after %v, want about %v", d, timeout)
+	// Ended by the timeout (the message names it), and not before it.
+	if d < timeout {
+		t.Fatalf("the silent QEMU's operation ended after %v, before its timeout of %v", d, timeout)
 	}
 	if n := inFlight(t, sock); n != 0 {
 		t.Fatalf("vmsnap_operations_in_flight sums to %v after the timeout", n)
 	}
 
-	final, d = run(muteVM)
+	final, _ = run(muteVM)
 	if final.State != api.StateFailed || final.Error.Code != errcode.Busy || !strings.Contains(final.Error.Message, "another client probably holds the monitor") {
 		t.Fatalf("checkpoint of a QEMU that never greets: %s %+v", final.State, final.Error)
-	}
-	if d > timeout+5*time.Second {
-		t.Fatalf("the QEMU that never greets held the operation %v", d)
 	}
 	if n := inFlight(t, sock); n != 0 {
 		t.Fatalf("vmsnap_operations_in_flight sums to %v", n)

@@ -19,6 +19,7 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/internal/testing/ocischema"
 	"github.com/vmsnap/vmsnap/ociimage"
@@ -171,7 +172,7 @@ func TestE2EPauseModeRoundTrip(t *testing.T) {
 
 	// inspect of the checkpoint shows both images together; the layout
 	// passes the image spec's schemas.
-	ins := cliJSON[api.InspectResult](t, "inspect", cp.Checkpoint.Image)
+	ins := cliJSON[snapshot.InspectResult](t, "inspect", cp.Checkpoint.Image)
 	if ins.VMState == nil || ins.LinkedDisk == nil || ins.LinkedDisk.Digest != cp.Disk.Digest {
 		t.Fatalf("inspect does not link the disk image: %+v", ins)
 	}

@@ -15,8 +15,9 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	testguest "github.com/vmsnap/vmsnap/internal/testing/guest"
-	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 const (
@@ -36,9 +37,9 @@ func assertEmptyDir(t *testing.T, dir string) {
 	}
 }
 
-func stateFormat(t *testing.T, image string) vmstate.Format {
+func stateFormat(t *testing.T, image string) vmspec.Format {
 	t.Helper()
-	ins := cliJSON[api.InspectResult](t, "inspect", image)
+	ins := cliJSON[snapshot.InspectResult](t, "inspect", image)
 	if ins.VMState == nil {
 		t.Fatalf("inspect %s shows no VM state config", image)
 	}
@@ -77,8 +78,8 @@ func TestMappedRAME2EQEMU10(t *testing.T) {
 	if !cp1.VMRunning || runState(t, src) != "running" {
 		t.Fatal("snapshot mode did not continue the source")
 	}
-	if f := stateFormat(t, cp1.VMState.Image); f != vmstate.FormatMappedRAM {
-		t.Fatalf("the snapshot's format is %q, want %q", f, vmstate.FormatMappedRAM)
+	if f := stateFormat(t, cp1.VMState.Image); f != vmspec.FormatMappedRAM {
+		t.Fatalf("the snapshot's format is %q, want %q", f, vmspec.FormatMappedRAM)
 	}
 	if !strings.HasPrefix(cp1.VMState.QEMUVersion, "10.") || cp1.VMState.MemoryBytes != mappedMemMB<<20 {
 		t.Fatalf("recorded QEMU %s with %d bytes", cp1.VMState.QEMUVersion, cp1.VMState.MemoryBytes)
@@ -115,7 +116,7 @@ func TestMappedRAME2EQEMU10(t *testing.T) {
 	if cp3.VMRunning || runState(t, src) == "running" {
 		t.Fatal("pause mode left the source running")
 	}
-	if f := stateFormat(t, cp3.VMState.Image); f != vmstate.FormatMappedRAM {
+	if f := stateFormat(t, cp3.VMState.Image); f != vmspec.FormatMappedRAM {
 		t.Fatalf("the pause-mode snapshot's format is %q", f)
 	}
 	resume := src.ResumeCounter()

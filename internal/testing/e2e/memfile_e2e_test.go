@@ -16,8 +16,10 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/vmstate"
+	"github.com/vmsnap/vmsnap/vmstate/vmspec"
 )
 
 // shmDir is a fresh directory on tmpfs, where guest RAM files belong.
@@ -77,7 +79,7 @@ func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
 	// 1. A base: auto picks memory-file for a shared RAM file; the VM runs
 	// again before the pages are stored.
 	cp1 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", image, "--mode", "snapshot")
-	if cp1.VMState.Format != string(vmstate.FormatMemoryFile) || cp1.VMState.RAM == nil {
+	if cp1.VMState.Format != vmspec.FormatMemoryFile || cp1.VMState.RAM == nil {
 		t.Fatalf("format %q, ram %+v: want a memory-file image", cp1.VMState.Format, cp1.VMState.RAM)
 	}
 	ram1 := cp1.VMState.RAM
@@ -129,8 +131,8 @@ func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
 	src.Kill()
 
 	// inspect shows the chain.
-	ins := cliJSON[api.InspectResult](t, "inspect", cp3.VMState.Image)
-	if ins.VMState == nil || ins.VMState.Format != vmstate.FormatMemoryFile || ins.VMState.RAM == nil || len(ins.VMState.RAM.Chain) != 3 {
+	ins := cliJSON[snapshot.InspectResult](t, "inspect", cp3.VMState.Image)
+	if ins.VMState == nil || ins.VMState.Format != vmspec.FormatMemoryFile || ins.VMState.RAM == nil || len(ins.VMState.RAM.Chain) != 3 {
 		t.Fatalf("inspect does not show the chain: %+v", ins)
 	}
 
@@ -244,7 +246,7 @@ func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
 	last, _ := src.LastStatus()
 	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm", "--mode", "snapshot",
 		"--disk", overlay, "--disk-image", "oci:"+store+":vm-disk")
-	if cp.VMState.Format != string(vmstate.FormatMemoryFile) || cp.VMState.RAM == nil {
+	if cp.VMState.Format != vmspec.FormatMemoryFile || cp.VMState.RAM == nil {
 		t.Fatalf("QEMU 10 with a shared RAM file: format %q", cp.VMState.Format)
 	}
 	checkSnapshotCapture(t, cp.VMState.RAM, true)
@@ -330,7 +332,7 @@ func TestMemoryFileE2ELaunch(t *testing.T) {
 	store := filepath.Join(guest.FreeShortDir(t), "store")
 	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm",
 		"--disk", filepath.Join(dir, "overlay.qcow2"), "--disk-image", "oci:"+store+":vm-disk", "--mode", "pause")
-	if cp.VMState.Format != string(vmstate.FormatMemoryFile) {
+	if cp.VMState.Format != vmspec.FormatMemoryFile {
 		t.Fatalf("format %s, want memory-file", cp.VMState.Format)
 	}
 	resume := src.ResumeCounter()
@@ -343,7 +345,7 @@ func TestMemoryFileE2ELaunch(t *testing.T) {
 	}
 	// Launch refuses a memory-file snapshot whose RAM file was not prepared.
 	rs := cliJSON[api.RestoreResult](t, "restore", "--image", cp.VMState.Image, "--to-dir", state, "--disk-image", cp.Disk.Image, "--disk", overlay, "--marker-dir", markers)
-	if rs.Staged == nil || rs.Staged.Format != string(vmstate.FormatMemoryFile) || rs.Staged.Bytes >= 16<<20 {
+	if rs.Staged == nil || rs.Staged.Format != vmspec.FormatMemoryFile || rs.Staged.Bytes >= 16<<20 {
 		t.Fatalf("staged %+v: want the device state only (the guest has 16 MiB of random data in RAM)", rs.Staged)
 	}
 	var staged int64

@@ -23,6 +23,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
@@ -74,7 +75,7 @@ func TestRegistryE2ERoundTrip(t *testing.T) {
 
 	// The checkpoint (its index, which the tag names) finds both images;
 	// no image names another, so distribution 2.8 keeps no referrers tag.
-	ins := cliJSON[api.InspectResult](t, with([]string{"inspect", image}, regArgs(reg)...)...)
+	ins := cliJSON[snapshot.InspectResult](t, with([]string{"inspect", image}, regArgs(reg)...)...)
 	if ins.LinkedDisk == nil || ins.LinkedDisk.Digest != cp.Disk.Digest || ins.Checkpoint.Image != cp.Checkpoint.Image || ins.Digest != cp.VMState.Digest {
 		t.Fatalf("inspect of the checkpoint does not show its state and disk: %+v", ins)
 	}

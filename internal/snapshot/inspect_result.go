@@ -1,12 +1,15 @@
-package api
+package snapshot
 
 import (
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/vmstate"
 	"github.com/vmsnap/vmsnap/vmstate/disk"
 )
 
 // InspectResult is what vmsnap inspect prints: one image, and for a VM
-// state image the images of its checkpoint.
+// state image the images of its checkpoint. It is here, not in agent/api
+// with the other results, because it holds the image's config as vmstate
+// and disk define it: api stays a light package for the agent's callers.
 type InspectResult struct {
 	Image        string            `json:"image"`
 	Digest       string            `json:"digest"`
@@ -44,8 +47,8 @@ type CheckpointImages struct {
 	Disk    string `json:"disk,omitempty"` // the disk overlay's own image
 	// DiskInRootfs is where the disk overlay is in the rootfs image, when
 	// it lived in the QEMU container's writable layer.
-	DiskInRootfs *DiskInRootfs `json:"diskInRootfs,omitempty"`
-	Rootfs       string        `json:"rootfs,omitempty"`
+	DiskInRootfs *api.DiskInRootfs `json:"diskInRootfs,omitempty"`
+	Rootfs       string            `json:"rootfs,omitempty"`
 }
 
 // RootfsLink is a checkpoint's rootfs image, described by its manifest.
