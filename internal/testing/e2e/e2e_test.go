@@ -85,11 +85,11 @@ func waitCtx(t testing.TB) context.Context {
 	return ctx
 }
 
-// bootSource boots a test guest with a disk and waits for its first status.
-func bootSource(t *testing.T, dir string) (*guest.VM, guest.Status) {
+// bootGuest starts a test guest, waits for it to boot and returns its
+// first status.
+func bootGuest(t *testing.T, o guest.Options) (*guest.VM, guest.Status) {
 	t.Helper()
-	guest.Assets(t)
-	vm := guest.Start(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir})
+	vm := guest.Start(t, o)
 	if _, err := vm.WaitReady(waitCtx(t)); err != nil {
 		t.Fatalf("guest did not boot: %v\n%s", err, vm.SerialTail(20))
 	}
@@ -97,6 +97,14 @@ func bootSource(t *testing.T, dir string) (*guest.VM, guest.Status) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return vm, st
+}
+
+// bootSource boots a test guest with a disk and waits for its first status.
+func bootSource(t *testing.T, dir string) (*guest.VM, guest.Status) {
+	t.Helper()
+	guest.Assets(t)
+	vm, st := bootGuest(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir})
 	if st.Mem != st.Mem0 || !strings.HasPrefix(st.Disk, guest.MarkerPrefix) {
 		t.Fatalf("source guest is not healthy before the checkpoint: %s", st)
 	}

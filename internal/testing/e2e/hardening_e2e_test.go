@@ -338,6 +338,19 @@ func hardWaitLoaded(t *testing.T, vm *guest.VM) string {
 	}
 }
 
+// waitLoadedRunning waits until QEMU has loaded the staged state and runs on
+// (the loader continues it), for a minute at the most.
+func waitLoadedRunning(t *testing.T, vm *guest.VM) {
+	t.Helper()
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+		if st := hardWaitLoaded(t, vm); st == "running" {
+			return
+		} else if time.Now().After(deadline) {
+			t.Fatalf("after the load the VM is %q\n%s", st, vm.Stderr())
+		}
+	}
+}
+
 // ---------------------------------------------------------------------------
 // Translating the manifest's container into an OCI spec.
 

@@ -98,14 +98,7 @@ func TestInteropMemoryFileChain(t *testing.T) {
 	shm := shmDir(t)
 	overlay := guest.NewDisk(t, dir)
 	const memMB = 256
-	src := guest.Start(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	before, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, before := bootGuest(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
 	image := p.src.Host + "/vms/mem:vm"
 	base := cliJSON[api.CheckpointResult](t, with([]string{"checkpoint", "--qmp", src.QMPPath(), "--image", image, "--mode", "snapshot"}, regArgs(p.src)...)...)
 	if _, err := src.WaitStatus(waitCtx(t), func(s guest.Status) bool { return s.Counter > before.Counter+1 }); err != nil {

@@ -54,14 +54,7 @@ func TestMappedRAME2EQEMU10(t *testing.T) {
 		o.MemMB, o.GuestMemMB = mappedMemMB, mappedDataMB
 		return o
 	}
-	src := testguest.Start(t, guest(testguest.Options{Disk: overlay, Dir: dir, QEMURoot: root}))
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("QEMU 10 guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	before, err := src.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, before := bootGuest(t, guest(testguest.Options{Disk: overlay, Dir: dir, QEMURoot: root}))
 	if before.Mem != before.Mem0 || !strings.HasPrefix(before.Disk, testguest.MarkerPrefix) {
 		t.Fatalf("source guest is not healthy before the checkpoint: %s", before)
 	}

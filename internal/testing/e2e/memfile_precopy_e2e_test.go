@@ -25,14 +25,7 @@ func TestMemoryFileE2EPrecopySnapshotsRestoreExactly(t *testing.T) {
 		o.MemMB, o.GuestMemMB, o.KernelArgs, o.QEMURoot = memMB, dataMB, []string{"vmsnap.mem_every=15"}, root
 		return o
 	}
-	src := guest.Start(t, opts(guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)}))
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	boot, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, boot := bootGuest(t, opts(guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)}))
 	store := filepath.Join(t.TempDir(), "store")
 	for i := range 4 {
 		last, _ := src.LastStatus()

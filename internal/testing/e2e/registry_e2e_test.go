@@ -416,13 +416,7 @@ func TestRegistryE2EKilledMidPush(t *testing.T) {
 	dir := guest.FreeShortDir(t)
 	// More random guest memory and small chunks: hundreds of uploads, so
 	// the registry dies well before the end.
-	src := guest.Start(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, GuestMemMB: 96})
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	if _, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true }); err != nil {
-		t.Fatal(err)
-	}
+	src, _ := bootGuest(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, GuestMemMB: 96})
 
 	var killedAt atomic.Int64
 	done := make(chan struct{})
