@@ -259,6 +259,7 @@ func bigGuest(dir string) guest.Options {
 }
 
 func TestAgentE2EBusyAndDeletedContainer(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	src := startPodVM(t, ctrd, bigGuest(guest.FreeShortDir(t)), podOptions{})
@@ -325,6 +326,7 @@ func waitRunning(t *testing.T, p *podVM) {
 }
 
 func TestAgentE2EKilledAgentContinuesVMOnRestart(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	src := startPodVM(t, ctrd, bigGuest(guest.FreeShortDir(t)), podOptions{})
@@ -442,6 +444,7 @@ func fileDigest(t *testing.T, path string) string {
 // the checkpoint fails after the disk and rootfs images of that attempt
 // were stored, and no tag has moved.
 func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)
@@ -525,6 +528,7 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 // result says where. A container started from that image, with a QEMU on
 // the overlay in it, resumes the guest with its disk.
 func TestAgentE2EDiskInWritableLayer(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	const inPod = "/vm/disk/overlay.qcow2"
@@ -596,6 +600,7 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 // root, or a long volume name): the agent checkpoints the real guest
 // through its socket's descriptor, and the image names no host path.
 func TestAgentE2EQMPSocketBeyondAddressLimit(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)

@@ -159,6 +159,7 @@ func assertResumed(t *testing.T, target *guest.VM, src guest.Status, minCounter,
 }
 
 func TestE2EPauseModeRoundTrip(t *testing.T) {
+	t.Parallel()
 	dir := guest.FreeShortDir(t)
 	src, before := bootSource(t, dir)
 	store := filepath.Join(t.TempDir(), "store")
@@ -205,6 +206,7 @@ func TestE2EPauseModeRoundTrip(t *testing.T) {
 }
 
 func TestE2ESnapshotModeKeepsSourceRunning(t *testing.T) {
+	t.Parallel()
 	dir := guest.FreeShortDir(t)
 	src, before := bootSource(t, dir)
 	store := filepath.Join(t.TempDir(), "store")
@@ -233,6 +235,7 @@ func TestE2ESnapshotModeKeepsSourceRunning(t *testing.T) {
 }
 
 func TestE2ELiveModeKeepsSourceRunning(t *testing.T) {
+	t.Parallel()
 	dir := guest.FreeShortDir(t)
 	src, before := bootSource(t, dir)
 	// The guest writes its disk only at boot, so a copy taken now matches
@@ -305,6 +308,7 @@ func TestMain(m *testing.M) {
 }
 
 func TestE2ECompatMismatchIsRefusedBeforeLoading(t *testing.T) {
+	t.Parallel()
 	srcDir, _, image, diskImage := checkpointOnce(t)
 	tdir := targetDir(t, srcDir)
 	disk := filepath.Join(tdir, "overlay.qcow2")
@@ -320,6 +324,7 @@ func TestE2ECompatMismatchIsRefusedBeforeLoading(t *testing.T) {
 }
 
 func TestE2ECorruptChunkIsRefused(t *testing.T) {
+	t.Parallel()
 	srcDir, store, image, diskImage := checkpointOnce(t)
 	ref, err := ociimage.ParseReference(image)
 	if err != nil {

@@ -60,6 +60,7 @@ const hardSnapshotMount = "/snapshot"
 const hardProbeRootFile = "/probe-data/world-writable"
 
 func TestHardeningRestoreInitContainer(t *testing.T) {
+	t.Parallel()
 	timings := &hardTimings{}
 	defer timings.log(t)
 

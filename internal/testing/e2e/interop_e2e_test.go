@@ -44,6 +44,7 @@ func restoreCopy(t *testing.T, srcDir, index string, args []string) *guest.VM {
 // same boot, memory and disk; the counter where the checkpoint took it),
 // the encrypted one with its key.
 func TestInteropStreamAndEncrypted(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	p := startPair(t)
 	tools := copyTools(t)
@@ -91,6 +92,7 @@ func TestInteropStreamAndEncrypted(t *testing.T) {
 // RAM file (fetched from the copy into a cache of its own) and the guest
 // resumes exactly on it.
 func TestInteropMemoryFileChain(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	p := startPair(t)
 	tools := copyTools(t)
@@ -138,6 +140,7 @@ func TestInteropMemoryFileChain(t *testing.T) {
 // overlay the image holds, and the agent loads the state through the
 // copy's checkpoint digest: the guest resumes exactly.
 func TestInteropRootfsThroughTheAgent(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	p := startPair(t)
 	tools := copyTools(t)

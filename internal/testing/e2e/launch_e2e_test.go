@@ -23,6 +23,7 @@ import (
 // from replacing the overlay. The same for -incoming defer (launch --defer):
 // loaded once through the monitor, cold after a restart.
 func TestLaunchLoadsOnceThenBootsCold(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	bin := hardBuildStatic(t, t.TempDir(), "vmsnap", vmsnapPkg, "")
 	srcDir := guest.FreeShortDir(t)

@@ -46,6 +46,7 @@ func stateFormat(t *testing.T, image string) vmstate.Format {
 }
 
 func TestMappedRAME2EQEMU10(t *testing.T) {
+	t.Parallel()
 	root := testguest.QEMU10(t)
 	testguest.Assets(t)
 	dir := testguest.FreeShortDir(t)
@@ -158,6 +159,7 @@ func TestMappedRAME2EQEMU10(t *testing.T) {
 //
 //	VMSNAP_MAPPEDRAM_FIGURES=3 go test -run TestMappedRAMFigures -v -timeout 30m ./cmd/vmsnap/
 func TestMappedRAMFigures(t *testing.T) {
+	t.Parallel()
 	rounds := 0
 	fmt.Sscan(os.Getenv("VMSNAP_MAPPEDRAM_FIGURES"), &rounds)
 	if rounds <= 0 {

@@ -57,6 +57,7 @@ func fileRAMArgs(path string, memMB int) []string {
 }
 
 func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)
 	shm := shmDir(t)
@@ -216,6 +217,7 @@ func restoreDisk(t *testing.T, cp api.CheckpointResult, dir, name string) string
 // QEMU opens the cached file read-only, and the guest still writes (to its
 // private pages).
 func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
+	t.Parallel()
 	root := guest.QEMU10(t)
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)
@@ -299,6 +301,7 @@ func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
 // loads the device state (x-ignore-shared, which QEMU 7.2 cannot take on
 // its command line). The guest carries on; a restart boots cold.
 func TestMemoryFileE2ELaunch(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	bin := hardBuildStatic(t, t.TempDir(), "vmsnap", vmsnapPkg, "")
 	dir := guest.FreeShortDir(t)

@@ -22,6 +22,7 @@ import (
 // compared byte for byte with the stopped guest's, and a QEMU restored on
 // it carries on.
 func TestMemoryFileE2EForgedParentUnderTheTag(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)
 	shm := shmDir(t)

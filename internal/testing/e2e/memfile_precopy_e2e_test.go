@@ -16,6 +16,7 @@ import (
 // counters, the counter where the snapshot caught it). QEMU 10: under TCG,
 // QEMU 7.2's dirty log loses writes, and vmsnap scans its VMs instead.
 func TestMemoryFileE2EPrecopySnapshotsRestoreExactly(t *testing.T) {
+	t.Parallel()
 	root := guest.QEMU10(t)
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)

@@ -18,6 +18,7 @@ import (
 )
 
 func TestAgentE2EMemoryFileRestoreReadsOnlyTheVMsNamespace(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	vmsnapBin := binary(t)

@@ -39,6 +39,7 @@ func with(args []string, more ...string) []string {
 }
 
 func TestRegistryE2ERoundTrip(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t) // skip before starting a registry if there is no guest
 	reg := registry.Start(t)
 	dir := guest.FreeShortDir(t)
@@ -112,6 +113,7 @@ func TestRegistryE2ERoundTrip(t *testing.T) {
 // second is of a paused copy of the first (pausedCopy): the guest does not
 // run between the two, so the memory is the same, byte for byte.
 func TestRegistryE2ERepeatCheckpointUploadsAlmostNothing(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	reg := registry.Start(t)
 	dir := guest.FreeShortDir(t)
@@ -209,6 +211,7 @@ func manifestFromRegistry(t *testing.T, reg *registry.Registry, image string) oc
 // the first checkpoint (pausedCopy): the guest does not run between the
 // two, so the host's writes are all that differs.
 func TestRegistryE2ECheckpointAfterAChangeUploadsOnlyTheChange(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	reg := registry.Start(t)
 	const memMB = 512
@@ -411,6 +414,7 @@ func contStop(t testing.TB, path string) {
 // with REGISTRY_ERROR, the VM runs again, and no tag points at a partial
 // snapshot.
 func TestRegistryE2EKilledMidPush(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	reg := registry.Start(t)
 	dir := guest.FreeShortDir(t)
