@@ -65,14 +65,11 @@ func startFaultVM(t *testing.T, opts guest.Options) *faultVM {
 	}
 	mon := filepath.Join(opts.Dir, "test-mon.sock")
 	opts.ExtraArgs = append(opts.ExtraArgs, "-qmp", "unix:"+mon+",server=on,wait=off")
-	f := &faultVM{vm: guest.Start(t, opts), monitor: mon}
-	if !opts.Incoming {
-		if _, err := f.vm.WaitReady(waitCtx(t)); err != nil {
-			t.Fatalf("guest did not boot: %v\n%s", err, f.vm.SerialTail(20))
-		}
-		if _, err := f.vm.WaitStatus(waitCtx(t), func(guest.Status) bool { return true }); err != nil {
-			t.Fatal(err)
-		}
+	f := &faultVM{monitor: mon}
+	if opts.Incoming {
+		f.vm = guest.Start(t, opts)
+	} else {
+		f.vm, _ = bootGuest(t, opts)
 	}
 	return f
 }
