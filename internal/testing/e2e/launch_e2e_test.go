@@ -25,7 +25,7 @@ import (
 func TestLaunchLoadsOnceThenBootsCold(t *testing.T) {
 	t.Parallel()
 	guest.Assets(t)
-	bin := hardBuildStatic(t, t.TempDir(), "vmsnap", vmsnapPkg, "")
+	bin := staticVmsnap(t, t.TempDir())
 	srcDir := guest.FreeShortDir(t)
 	src, before := bootSource(t, srcDir)
 	store := filepath.Join(guest.FreeShortDir(t), "store")

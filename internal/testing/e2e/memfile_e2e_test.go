@@ -303,7 +303,7 @@ func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
 func TestMemoryFileE2ELaunch(t *testing.T) {
 	t.Parallel()
 	guest.Assets(t)
-	bin := hardBuildStatic(t, t.TempDir(), "vmsnap", vmsnapPkg, "")
+	bin := staticVmsnap(t, t.TempDir())
 	dir := guest.FreeShortDir(t)
 	shm := shmDir(t)
 	const memMB = 256
