@@ -79,8 +79,12 @@ func runState(t testing.TB, vm *guest.VM) string {
 	return st.Status
 }
 
+// waitCtx bounds a wait for a guest or a tool: a guard against a hang,
+// not a measure. A TCG guest's boot is about 20 s of CPU; on a machine
+// whose cores are shared with a dozen other busy processes it took more
+// than 2 minutes (a 1 GiB QEMU 10 guest in make test).
 func waitCtx(t testing.TB) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	t.Cleanup(cancel)
 	return ctx
 }
