@@ -12,7 +12,7 @@ DEBS := qemu-system-x86 qemu-utils busybox-static zstd cpio containerd runc dock
 export VMSNAP_TEST_CACHE ?= $(HOME)/.cache/vmsnap-test
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all build test test-unit bench demo deps guest k8s tools cosign vet lint clean print-debs
+.PHONY: all build test test-loaded test-unit bench demo deps guest k8s tools cosign vet lint clean print-debs
 
 all: build
 
@@ -78,13 +78,28 @@ tools:
 # on 2 cores once, then cached) builds in the background from the start of
 # the tests, beside the packages that do not need it; the tests that do
 # wait for it (a file lock), and one that finds no binary builds it itself.
+# internal/testing/e2e comes first: it takes longer than all the others
+# together, and go test starts packages in the order it is given them (two
+# at a time on 2 cores), so the others run beside it instead of before it.
+# Its tests run two at a time (t.Parallel; -parallel is GOMAXPROCS): each
+# waits on QEMU, registries and child processes much of the time.
 CLUSTER_PKGS := ./internal/testing/cluster ./internal/testing/k8se2e
 test: lint deps guest k8s tools
 	@mkdir -p bin
 	$(GO) test -count=1 -timeout 60m -run '^TestToolsArePinned$$/^cosign$$' ./internal/testing/tools >bin/cosign-build.log 2>&1 & \
-	$(GO) test -race -timeout 45m $$($(GO) list ./... | grep -v -e /internal/testing/cluster -e /internal/testing/k8se2e -e /internal/testing/tools); \
+	$(GO) test -race -timeout 45m ./internal/testing/e2e $$($(GO) list ./... | grep -v -e /internal/testing/cluster -e /internal/testing/k8se2e -e /internal/testing/tools -e /internal/testing/e2e); \
 	status=$$?; wait $$! || { cat bin/cosign-build.log; status=1; }; exit $$status
 	$(GO) test -race -timeout 20m $(CLUSTER_PKGS)
+
+# make test with the machine's cores kept busy by another process, to show
+# that no test needs an idle machine: LOAD_CPUS shell loops spin at normal
+# priority for as long as make test runs, and are killed when it ends.
+LOAD_CPUS ?= $(shell nproc)
+test-loaded:
+	@pids=; for i in $$(seq $(LOAD_CPUS)); do sh -c 'while :; do :; done' & pids="$$pids $$!"; done; \
+	trap 'kill $$pids 2>/dev/null' EXIT INT TERM; \
+	echo "test-loaded: $(LOAD_CPUS) busy loops (pids$$pids) beside make test"; \
+	$(MAKE) test
 
 # The cosign CLI alone, into the test cache.
 cosign:

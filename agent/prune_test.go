@@ -4,17 +4,15 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"net/http"
 	"slices"
 	"strings"
 	"testing"
 
-	"github.com/opencontainers/go-digest"
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/snapshot"
-	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/internal/testing/prunetest"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
@@ -57,44 +55,19 @@ func TestAgentCheckpointWithKeepPrunes(t *testing.T) {
 		t.Fatalf("keep -1: %d %+v, want 400 INVALID_INPUT", resp.StatusCode, doc.Error)
 	}
 	// The agent's default, 2: the third checkpoint removed the first.
-	if p := done[2].Checkpoint.Pruned; p.Keep != 2 || !slices.Equal(digests(p.Removed), []string{digest(0)}) || !slices.Equal(digests(p.Kept), []string{digest(2), digest(1)}) {
+	if p := done[2].Checkpoint.Pruned; p.Keep != 2 || !slices.Equal(prunetest.Digests(p.Removed), []string{digest(0)}) || !slices.Equal(prunetest.Digests(p.Kept), []string{digest(2), digest(1)}) {
 		t.Fatalf("the third checkpoint pruned %+v", p)
 	}
 	// The request's keep, 1: the fourth removed the second and third.
-	if p := done[3].Checkpoint.Pruned; p.Keep != 1 || !slices.Equal(digests(p.Removed), []string{digest(2), digest(1)}) {
+	if p := done[3].Checkpoint.Pruned; p.Keep != 1 || !slices.Equal(prunetest.Digests(p.Removed), []string{digest(2), digest(1)}) {
 		t.Fatalf("the fourth checkpoint pruned %+v", p)
 	}
 	for i := range 3 {
-		if !manifestGone(t, "oci:"+store, digest(i), nil) {
+		if !prunetest.ManifestGone(t, "oci:"+store, digest(i), nil) {
 			t.Fatalf("checkpoint %d is still stored", i)
 		}
 	}
 	restoresExactlyState(t, done[3].Checkpoint.VMState.Image, state)
-}
-func digests(cps []api.PrunedCheckpoint) []string {
-	var out []string
-	for _, c := range cps {
-		out = append(out, c.Digest)
-	}
-	return out
-}
-
-func manifestGone(t *testing.T, image string, d string, opts []ociimage.Option) bool {
-	t.Helper()
-	ref, err := ociimage.ParseReference(image)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ref.Tag = ""
-	repo, err := ociimage.Open(context.Background(), ref, opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = repo.(ociimage.DigestResolver).ResolveDigest(context.Background(), digest.Digest(d))
-	if err != nil && !errors.Is(err, ociimage.ErrNotFound) {
-		t.Fatal(err)
-	}
-	return errors.Is(err, ociimage.ErrNotFound)
 }
 
 func restoresExactlyState(t *testing.T, image string, state []byte) {

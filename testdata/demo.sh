@@ -26,7 +26,7 @@ qemu() {
 	qemu-system-x86_64 -accel tcg -machine pc -m 256 -smp 1 \
 		-nodefaults -no-user-config -display none -no-reboot \
 		-kernel "$GUEST/vmlinuz" -initrd "$GUEST/initrd" \
-		-append "console=ttyS0 panic=-1 quiet vmsnap.mem_mb=16" \
+		-append "console=ttyS0 panic=-1 quiet no_timer_check vmsnap.mem_mb=16" \
 		-serial "file:$WORK/$name.serial" \
 		-qmp "unix:$WORK/$name.qmp,server=on,wait=off" \
 		-drive "file=$WORK/$name/overlay.qcow2,if=virtio,format=qcow2,cache=writeback" \

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
@@ -88,7 +89,7 @@ func TestMappedRAMStagingBoundedAgainstSparseFile(t *testing.T) {
 // TestStreamBoundedAgainstEndlessStream: a QEMU that claims 16 MiB of
 // memory and streams without end is cut off at the bound.
 func TestStreamBoundedAgainstEndlessStream(t *testing.T) {
-	q := qmptest.NewFakeQEMU(t, "running", randomBytes(1, 1<<20))
+	q := qmptest.NewFakeQEMU(t, "running", chunkdata.Random(1, 1<<20))
 	q.Lock()
 	q.Memory, q.LieStream = 16<<20, true
 	q.Unlock()

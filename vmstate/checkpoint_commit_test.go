@@ -9,6 +9,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
@@ -17,7 +18,7 @@ import (
 // are stored (by digest, into an untagged repository) and moves the tag;
 // without Commit nothing is tagged.
 func TestCheckpointCommitMovesTheTagLast(t *testing.T) {
-	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
+	q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 1<<20))
 	dir := t.TempDir()
 	untagged := openLayout(t, "oci:"+dir)
 	var committed ocispec.Descriptor
@@ -53,7 +54,7 @@ func TestCheckpointCommitMovesTheTagLast(t *testing.T) {
 
 // A Commit that fails fails the checkpoint: the VM runs again.
 func TestCheckpointCommitFailureContinuesVM(t *testing.T) {
-	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
+	q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 1<<20))
 	commitErr := errcode.New(errcode.AuthFailed, "no push to that tag")
 	res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()), CheckpointOptions{
 		Mode:   ModePause,

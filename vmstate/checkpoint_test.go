@@ -13,6 +13,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -37,7 +38,7 @@ func TestCheckpointModes(t *testing.T) {
 		wantRunning bool
 	}{{ModeSnapshot, true}, {ModePause, false}} {
 		t.Run(string(tc.mode), func(t *testing.T) {
-			state := testStream(t, 3<<20)
+			state := chunkdata.Stream(t, 3<<20)
 			q := qmptest.NewFakeQEMU(t, "running", state)
 			dir := t.TempDir()
 			repo := openLayout(t, "oci:"+dir+":vm")
@@ -91,7 +92,7 @@ func TestCheckpointModes(t *testing.T) {
 func TestCheckpointFailureContinuesVMAndLeavesNoTag(t *testing.T) {
 	for _, mode := range []Mode{ModePause, ModeSnapshot} {
 		t.Run(string(mode), func(t *testing.T) {
-			q := qmptest.NewFakeQEMU(t, "running", testStream(t, 2<<20))
+			q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 2<<20))
 			q.FailMigrate = 100 << 10
 			dir := t.TempDir()
 			_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{Mode: mode})
@@ -109,7 +110,7 @@ func TestCheckpointFailureContinuesVMAndLeavesNoTag(t *testing.T) {
 }
 
 func TestCheckpointStoreFailureContinuesVM(t *testing.T) {
-	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 2<<20))
+	q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 2<<20))
 	dir := t.TempDir()
 	// A file where the layout directory should be: every blob write fails.
 	blocked := filepath.Join(dir, "layout")
@@ -138,7 +139,7 @@ func (refusingRepo) PutBlob(context.Context, ocispec.Descriptor, []byte) error {
 func TestCheckpointReportsTheStoresFailureNotTheBrokenPipe(t *testing.T) {
 	for _, mode := range []Mode{ModePause, ModeSnapshot} {
 		t.Run(string(mode), func(t *testing.T) {
-			q := qmptest.NewFakeQEMU(t, "running", testStream(t, 8<<20))
+			q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 8<<20))
 			repo := refusingRepo{openLayout(t, "oci:"+t.TempDir()+":vm")}
 			_, err := Checkpoint(context.Background(), q.Dial(t), repo, CheckpointOptions{Mode: mode, Stream: chunk.StreamOptions{ChunkSize: 1 << 20}})
 			if errcode.Of(err) != errcode.RegistryError || !strings.Contains(err.Error(), "refused the blob") {
@@ -152,7 +153,7 @@ func TestCheckpointReportsTheStoresFailureNotTheBrokenPipe(t *testing.T) {
 }
 
 func TestCheckpointHookFailureContinuesVM(t *testing.T) {
-	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
+	q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 1<<20))
 	dir := t.TempDir()
 	hookErr := errcode.New(errcode.InvalidInput, "bad overlay")
 	_, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":vm"), CheckpointOptions{
@@ -198,7 +199,7 @@ func checkpointInto(t *testing.T, dir string, state []byte) ociimage.Reference {
 
 func TestRestoreLoadsExactStateAndContinues(t *testing.T) {
 	for _, paused := range []bool{false, true} {
-		state := testStream(t, 3<<20)
+		state := chunkdata.Stream(t, 3<<20)
 		dir := t.TempDir()
 		ref := checkpointInto(t, dir, state)
 		dst := qmptest.NewFakeQEMU(t, "inmigrate", state)
@@ -220,7 +221,7 @@ func TestRestoreLoadsExactStateAndContinues(t *testing.T) {
 
 func TestRestoreRefusesMismatchBeforeSendingAByte(t *testing.T) {
 	dir := t.TempDir()
-	ref := checkpointInto(t, dir, testStream(t, 1<<20))
+	ref := checkpointInto(t, dir, chunkdata.Stream(t, 1<<20))
 	dst := qmptest.NewFakeQEMU(t, "inmigrate", nil)
 	dst.Memory = 512 << 20
 	_, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{})
@@ -239,7 +240,7 @@ func TestRestoreRefusesMismatchBeforeSendingAByte(t *testing.T) {
 
 func TestRestoreCorruptFirstChunkNeverReachesQEMU(t *testing.T) {
 	dir := t.TempDir()
-	ref := checkpointInto(t, dir, testStream(t, 2<<20))
+	ref := checkpointInto(t, dir, chunkdata.Stream(t, 2<<20))
 	repo := openLayout(t, ref.String())
 	_, m, _, err := LoadConfig(context.Background(), repo)
 	if err != nil {
@@ -258,7 +259,7 @@ func TestRestoreCorruptFirstChunkNeverReachesQEMU(t *testing.T) {
 
 func TestRestoreCorruptLaterChunkFailsTheLoad(t *testing.T) {
 	dir := t.TempDir()
-	state := testStream(t, 3<<20)
+	state := chunkdata.Stream(t, 3<<20)
 	ref := checkpointInto(t, dir, state)
 	repo := openLayout(t, ref.String())
 	_, m, _, err := LoadConfig(context.Background(), repo)
@@ -282,7 +283,7 @@ func TestRestoreCorruptLaterChunkFailsTheLoad(t *testing.T) {
 
 func TestRestoreRefusesRunningQEMU(t *testing.T) {
 	dir := t.TempDir()
-	ref := checkpointInto(t, dir, testStream(t, 1<<20))
+	ref := checkpointInto(t, dir, chunkdata.Stream(t, 1<<20))
 	dst := qmptest.NewFakeQEMU(t, "running", nil)
 	_, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{})
 	if errcode.Of(err) != errcode.InvalidInput {
@@ -303,7 +304,7 @@ func flipByte(t testing.TB, path string) {
 }
 
 func TestCheckpointRefusesVMStoppedByEarlierMigration(t *testing.T) {
-	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
+	q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 1<<20))
 	dir := t.TempDir()
 	if _, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+dir+":a"), CheckpointOptions{Mode: ModePause}); err != nil {
 		t.Fatal(err)
@@ -318,7 +319,7 @@ func TestCheckpointRefusesVMStoppedByEarlierMigration(t *testing.T) {
 }
 
 func TestLiveModeOfPausedVMStaysPaused(t *testing.T) {
-	q := qmptest.NewFakeQEMU(t, "paused", testStream(t, 1<<20))
+	q := qmptest.NewFakeQEMU(t, "paused", chunkdata.Stream(t, 1<<20))
 	res, err := Checkpoint(context.Background(), q.Dial(t), openLayout(t, "oci:"+t.TempDir()+":a"), CheckpointOptions{Mode: ModeLive})
 	if err != nil {
 		t.Fatal(err)
@@ -332,7 +333,7 @@ func TestLiveModeOfPausedVMStaysPaused(t *testing.T) {
 }
 
 func TestCheckpointTurnsOffForeignCapabilitiesAndRestoresThem(t *testing.T) {
-	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 1<<20))
+	q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 1<<20))
 	q.Lock()
 	q.Caps["multifd"], q.Caps["return-path"] = true, true
 	q.Unlock()

@@ -16,6 +16,7 @@ import (
 	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
@@ -72,7 +73,7 @@ func TestLoadConfigAndDecodeRealLayoutWithHostileLayers(t *testing.T) {
 	ctx := context.Background()
 	root := t.TempDir()
 	dir := filepath.Join(root, "layout")
-	data := testStream(t, 200<<10)
+	data := chunkdata.Stream(t, 200<<10)
 	repo := openLayout(t, "oci:"+dir+":vm")
 	res, err := chunk.EncodeStream(ctx, bytes.NewReader(data), repo, chunk.StreamOptions{ChunkSize: 64 << 10, Workers: 2})
 	if err != nil {
@@ -149,12 +150,12 @@ func TestLoadConfigAndDecodeRealLayoutWithHostileLayers(t *testing.T) {
 			if err != nil {
 				t.Fatalf("LoadConfig: %v", err)
 			}
-			out := &capWriter{max: len(data) + 1}
+			out := &chunkdata.CapWriter{Max: len(data) + 1}
 			_, err = chunk.DecodeStream(ctx, m.Layers, r, out, chunk.StreamOptions{Workers: 2})
 			if errcode.Of(err) != tc.code {
 				t.Fatalf("chunk.DecodeStream = %v (code %s), want %s", err, errcode.Of(err), tc.code)
 			}
-			if tc.code == "" && !bytes.Equal(out.buf.Bytes(), data) {
+			if tc.code == "" && !bytes.Equal(out.Buf.Bytes(), data) {
 				t.Fatal("round trip differs")
 			}
 			if after := dirList(t, root); after != before {

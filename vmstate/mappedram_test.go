@@ -18,6 +18,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -268,7 +269,7 @@ func TestMappedRAMCorruptChunkNeverReachesQEMU(t *testing.T) {
 }
 
 func TestFormatChoice(t *testing.T) {
-	state := testStream(t, 1<<20)
+	state := chunkdata.Stream(t, 1<<20)
 	for _, tc := range []struct {
 		name      string
 		qemu9     bool
@@ -406,8 +407,8 @@ func TestConfigFormatIsChecked(t *testing.T) {
 }
 
 func TestFixedChunks(t *testing.T) {
-	data := testStream(t, 5<<20+12345)
-	store := newMemStore()
+	data := chunkdata.Stream(t, 5<<20+12345)
+	store := chunkdata.NewStore()
 	res, err := chunk.EncodeStream(context.Background(), bytes.NewReader(data), store, chunk.StreamOptions{ChunkSize: 1<<20 + 1000, Fixed: true})
 	if err != nil {
 		t.Fatal(err)

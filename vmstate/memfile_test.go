@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 	"github.com/vmsnap/vmsnap/vmstate/ramfile"
@@ -35,7 +36,7 @@ func fakeFileVM(t *testing.T) (*qmptest.FakeQEMU, string) {
 	if err := f.Truncate(fakeRAM); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := f.WriteAt(randomBytes(1, 4<<20), 0); err != nil {
+	if _, err := f.WriteAt(chunkdata.Random(1, 4<<20), 0); err != nil {
 		t.Fatal(err)
 	}
 	return fakeFileVMAt(t, path)
@@ -124,7 +125,7 @@ func TestMemoryFileCheckpointChainsDeltasOnItsRecord(t *testing.T) {
 // whose dirty log a pre-copy may trust.
 func fakeFileVMAt(t *testing.T, path string) (*qmptest.FakeQEMU, string) {
 	qmptest.MapFile(t, path)
-	q := qmptest.NewFakeQEMU(t, "running", testStream(t, 64<<10))
+	q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 64<<10))
 	q.Memory, q.KVM = fakeRAM, true
 	q.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: path, Share: true}
 	return q, path
@@ -235,7 +236,7 @@ func TestMemoryFilePrepareRefusesAForgedParentsPages(t *testing.T) {
 	// As much data as the victim's, so that the declared size does not
 	// give it away.
 	evilRAM := filepath.Join(t.TempDir(), "evil")
-	if err := os.WriteFile(evilRAM, randomBytes(666, 4<<20), 0o600); err != nil {
+	if err := os.WriteFile(evilRAM, chunkdata.Random(666, 4<<20), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.Truncate(evilRAM, fakeRAM); err != nil {

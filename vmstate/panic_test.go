@@ -8,6 +8,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -41,7 +42,7 @@ func TestCheckpointPanicContinuesVMAndLeavesNoTag(t *testing.T) {
 	} {
 		for _, mode := range []Mode{ModePause, ModeSnapshot} {
 			t.Run(name+"/"+string(mode), func(t *testing.T) {
-				q := qmptest.NewFakeQEMU(t, "running", testStream(t, 4<<20))
+				q := qmptest.NewFakeQEMU(t, "running", chunkdata.Stream(t, 4<<20))
 				dir := t.TempDir()
 				var repo ociimage.Repository = openLayout(t, "oci:"+dir+":vm")
 				if c.repo != nil {

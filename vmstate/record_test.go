@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
 )
 
@@ -218,7 +219,7 @@ func TestReadRecordCPUFeatureWords(t *testing.T) {
 }
 
 func TestRestoreRefusesOtherCPUFeaturesBeforeSendingAByte(t *testing.T) {
-	ref := checkpointInto(t, t.TempDir(), testStream(t, 1<<20))
+	ref := checkpointInto(t, t.TempDir(), chunkdata.Stream(t, 1<<20))
 	// The same CPU model, on a host with avx2 (as -cpu host would be).
 	dst := qmptest.NewFakeQEMU(t, "inmigrate", nil)
 	zero := uint32(0)

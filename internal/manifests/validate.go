@@ -60,9 +60,13 @@ func validateNames(o Options, bad func(string, ...any)) {
 	if o.RegistryCAConfigMap != "" && (len(o.RegistryCAConfigMap) > 253 || !dnsLabel.MatchString(strings.ReplaceAll(o.RegistryCAConfigMap, ".", "-"))) {
 		bad("RegistryCAConfigMap %q is not a ConfigMap name", o.RegistryCAConfigMap)
 	}
-	for name, v := range map[string]string{"DecryptionKeySecret": o.DecryptionKeySecret, "AgentRecipientSecret": o.AgentRecipientSecret, "AgentDecryptionKeySecret": o.AgentDecryptionKeySecret} {
-		if v != "" && (len(v) > 253 || !dnsLabel.MatchString(strings.ReplaceAll(v, ".", "-"))) {
-			bad("%s %q is not a Secret name", name, v)
+	// A slice, not a map: the messages come in the order of the fields.
+	for _, s := range []struct{ what, v string }{
+		{"DecryptionKeySecret", o.DecryptionKeySecret}, {"AgentRecipientSecret", o.AgentRecipientSecret},
+		{"AgentDecryptionKeySecret", o.AgentDecryptionKeySecret},
+	} {
+		if s.v != "" && !isSecretName(s.v) {
+			bad("%s %q is not a Secret name", s.what, s.v)
 		}
 	}
 }

@@ -12,6 +12,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/internal/testing/prunetest"
 	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
@@ -167,12 +168,12 @@ func TestPruneFollowsALegacyChainIntoIndexes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(digests(res.Kept), []string{fourth.Digest.String(), third.Digest.String()}) ||
-		!slices.Equal(digests(res.Removed), []string{l2.Digest.String(), l1.Digest.String()}) {
-		t.Fatalf("kept %v removed %v", digests(res.Kept), digests(res.Removed))
+	if !slices.Equal(prunetest.Digests(res.Kept), []string{fourth.Digest.String(), third.Digest.String()}) ||
+		!slices.Equal(prunetest.Digests(res.Removed), []string{l2.Digest.String(), l1.Digest.String()}) {
+		t.Fatalf("kept %v removed %v", prunetest.Digests(res.Kept), prunetest.Digests(res.Removed))
 	}
 	for _, d := range []string{l1.Digest.String(), l2.Digest.String(), cps[0].res.Disk.Digest, cps[1].res.Disk.Digest} {
-		if !manifestGone(t, image, d, nil) {
+		if !prunetest.ManifestGone(t, image, d, nil) {
 			t.Fatalf("%s of a removed legacy checkpoint is still there", d)
 		}
 	}
@@ -225,8 +226,8 @@ func TestPruneRegistryRemovesLegacyFallbackTags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(digests(res.Removed), []string{cps[1].res.VMState.Digest, cps[0].res.VMState.Digest}) {
-		t.Fatalf("removed %v", digests(res.Removed))
+	if !slices.Equal(prunetest.Digests(res.Removed), []string{cps[1].res.VMState.Digest, cps[0].res.VMState.Digest}) {
+		t.Fatalf("removed %v", prunetest.Digests(res.Removed))
 	}
 	after := reg.Tags(t, "vms/vm1")
 	for i, cp := range cps {

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/prunetest"
 	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
@@ -35,7 +36,7 @@ func TestPruneRegistry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(dry.Removed) != 2 || manifestGone(t, image, cps[0].res.Checkpoint.Digest, opts) || !slices.Equal(slices.Sorted(slices.Values(reg.Tags(t, "vms/vm1"))), tags) {
+	if len(dry.Removed) != 2 || prunetest.ManifestGone(t, image, cps[0].res.Checkpoint.Digest, opts) || !slices.Equal(slices.Sorted(slices.Values(reg.Tags(t, "vms/vm1"))), tags) {
 		t.Fatalf("the dry run removed something, or finds %d to remove", len(dry.Removed))
 	}
 
@@ -43,12 +44,12 @@ func TestPruneRegistry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(digests(res.Kept), checkpointDigests(cps[3], cps[2])) || !slices.Equal(digests(res.Removed), checkpointDigests(cps[1], cps[0])) {
-		t.Fatalf("kept %v removed %v", digests(res.Kept), digests(res.Removed))
+	if !slices.Equal(prunetest.Digests(res.Kept), checkpointDigests(cps[3], cps[2])) || !slices.Equal(prunetest.Digests(res.Removed), checkpointDigests(cps[1], cps[0])) {
+		t.Fatalf("kept %v removed %v", prunetest.Digests(res.Kept), prunetest.Digests(res.Removed))
 	}
 	for _, cp := range cps[:2] {
 		for _, d := range []string{cp.res.Checkpoint.Digest, cp.res.VMState.Digest, cp.res.Disk.Digest} {
-			if !manifestGone(t, image, d, opts) {
+			if !prunetest.ManifestGone(t, image, d, opts) {
 				t.Fatalf("manifest %s of a removed checkpoint is still in the registry", d)
 			}
 		}
@@ -75,7 +76,7 @@ func TestPruneRegistryThatRefusesDeletes(t *testing.T) {
 	}
 	for _, cp := range cps {
 		for _, d := range []string{cp.res.VMState.Digest, cp.res.Disk.Digest} {
-			if manifestGone(t, image, d, opts) {
+			if prunetest.ManifestGone(t, image, d, opts) {
 				t.Fatalf("manifest %s is gone", d)
 			}
 		}
@@ -126,7 +127,7 @@ func TestPruneRegistryInterruptedAtEveryStep(t *testing.T) {
 		}
 		for _, cp := range cps[:2] {
 			for _, d := range []string{cp.res.Checkpoint.Digest, cp.res.VMState.Digest, cp.res.Disk.Digest} {
-				if !manifestGone(t, image, d, opts) {
+				if !prunetest.ManifestGone(t, image, d, opts) {
 					t.Fatalf("after an interruption at step %d and a second prune, %s is still there", stop, d)
 				}
 			}

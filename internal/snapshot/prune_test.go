@@ -11,12 +11,12 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/opencontainers/go-digest"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
+	"github.com/vmsnap/vmsnap/internal/testing/prunetest"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
@@ -84,33 +84,6 @@ func restoresExactly(t *testing.T, overlay string, cp taken, opts []ociimage.Opt
 		t.Fatalf("the restored disk of %s differs from the captured overlay", cp.res.VMState.Digest)
 	}
 	os.Remove(dst)
-}
-
-func digests(cps []api.PrunedCheckpoint) []string {
-	var out []string
-	for _, c := range cps {
-		out = append(out, c.Digest)
-	}
-	return out
-}
-
-// manifestGone says whether the store no longer holds the manifest.
-func manifestGone(t *testing.T, image string, d string, opts []ociimage.Option) bool {
-	t.Helper()
-	ref, err := ociimage.ParseReference(image)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ref.Tag = ""
-	repo, err := ociimage.Open(context.Background(), ref, opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = repo.(ociimage.DigestResolver).ResolveDigest(context.Background(), digest.Digest(d))
-	if err != nil && !errors.Is(err, ociimage.ErrNotFound) {
-		t.Fatal(err)
-	}
-	return errors.Is(err, ociimage.ErrNotFound)
 }
 
 // blobsOf lists the blobs a stored manifest names, and the manifest.
@@ -184,8 +157,8 @@ func TestPruneLayoutKeepsTheNewestFindsTheUntaggedAndRemovesTheRest(t *testing.T
 	}
 	wantKept := checkpointDigests(cps[3], cps[2])
 	wantRemoved := checkpointDigests(cps[1], cps[0])
-	if !slices.Equal(digests(dry.Kept), wantKept) || !slices.Equal(digests(dry.Removed), wantRemoved) || !dry.DryRun {
-		t.Fatalf("dry run kept %v removed %v, want %v and %v", digests(dry.Kept), digests(dry.Removed), wantKept, wantRemoved)
+	if !slices.Equal(prunetest.Digests(dry.Kept), wantKept) || !slices.Equal(prunetest.Digests(dry.Removed), wantRemoved) || !dry.DryRun {
+		t.Fatalf("dry run kept %v removed %v, want %v and %v", prunetest.Digests(dry.Kept), prunetest.Digests(dry.Removed), wantKept, wantRemoved)
 	}
 	index2, _ := os.ReadFile(filepath.Join(dir, "index.json"))
 	blobs2, _ := os.ReadDir(filepath.Join(dir, "blobs", "sha256"))
@@ -225,8 +198,8 @@ func TestPruneLayoutKeepsTheNewestFindsTheUntaggedAndRemovesTheRest(t *testing.T
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(digests(res.Kept), wantKept) || !slices.Equal(digests(res.Removed), wantRemoved) {
-		t.Fatalf("kept %v removed %v", digests(res.Kept), digests(res.Removed))
+	if !slices.Equal(prunetest.Digests(res.Kept), wantKept) || !slices.Equal(prunetest.Digests(res.Removed), wantRemoved) {
+		t.Fatalf("kept %v removed %v", prunetest.Digests(res.Kept), prunetest.Digests(res.Removed))
 	}
 	var removedImages []string
 	for _, im := range res.RemovedImages {
@@ -251,7 +224,7 @@ func TestPruneLayoutKeepsTheNewestFindsTheUntaggedAndRemovesTheRest(t *testing.T
 	}
 	for _, cp := range cps[:2] {
 		for _, d := range []string{cp.res.Checkpoint.Digest, cp.res.VMState.Digest, cp.res.Disk.Digest} {
-			if !manifestGone(t, "oci:"+dir, d, nil) {
+			if !prunetest.ManifestGone(t, "oci:"+dir, d, nil) {
 				t.Fatalf("%s of removed checkpoint %s still resolves", d, cp.res.Checkpoint.Digest)
 			}
 		}
@@ -320,17 +293,17 @@ func TestPruneInterruptedAtEveryStepLeavesTheKeptRestorable(t *testing.T) {
 		if err != nil {
 			t.Fatalf("prune after an interruption at step %d (%s): %v", stop, steps[stop-1], err)
 		}
-		if !slices.Equal(digests(res.Kept), checkpointDigests(cps[3], cps[2])) {
-			t.Fatalf("after an interruption at %s, kept %v", steps[stop-1], digests(res.Kept))
+		if !slices.Equal(prunetest.Digests(res.Kept), checkpointDigests(cps[3], cps[2])) {
+			t.Fatalf("after an interruption at %s, kept %v", steps[stop-1], prunetest.Digests(res.Kept))
 		}
 		for _, cp := range cps[:2] {
 			for _, d := range []string{cp.res.Checkpoint.Digest, cp.res.VMState.Digest} {
-				if !manifestGone(t, "oci:"+dir, d, nil) {
+				if !prunetest.ManifestGone(t, "oci:"+dir, d, nil) {
 					t.Fatalf("after an interruption at %s and a second prune, %s is still there", steps[stop-1], d)
 				}
 			}
 		}
-		if !manifestGone(t, "oci:"+dir, cps[0].res.Disk.Digest, nil) {
+		if !prunetest.ManifestGone(t, "oci:"+dir, cps[0].res.Disk.Digest, nil) {
 			t.Fatalf("after an interruption at %s and a second prune, the first disk image is still there", steps[stop-1])
 		}
 		for _, cp := range cps[2:] {
@@ -376,10 +349,10 @@ func TestPruneKeepsUndatedCheckpoints(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(digests(res.Kept), []string{ds[2], ds[0]}) || !slices.Equal(digests(res.Removed), []string{ds[1]}) || !res.Kept[1].Undated {
-		t.Fatalf("kept %+v removed %v", res.Kept, digests(res.Removed))
+	if !slices.Equal(prunetest.Digests(res.Kept), []string{ds[2], ds[0]}) || !slices.Equal(prunetest.Digests(res.Removed), []string{ds[1]}) || !res.Kept[1].Undated {
+		t.Fatalf("kept %+v removed %v", res.Kept, prunetest.Digests(res.Removed))
 	}
-	if !manifestGone(t, "oci:"+dir, ds[1], nil) || manifestGone(t, "oci:"+dir, ds[0], nil) {
+	if !prunetest.ManifestGone(t, "oci:"+dir, ds[1], nil) || prunetest.ManifestGone(t, "oci:"+dir, ds[0], nil) {
 		t.Fatal("the dated old one should be gone, the undated one kept")
 	}
 }
@@ -428,8 +401,8 @@ func TestPruneKeepsWhatAKeptCheckpointNeeds(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(digests(res.Kept), []string{kept.Digest.String()}) || !slices.Equal(digests(res.Removed), []string{old.Digest.String()}) || len(res.RemovedImages) != 0 {
-		t.Fatalf("kept %v removed %v images %+v", digests(res.Kept), digests(res.Removed), res.RemovedImages)
+	if !slices.Equal(prunetest.Digests(res.Kept), []string{kept.Digest.String()}) || !slices.Equal(prunetest.Digests(res.Removed), []string{old.Digest.String()}) || len(res.RemovedImages) != 0 {
+		t.Fatalf("kept %v removed %v images %+v", prunetest.Digests(res.Kept), prunetest.Digests(res.Removed), res.RemovedImages)
 	}
 	reasons := map[string]string{}
 	for _, l := range res.LeftImages {
@@ -438,7 +411,7 @@ func TestPruneKeepsWhatAKeptCheckpointNeeds(t *testing.T) {
 	if reasons[diskRef] != "a kept checkpoint needs it" || !strings.HasPrefix(reasons[elsewhereRef], "in another repository") {
 		t.Fatalf("left %+v", res.LeftImages)
 	}
-	if manifestGone(t, "oci:"+dir, disk.Digest.String(), nil) || manifestGone(t, "oci:"+other, elsewhere.Digest.String(), nil) {
+	if prunetest.ManifestGone(t, "oci:"+dir, disk.Digest.String(), nil) || prunetest.ManifestGone(t, "oci:"+other, elsewhere.Digest.String(), nil) {
 		t.Fatal("a disk image a kept checkpoint needs, or one in another repository, was deleted")
 	}
 	for _, b := range blobsOf(t, dir, disk.Digest.String()) {
@@ -446,7 +419,7 @@ func TestPruneKeepsWhatAKeptCheckpointNeeds(t *testing.T) {
 			t.Fatalf("blob %s of the shared disk image was removed", b)
 		}
 	}
-	if !manifestGone(t, "oci:"+dir, old.Digest.String(), nil) {
+	if !prunetest.ManifestGone(t, "oci:"+dir, old.Digest.String(), nil) {
 		t.Fatal("the old checkpoint is still there")
 	}
 }
@@ -489,10 +462,10 @@ func TestPruneDeletesOnlyWhatTheLinksSayTheyAre(t *testing.T) {
 	if len(res.RemovedImages) != 0 || len(res.LeftImages) != 2 {
 		t.Fatalf("removed %+v, left %+v", res.RemovedImages, res.LeftImages)
 	}
-	if manifestGone(t, "oci:"+dir, victim.Digest.String(), nil) || manifestGone(t, "oci:"+dir, tagged.Digest.String(), nil) {
+	if prunetest.ManifestGone(t, "oci:"+dir, victim.Digest.String(), nil) || prunetest.ManifestGone(t, "oci:"+dir, tagged.Digest.String(), nil) {
 		t.Fatal("an image a removed checkpoint merely named was deleted")
 	}
-	if !manifestGone(t, "oci:"+dir, old.Digest.String(), nil) {
+	if !prunetest.ManifestGone(t, "oci:"+dir, old.Digest.String(), nil) {
 		t.Fatal("the old checkpoint is still there")
 	}
 }
@@ -545,10 +518,10 @@ func TestPruneDeletesOnlyThePartsAnIndexSaysTheyAre(t *testing.T) {
 	if len(res.RemovedImages) != 1 || res.RemovedImages[0].Image != "oci:"+dir+"@"+oldState.Digest.String() || len(res.LeftImages) != 2 {
 		t.Fatalf("removed %+v, left %+v; want the old state only, the other two left", res.RemovedImages, res.LeftImages)
 	}
-	if manifestGone(t, "oci:"+dir, victim.Digest.String(), nil) || manifestGone(t, "oci:"+dir, tagged.Digest.String(), nil) {
+	if prunetest.ManifestGone(t, "oci:"+dir, victim.Digest.String(), nil) || prunetest.ManifestGone(t, "oci:"+dir, tagged.Digest.String(), nil) {
 		t.Fatal("an image a removed checkpoint merely listed was deleted")
 	}
-	if !manifestGone(t, "oci:"+dir, old.Digest.String(), nil) || !manifestGone(t, "oci:"+dir, oldState.Digest.String(), nil) {
+	if !prunetest.ManifestGone(t, "oci:"+dir, old.Digest.String(), nil) || !prunetest.ManifestGone(t, "oci:"+dir, oldState.Digest.String(), nil) {
 		t.Fatal("the old checkpoint is still there")
 	}
 }
@@ -598,14 +571,14 @@ func TestPruneLeavesAnUnreadableCheckpointAndGoesOn(t *testing.T) {
 	if err != nil {
 		t.Fatalf("prune stopped at the unreadable index: %v", err)
 	}
-	if !slices.Equal(digests(res.Kept), []string{ds[1]}) || !slices.Equal(digests(res.Removed), []string{ds[0]}) {
-		t.Fatalf("kept %v removed %v, want %s kept and %s removed", digests(res.Kept), digests(res.Removed), ds[1], ds[0])
+	if !slices.Equal(prunetest.Digests(res.Kept), []string{ds[1]}) || !slices.Equal(prunetest.Digests(res.Removed), []string{ds[0]}) {
+		t.Fatalf("kept %v removed %v, want %s kept and %s removed", prunetest.Digests(res.Kept), prunetest.Digests(res.Removed), ds[1], ds[0])
 	}
 	var reported bool
 	for _, l := range res.LeftImages {
 		reported = reported || strings.HasSuffix(l.Image, "@"+bad.Digest.String()) && strings.Contains(l.Reason, "cannot read")
 	}
-	if !reported || manifestGone(t, "oci:"+dir, bad.Digest.String(), nil) {
+	if !reported || prunetest.ManifestGone(t, "oci:"+dir, bad.Digest.String(), nil) {
 		t.Fatalf("the unreadable index is not reported as left, or is gone: %+v", res.LeftImages)
 	}
 }

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/klauspost/compress/zstd"
+
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 )
 
 // BenchmarkStreamVsSingleThreadZstd measures the chunk pipeline (chunk,
@@ -15,7 +17,7 @@ import (
 // with one zstd thread, on the same data in the same run, and reports the
 // ratio. Run with `make bench`.
 func BenchmarkStreamVsSingleThreadZstd(b *testing.B) {
-	data := testStream(b, 128<<20)
+	data := chunkdata.Stream(b, 128<<20)
 	baseline := func() time.Duration {
 		start := time.Now()
 		enc, _ := zstd.NewWriter(io.Discard, zstd.WithEncoderConcurrency(1), zstd.WithEncoderLevel(zstd.SpeedDefault))
@@ -44,8 +46,8 @@ func BenchmarkStreamVsSingleThreadZstd(b *testing.B) {
 
 // BenchmarkDecodeStream measures verify + decompress + in-order write.
 func BenchmarkDecodeStream(b *testing.B) {
-	data := testStream(b, 128<<20)
-	store := newMemStore()
+	data := chunkdata.Stream(b, 128<<20)
+	store := chunkdata.NewStore()
 	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, StreamOptions{})
 	if err != nil {
 		b.Fatal(err)

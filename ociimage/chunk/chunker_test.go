@@ -1,10 +1,10 @@
 package chunk
 
 import (
-	"math/rand/v2"
 	"slices"
 	"testing"
 
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 
@@ -18,15 +18,6 @@ func cuts(ck chunker, b []byte) []int {
 	return out
 }
 
-func randomBytes(seed uint64, n int) []byte {
-	r := rand.New(rand.NewPCG(seed, seed))
-	b := make([]byte, n)
-	for i := range b {
-		b[i] = byte(r.Uint32())
-	}
-	return b
-}
-
 func TestChunkerSizes(t *testing.T) {
 	ck := newChunker(64 << 10)
 	if ck.min != 16<<10 || ck.avg != 64<<10 || ck.max != 96<<10 {
@@ -35,7 +26,7 @@ func TestChunkerSizes(t *testing.T) {
 	if c := newChunker(100 << 10); c.avg != 64<<10 {
 		t.Fatalf("newChunker(100 KiB) averages %d, want it rounded down to 64 KiB", c.avg)
 	}
-	b := randomBytes(1, 16<<20)
+	b := chunkdata.Random(1, 16<<20)
 	c := cuts(ck, b)
 	prev, forced := 0, 0
 	for i, end := range c {
@@ -68,9 +59,9 @@ func TestChunkerSizes(t *testing.T) {
 // change's length: boundaries depend on content, not on offsets.
 func TestChunkerBoundariesSurviveInsertion(t *testing.T) {
 	ck := newChunker(64 << 10)
-	b := randomBytes(2, 4<<20)
+	b := chunkdata.Random(2, 4<<20)
 	before := cuts(ck, b)
-	at, ins := len(b)/3, randomBytes(3, 5000)
+	at, ins := len(b)/3, chunkdata.Random(3, 5000)
 	after := cuts(ck, slices.Concat(b[:at], ins, b[at:]))
 	shifted := map[int]bool{}
 	for _, c := range before {
@@ -93,7 +84,7 @@ func TestChunkerBoundariesSurviveInsertion(t *testing.T) {
 
 func BenchmarkChunker(b *testing.B) {
 	ck := newChunker(4 << 20)
-	data := randomBytes(4, 64<<20)
+	data := chunkdata.Random(4, 64<<20)
 	b.SetBytes(int64(len(data)))
 	for b.Loop() {
 		cuts(ck, data)
@@ -122,7 +113,7 @@ func referenceCut(c chunker, b []byte) int {
 }
 
 func TestChunkerCutMatchesReference(t *testing.T) {
-	b := randomBytes(9, 8<<20)
+	b := chunkdata.Random(9, 8<<20)
 	for _, avg := range []int{4 << 10, 8 << 10, 64 << 10} {
 		ck := newChunker(avg)
 		for off := 0; off < len(b); off += referenceCut(ck, b[off:]) {

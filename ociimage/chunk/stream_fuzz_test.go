@@ -9,7 +9,6 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
-	"errors"
 
 	"runtime"
 	"strconv"
@@ -22,6 +21,7 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 
@@ -37,14 +37,12 @@ func zstdFrame(tb testing.TB, raw []byte) []byte {
 
 // chunkLayer stores data in store as a chunk declaring rawSize ("" leaves
 // the annotation out).
-func chunkLayer(store *memStore, data []byte, rawSize string) ocispec.Descriptor {
+func chunkLayer(store *chunkdata.Store, data []byte, rawSize string) ocispec.Descriptor {
 	d := ocispec.Descriptor{MediaType: ociimage.MediaTypeChunk, Digest: digest.FromBytes(data), Size: int64(len(data)), Annotations: map[string]string{}}
 	if rawSize != "" {
 		d.Annotations[ociimage.AnnotationRawSize] = rawSize
 	}
-	store.mu.Lock()
-	store.blobs[d.Digest] = bytes.Clone(data)
-	store.mu.Unlock()
+	store.Set(d.Digest, data)
 	return d
 }
 
@@ -58,20 +56,6 @@ func skippableFrame(payload []byte) []byte {
 // decodeCodes are the codes DecodeStream may fail with on hostile chunks.
 var decodeCodes = map[errcode.Code]bool{errcode.InvalidInput: true, errcode.DigestMismatch: true, errcode.RegistryError: true}
 
-// capWriter fails past max bytes, so that a decoder that writes more than
-// the chunks declare is caught rather than filling memory.
-type capWriter struct {
-	buf bytes.Buffer
-	max int
-}
-
-func (w *capWriter) Write(p []byte) (int, error) {
-	if w.buf.Len()+len(p) > w.max {
-		return 0, errors.New("DecodeStream wrote more than the chunks declare")
-	}
-	return w.buf.Write(p)
-}
-
 func TestDecodeStreamHostileChunks(t *testing.T) {
 	small := bytes.Repeat([]byte("vmsnap"), 700) // 4200 bytes
 	frame := zstdFrame(t, small)
@@ -84,87 +68,109 @@ func TestDecodeStreamHostileChunks(t *testing.T) {
 
 	cases := []struct {
 		name   string
-		layers func(s *memStore) []ocispec.Descriptor
+		layers func(s *chunkdata.Store) []ocispec.Descriptor
 		code   errcode.Code // "" means success
 		want   []byte
 		says   string
 	}{
-		{"one frame", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, "4200")} }, "", small, ""},
-		{"bomb declaring 4200 bytes", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, bomb, "4200")} }, errcode.InvalidInput, nil, "declared 4200"},
-		{"bomb declaring 1 byte", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, bomb, "1")} }, errcode.InvalidInput, nil, ""},
-		{"frame over the chunk limit", func(s *memStore) []ocispec.Descriptor {
+		{"one frame", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, frame, "4200")}
+		}, "", small, ""},
+		{"bomb declaring 4200 bytes", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, bomb, "4200")}
+		}, errcode.InvalidInput, nil, "declared 4200"},
+		{"bomb declaring 1 byte", func(s *chunkdata.Store) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, bomb, "1")} }, errcode.InvalidInput, nil, ""},
+		{"frame over the chunk limit", func(s *chunkdata.Store) []ocispec.Descriptor {
 			return []ocispec.Descriptor{chunkLayer(s, overLimit, strconv.Itoa(ociimage.MaxChunkSize))}
 		}, errcode.InvalidInput, nil, ""},
-		{"declares more than it holds", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, "4201")} }, errcode.InvalidInput, nil, "decompresses to 4200"},
-		{"declares less than it holds", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, "4199")} }, errcode.InvalidInput, nil, ""},
-		{"truncated frame", func(s *memStore) []ocispec.Descriptor {
+		{"declares more than it holds", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, frame, "4201")}
+		}, errcode.InvalidInput, nil, "decompresses to 4200"},
+		{"declares less than it holds", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, frame, "4199")}
+		}, errcode.InvalidInput, nil, ""},
+		{"truncated frame", func(s *chunkdata.Store) []ocispec.Descriptor {
 			return []ocispec.Descriptor{chunkLayer(s, frame[:len(frame)-3], "4200")}
 		}, errcode.InvalidInput, nil, ""},
-		{"frame header only", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame[:6], "4200")} }, errcode.InvalidInput, nil, ""},
-		{"not zstd", func(s *memStore) []ocispec.Descriptor {
+		{"frame header only", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, frame[:6], "4200")}
+		}, errcode.InvalidInput, nil, ""},
+		{"not zstd", func(s *chunkdata.Store) []ocispec.Descriptor {
 			return []ocispec.Descriptor{chunkLayer(s, []byte("gzip? \x1f\x8b"), "5")}
 		}, errcode.InvalidInput, nil, ""},
-		{"concatenated frames as declared", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, concat, "8400")} }, "", append(bytes.Clone(small), small...), ""},
-		{"concatenated frames over declared", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, concat, "4200")} }, errcode.InvalidInput, nil, ""},
-		{"frame then a bomb", func(s *memStore) []ocispec.Descriptor {
+		{"concatenated frames as declared", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, concat, "8400")}
+		}, "", append(bytes.Clone(small), small...), ""},
+		{"concatenated frames over declared", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, concat, "4200")}
+		}, errcode.InvalidInput, nil, ""},
+		{"frame then a bomb", func(s *chunkdata.Store) []ocispec.Descriptor {
 			return []ocispec.Descriptor{chunkLayer(s, append(bytes.Clone(frame), bomb...), "8400")}
 		}, errcode.InvalidInput, nil, ""},
-		{"frame then garbage", func(s *memStore) []ocispec.Descriptor {
+		{"frame then garbage", func(s *chunkdata.Store) []ocispec.Descriptor {
 			return []ocispec.Descriptor{chunkLayer(s, append(bytes.Clone(frame), "trailing garbage"...), "4200")}
 		}, errcode.InvalidInput, nil, ""},
-		{"skippable frame around a frame", func(s *memStore) []ocispec.Descriptor {
+		{"skippable frame around a frame", func(s *chunkdata.Store) []ocispec.Descriptor {
 			b := append(skippableFrame([]byte("meta")), frame...)
 			return []ocispec.Descriptor{chunkLayer(s, append(b, skippableFrame(nil)...), "4200")}
 		}, "", small, ""},
-		{"only a skippable frame", func(s *memStore) []ocispec.Descriptor {
+		{"only a skippable frame", func(s *chunkdata.Store) []ocispec.Descriptor {
 			return []ocispec.Descriptor{chunkLayer(s, skippableFrame([]byte("x")), "1")}
 		}, errcode.InvalidInput, nil, ""},
-		{"window over the memory limit", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, hugeWindow, "1")} }, errcode.InvalidInput, nil, ""},
-		{"no raw size", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, "")} }, errcode.InvalidInput, nil, "annotation"},
-		{"raw size 0", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, "0")} }, errcode.InvalidInput, nil, "raw size"},
-		{"raw size negative", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, "-4200")} }, errcode.InvalidInput, nil, "raw size"},
-		{"raw size huge", func(s *memStore) []ocispec.Descriptor {
+		{"window over the memory limit", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, hugeWindow, "1")}
+		}, errcode.InvalidInput, nil, ""},
+		{"no raw size", func(s *chunkdata.Store) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, "")} }, errcode.InvalidInput, nil, "annotation"},
+		{"raw size 0", func(s *chunkdata.Store) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, "0")} }, errcode.InvalidInput, nil, "raw size"},
+		{"raw size negative", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, frame, "-4200")}
+		}, errcode.InvalidInput, nil, "raw size"},
+		{"raw size huge", func(s *chunkdata.Store) []ocispec.Descriptor {
 			return []ocispec.Descriptor{chunkLayer(s, frame, "9223372036854775807")}
 		}, errcode.InvalidInput, nil, "raw size"},
-		{"raw size overflowing", func(s *memStore) []ocispec.Descriptor {
+		{"raw size overflowing", func(s *chunkdata.Store) []ocispec.Descriptor {
 			return []ocispec.Descriptor{chunkLayer(s, frame, "99999999999999999999")}
 		}, errcode.InvalidInput, nil, "raw size"},
-		{"raw size hex", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, "0x1068")} }, errcode.InvalidInput, nil, "raw size"},
-		{"raw size with space", func(s *memStore) []ocispec.Descriptor { return []ocispec.Descriptor{chunkLayer(s, frame, " 4200")} }, errcode.InvalidInput, nil, "raw size"},
-		{"missing layer", func(s *memStore) []ocispec.Descriptor {
-			d := chunkLayer(newMemStore(), frame, "4200") // stored elsewhere
+		{"raw size hex", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, frame, "0x1068")}
+		}, errcode.InvalidInput, nil, "raw size"},
+		{"raw size with space", func(s *chunkdata.Store) []ocispec.Descriptor {
+			return []ocispec.Descriptor{chunkLayer(s, frame, " 4200")}
+		}, errcode.InvalidInput, nil, "raw size"},
+		{"missing layer", func(s *chunkdata.Store) []ocispec.Descriptor {
+			d := chunkLayer(chunkdata.NewStore(), frame, "4200") // stored elsewhere
 			return []ocispec.Descriptor{chunkLayer(s, frame, "4200"), {MediaType: d.MediaType, Digest: digest.FromString("gone"), Size: d.Size, Annotations: d.Annotations}}
 		}, errcode.RegistryError, nil, "no blob"},
-		{"duplicate layers are a repeated chunk", func(s *memStore) []ocispec.Descriptor {
+		{"duplicate layers are a repeated chunk", func(s *chunkdata.Store) []ocispec.Descriptor {
 			d := chunkLayer(s, frame, "4200")
 			return []ocispec.Descriptor{d, d, d}
 		}, "", bytes.Repeat(small, 3), ""},
-		{"duplicate layers with offsets", func(s *memStore) []ocispec.Descriptor {
+		{"duplicate layers with offsets", func(s *chunkdata.Store) []ocispec.Descriptor {
 			d := chunkLayer(s, frame, "4200")
 			d.Annotations[ociimage.AnnotationRawOffset] = "0"
 			return []ocispec.Descriptor{d, d}
 		}, errcode.InvalidInput, nil, "offset"},
-		{"digest of other bytes", func(s *memStore) []ocispec.Descriptor {
+		{"digest of other bytes", func(s *chunkdata.Store) []ocispec.Descriptor {
 			d := chunkLayer(s, frame, "4200")
-			s.blobs[d.Digest] = bytes.Repeat([]byte{0}, len(frame)) // tampered store that does not verify
+			s.Set(d.Digest, bytes.Repeat([]byte{0}, len(frame))) // tampered store that does not verify
 			return []ocispec.Descriptor{d}
 		}, errcode.DigestMismatch, nil, ""},
-		{"wrong media type", func(s *memStore) []ocispec.Descriptor {
+		{"wrong media type", func(s *chunkdata.Store) []ocispec.Descriptor {
 			d := chunkLayer(s, frame, "4200")
 			d.MediaType = ocispec.MediaTypeImageLayerZstd
 			return []ocispec.Descriptor{d}
 		}, errcode.InvalidInput, nil, "media type"},
-		{"size 0", func(s *memStore) []ocispec.Descriptor {
+		{"size 0", func(s *chunkdata.Store) []ocispec.Descriptor {
 			d := chunkLayer(s, frame, "4200")
 			d.Size = 0
 			return []ocispec.Descriptor{d}
 		}, errcode.InvalidInput, nil, "declares 0 bytes"},
-		{"size over the limit", func(s *memStore) []ocispec.Descriptor {
+		{"size over the limit", func(s *chunkdata.Store) []ocispec.Descriptor {
 			d := chunkLayer(s, frame, "4200")
 			d.Size = ociimage.MaxChunkSize + 1
 			return []ocispec.Descriptor{d}
 		}, errcode.InvalidInput, nil, "declares"},
-		{"digest with a path", func(s *memStore) []ocispec.Descriptor {
+		{"digest with a path", func(s *chunkdata.Store) []ocispec.Descriptor {
 			d := chunkLayer(s, frame, "4200")
 			d.Digest = "sha256:../../etc/passwd"
 			return []ocispec.Descriptor{d}
@@ -172,9 +178,9 @@ func TestDecodeStreamHostileChunks(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			store := newMemStore()
+			store := chunkdata.NewStore()
 			layers := tc.layers(store)
-			out := &capWriter{max: 64 << 20}
+			out := &chunkdata.CapWriter{Max: 64 << 20}
 			var ms0, ms1 runtime.MemStats
 			runtime.GC()
 			runtime.ReadMemStats(&ms0)
@@ -185,7 +191,7 @@ func TestDecodeStreamHostileChunks(t *testing.T) {
 			elapsed := time.Since(start)
 			runtime.ReadMemStats(&ms1)
 			if tc.code == "" {
-				if err != nil || n != int64(len(tc.want)) || !bytes.Equal(out.buf.Bytes(), tc.want) {
+				if err != nil || n != int64(len(tc.want)) || !bytes.Equal(out.Buf.Bytes(), tc.want) {
 					t.Fatalf("DecodeStream = %d, %v; want %d bytes", n, err, len(tc.want))
 				}
 			} else {
@@ -216,17 +222,17 @@ func TestDecodeStreamHostileChunks(t *testing.T) {
 // with a code, and never write more than declared.
 func FuzzDecodeStream(f *testing.F) {
 	// Seeds from real data: chunks EncodeStream makes of a state-like stream.
-	store := newMemStore()
-	res, err := EncodeStream(context.Background(), bytes.NewReader(testStream(f, 96<<10)), store, StreamOptions{ChunkSize: 32 << 10, Workers: 2})
+	store := chunkdata.NewStore()
+	res, err := EncodeStream(context.Background(), bytes.NewReader(chunkdata.Stream(f, 96<<10)), store, StreamOptions{ChunkSize: 32 << 10, Workers: 2})
 	if err != nil {
 		f.Fatal(err)
 	}
 	for _, l := range res.Layers {
-		b := store.blobs[l.Digest]
+		b := store.Blobs[l.Digest]
 		f.Add(b, l.Annotations[ociimage.AnnotationRawSize], []byte(nil), "")
 	}
-	first := store.blobs[res.Layers[0].Digest]
-	second := store.blobs[res.Layers[1].Digest]
+	first := store.Blobs[res.Layers[0].Digest]
+	second := store.Blobs[res.Layers[1].Digest]
 	f.Add(first, "32768", second, "32768")
 	f.Add(first[:len(first)/2], "32768", second, "32768")
 	f.Add(append(bytes.Clone(first), first...), "65536", []byte(nil), "")
@@ -234,13 +240,13 @@ func FuzzDecodeStream(f *testing.F) {
 	f.Add(append(skippableFrame([]byte("x")), zstdFrame(f, []byte("hello"))...), "5", []byte("\x28\xb5\x2f\xfd"), "1")
 
 	f.Fuzz(func(t *testing.T, a []byte, rawA string, b []byte, rawB string) {
-		s := newMemStore()
+		s := chunkdata.NewStore()
 		layers := []ocispec.Descriptor{chunkLayer(s, a, rawA)}
 		if len(b) > 0 || rawB != "" {
 			layers = append(layers, chunkLayer(s, b, rawB))
 		}
 		total, verr := ValidateLayers(layers)
-		out := &capWriter{max: 2 * ociimage.MaxChunkSize}
+		out := &chunkdata.CapWriter{Max: 2 * ociimage.MaxChunkSize}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		n, err := DecodeStream(ctx, layers, s, out, StreamOptions{Workers: 2})
@@ -251,16 +257,16 @@ func FuzzDecodeStream(f *testing.F) {
 			if !decodeCodes[errcode.Of(err)] {
 				t.Fatalf("DecodeStream: %v (code %s)", err, errcode.Of(err))
 			}
-			if int64(out.buf.Len()) != n || n > total {
-				t.Fatalf("failed DecodeStream wrote %d bytes, reported %d, of %d declared", out.buf.Len(), n, total)
+			if int64(out.Buf.Len()) != n || n > total {
+				t.Fatalf("failed DecodeStream wrote %d bytes, reported %d, of %d declared", out.Buf.Len(), n, total)
 			}
 			return
 		}
 		if verr != nil {
 			t.Fatalf("DecodeStream accepted layers ValidateLayers refuses: %v", verr)
 		}
-		if n != total || int64(out.buf.Len()) != total {
-			t.Fatalf("DecodeStream wrote %d (reported %d), declared %d", out.buf.Len(), n, total)
+		if n != total || int64(out.Buf.Len()) != total {
+			t.Fatalf("DecodeStream wrote %d (reported %d), declared %d", out.Buf.Len(), n, total)
 		}
 		// What came out is what zstd makes of the chunks.
 		dec, _ := zstd.NewReader(nil, zstd.WithDecoderMaxMemory(ociimage.MaxChunkSize))
@@ -270,7 +276,7 @@ func FuzzDecodeStream(f *testing.F) {
 			wb, _ := dec.DecodeAll(b, nil)
 			want = append(want, wb...)
 		}
-		if !bytes.Equal(want, out.buf.Bytes()) {
+		if !bytes.Equal(want, out.Buf.Bytes()) {
 			t.Fatalf("DecodeStream output differs from zstd's")
 		}
 	})
@@ -279,8 +285,8 @@ func FuzzDecodeStream(f *testing.F) {
 // FuzzValidateLayers: any layer list, as JSON, either validates with a
 // total within bounds or is refused as INVALID_INPUT.
 func FuzzValidateLayers(f *testing.F) {
-	store := newMemStore()
-	res, err := EncodeStream(context.Background(), bytes.NewReader(testStream(f, 40<<10)), store, StreamOptions{ChunkSize: 16 << 10, Workers: 2})
+	store := chunkdata.NewStore()
+	res, err := EncodeStream(context.Background(), bytes.NewReader(chunkdata.Stream(f, 40<<10)), store, StreamOptions{ChunkSize: 16 << 10, Workers: 2})
 	if err != nil {
 		f.Fatal(err)
 	}

@@ -9,7 +9,6 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -19,72 +18,15 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 
-// memStore is an in-memory BlobSink and BlobSource.
-type memStore struct {
-	mu    sync.Mutex
-	blobs map[digest.Digest][]byte
-	puts  atomic.Int64
-	// putHook, if set, runs before every put; an error fails the put.
-	putHook func() error
-}
-
-func newMemStore() *memStore { return &memStore{blobs: map[digest.Digest][]byte{}} }
-
-func (m *memStore) HasBlob(_ context.Context, d digest.Digest) (bool, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	_, ok := m.blobs[d]
-	return ok, nil
-}
-
-func (m *memStore) PutBlob(_ context.Context, desc ocispec.Descriptor, data []byte) error {
-	if m.putHook != nil {
-		if err := m.putHook(); err != nil {
-			return err
-		}
-	}
-	m.puts.Add(1)
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.blobs[desc.Digest] = bytes.Clone(data)
-	return nil
-}
-
-// Blob verifies like a real store does.
-func (m *memStore) Blob(_ context.Context, desc ocispec.Descriptor, limit int64) ([]byte, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	b, ok := m.blobs[desc.Digest]
-	if !ok {
-		return nil, errcode.New(errcode.RegistryError, "no blob %s", desc.Digest)
-	}
-	if digest.FromBytes(b) != desc.Digest {
-		return nil, errcode.New(errcode.DigestMismatch, "blob %s is corrupt", desc.Digest)
-	}
-	return bytes.Clone(b), nil
-}
-
-// testStream is part random (incompressible), part zeros, part repetitive,
-// and not a multiple of any chunk size used.
-func testStream(t testing.TB, n int) []byte {
-	b := make([]byte, n)
-	if _, err := rand.Read(b[:n/3]); err != nil {
-		t.Fatal(err)
-	}
-	for i := 2 * n / 3; i < n; i++ {
-		b[i] = byte(i % 251)
-	}
-	return b
-}
-
 func TestStreamRoundTrip(t *testing.T) {
-	data := testStream(t, 5<<20+12345)
+	data := chunkdata.Stream(t, 5<<20+12345)
 	for _, tc := range []struct{ chunk, workers int }{{1 << 20, 1}, {1 << 20, 4}, {64 << 10, 3}, {8 << 20, 2}} {
 		t.Run(strconv.Itoa(tc.chunk)+"x"+strconv.Itoa(tc.workers), func(t *testing.T) {
-			store := newMemStore()
+			store := chunkdata.NewStore()
 			opts := StreamOptions{ChunkSize: tc.chunk, Workers: tc.workers}
 			res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
 			if err != nil {
@@ -131,9 +73,9 @@ func TestStreamRoundTrip(t *testing.T) {
 // would upload everything after an insertion again.
 func TestStreamDedup(t *testing.T) {
 	const chunk = 256 << 10
-	base := randomBytes(5, 8<<20) // seeded: the cut points are the same every run
+	base := chunkdata.Random(5, 8<<20) // seeded: the cut points are the same every run
 	mid := len(base) / 2
-	insert := randomBytes(6, 4096)
+	insert := chunkdata.Random(6, 4096)
 	for _, tc := range []struct {
 		name   string
 		change func([]byte) []byte
@@ -153,7 +95,7 @@ func TestStreamDedup(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			second := func(opts StreamOptions) StreamResult {
-				store := newMemStore()
+				store := chunkdata.NewStore()
 				if _, err := EncodeStream(context.Background(), bytes.NewReader(base), store, opts); err != nil {
 					t.Fatal(err)
 				}
@@ -185,8 +127,8 @@ func TestStreamDedup(t *testing.T) {
 }
 
 func TestDecodeRefusesCorruptChunkBeforeWritingIt(t *testing.T) {
-	data := testStream(t, 4<<20)
-	store := newMemStore()
+	data := chunkdata.Stream(t, 4<<20)
+	store := chunkdata.NewStore()
 	opts := StreamOptions{ChunkSize: 256 << 10, Workers: 3}
 	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
 	if err != nil {
@@ -207,7 +149,7 @@ func TestDecodeRefusesCorruptChunkBeforeWritingIt(t *testing.T) {
 		n, _ := strconv.Atoi(l.Annotations[ociimage.AnnotationRawSize])
 		want += int64(n)
 	}
-	store.blobs[res.Layers[bad].Digest][10] ^= 1
+	store.Blobs[res.Layers[bad].Digest][10] ^= 1
 	var out bytes.Buffer
 	n, err := DecodeStream(context.Background(), res.Layers, store, &out, opts)
 	if errcode.Of(err) != errcode.DigestMismatch {
@@ -222,8 +164,8 @@ func TestDecodeRefusesCorruptChunkBeforeWritingIt(t *testing.T) {
 }
 
 func TestDecodeRefusesLyingRawSize(t *testing.T) {
-	data := testStream(t, 1<<20)
-	store := newMemStore()
+	data := chunkdata.Stream(t, 1<<20)
+	store := chunkdata.NewStore()
 	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, StreamOptions{ChunkSize: 64 << 10})
 	if err != nil {
 		t.Fatal(err)
@@ -272,16 +214,16 @@ func TestValidateLayersRefusesBadManifests(t *testing.T) {
 }
 
 func TestEncodeStopsOnSinkFailure(t *testing.T) {
-	store := newMemStore()
+	store := chunkdata.NewStore()
 	var n atomic.Int32
 	boom := errors.New("disk full")
-	store.putHook = func() error {
+	store.PutHook = func() error {
 		if n.Add(1) == 3 {
 			return boom
 		}
 		return nil
 	}
-	_, err := EncodeStream(context.Background(), bytes.NewReader(testStream(t, 4<<20)), store, StreamOptions{ChunkSize: 256 << 10})
+	_, err := EncodeStream(context.Background(), bytes.NewReader(chunkdata.Stream(t, 4<<20)), store, StreamOptions{ChunkSize: 256 << 10})
 	if !errors.Is(err, boom) || errcode.Of(err) != errcode.RegistryError {
 		t.Fatalf("err = %v, want the sink's error as REGISTRY_ERROR", err)
 	}
@@ -303,10 +245,10 @@ func (c *countingReader) Read(p []byte) (int, error) {
 // chunks pile up in memory.
 func TestEncodeBackPressure(t *testing.T) {
 	const chunk, workers = 64 << 10, 2
-	store := newMemStore()
+	store := chunkdata.NewStore()
 	release := make(chan struct{})
-	store.putHook = func() error { <-release; return nil }
-	src := &countingReader{r: bytes.NewReader(testStream(t, 8<<20))}
+	store.PutHook = func() error { <-release; return nil }
+	src := &countingReader{r: bytes.NewReader(chunkdata.Stream(t, 8<<20))}
 	done := make(chan error, 1)
 	go func() {
 		_, err := EncodeStream(context.Background(), src, store, StreamOptions{ChunkSize: chunk, Workers: workers})
@@ -335,7 +277,7 @@ func TestEncodeHonoursCancellation(t *testing.T) {
 	pr, pw := io.Pipe()
 	done := make(chan error, 1)
 	go func() {
-		_, err := EncodeStream(ctx, pr, newMemStore(), StreamOptions{ChunkSize: 64 << 10})
+		_, err := EncodeStream(ctx, pr, chunkdata.NewStore(), StreamOptions{ChunkSize: 64 << 10})
 		done <- err
 	}()
 	go func() { _, _ = pw.Write(make([]byte, 200<<10)) }()

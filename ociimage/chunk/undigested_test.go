@@ -10,12 +10,13 @@ import (
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 )
 
-// digestingStore is a memStore that digests what it stores itself, as
+// digestingStore is a chunkdata.Store that digests what it stores itself, as
 // imgcrypt's encrypting store does, and remembers what it was handed.
 type digestingStore struct {
-	*memStore
+	*chunkdata.Store
 	mu          sync.Mutex
 	handed      []ocispec.Descriptor
 	putBlobUsed bool
@@ -29,7 +30,7 @@ func (d *digestingStore) AddUndigested(ctx context.Context, desc ocispec.Descrip
 	if have, _ := d.HasBlob(ctx, desc.Digest); have {
 		return desc, false, nil
 	}
-	return desc, true, d.memStore.PutBlob(ctx, desc, data)
+	return desc, true, d.Store.PutBlob(ctx, desc, data)
 }
 
 func (d *digestingStore) PutBlob(context.Context, ocispec.Descriptor, []byte) error {
@@ -43,9 +44,9 @@ func (d *digestingStore) PutBlob(context.Context, ocispec.Descriptor, []byte) er
 // stream's layers carry the digests it returned: the stream round-trips,
 // and a chunk repeated in the stream is uploaded once.
 func TestEncodeLeavesTheDigestToADigestingSink(t *testing.T) {
-	rep := randomBytes(7, 300<<10)
-	data := bytes.Join([][]byte{randomBytes(8, 1<<20), rep, rep, rep, randomBytes(9, 1<<20)}, nil)
-	store := &digestingStore{memStore: newMemStore()}
+	rep := chunkdata.Random(7, 300<<10)
+	data := bytes.Join([][]byte{chunkdata.Random(8, 1<<20), rep, rep, rep, chunkdata.Random(9, 1<<20)}, nil)
+	store := &digestingStore{Store: chunkdata.NewStore()}
 	opts := StreamOptions{ChunkSize: 64 << 10, Workers: 3}
 	res, err := EncodeStream(context.Background(), bytes.NewReader(data), store, opts)
 	if err != nil {
@@ -66,7 +67,7 @@ func TestEncodeLeavesTheDigestToADigestingSink(t *testing.T) {
 		t.Fatalf("uploaded %d of %d stored bytes: the repeated chunks were uploaded again", res.UploadedBytes, res.StoredBytes)
 	}
 	var out bytes.Buffer
-	if _, err := DecodeStream(context.Background(), res.Layers, store.memStore, &out, opts); err != nil {
+	if _, err := DecodeStream(context.Background(), res.Layers, store.Store, &out, opts); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(out.Bytes(), data) {

@@ -112,7 +112,7 @@ func goBuild(mod, out string) error {
 			"-X "+pkg+".gitTreeState=clean",
 			"-X "+pkg+".buildDate=1970-01-01T00:00:00Z")
 	}
-	fmt.Fprintf(os.Stderr, "testcluster: building Kubernetes %s binaries (about 6 minutes on 2 cores from a cold cache)\n", Version)
+	fmt.Fprintf(os.Stderr, "cluster: building Kubernetes %s binaries (about 6 minutes on 2 cores from a cold cache)\n", Version)
 	err := run(mod, out, "go", append([]string{"build", "-o", out + "/", "-ldflags", strings.Join(ldflags, " ")}, pkgs...)...)
 	if err == nil {
 		// The pause program runs alone in an image: static, without cgo.
@@ -121,7 +121,7 @@ func goBuild(mod, out string) error {
 	if err != nil {
 		return fmt.Errorf("building the Kubernetes binaries in %s: %v", mod, err)
 	}
-	fmt.Fprintf(os.Stderr, "testcluster: built in %v\n", time.Since(start).Round(time.Second))
+	fmt.Fprintf(os.Stderr, "cluster: built in %v\n", time.Since(start).Round(time.Second))
 	return nil
 }
 

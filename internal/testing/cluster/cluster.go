@@ -137,9 +137,9 @@ func start(t testing.TB, lock bool) *Cluster {
 	began := time.Now()
 	bin, err := Binaries()
 	if err != nil {
-		t.Fatalf("testcluster: %v", err)
+		t.Fatalf("cluster: %v", err)
 	}
-	t.Logf("testcluster: binaries ready in %v", time.Since(began).Round(time.Millisecond))
+	t.Logf("cluster: binaries ready in %v", time.Since(began).Round(time.Millisecond))
 	if lock {
 		unlock, err := guest.LockFile(hostLock)
 		if err != nil {
@@ -160,17 +160,17 @@ func start(t testing.TB, lock bool) *Cluster {
 	// cgroups can go too.
 	for _, cg := range staleCgroups {
 		if err := removeCgroups(cg); err != nil {
-			t.Logf("testcluster: %v", err)
+			t.Logf("cluster: %v", err)
 		}
 	}
 	t.Cleanup(func() { c.stop(t) })
 	if err := c.startControlPlane(t); err != nil {
-		t.Fatalf("testcluster: %v\n%s", err, c.logTails())
+		t.Fatalf("cluster: %v\n%s", err, c.logTails())
 	}
 	if err := c.startKubelet(t); err != nil {
-		t.Fatalf("testcluster: %v\n%s", err, c.logTails())
+		t.Fatalf("cluster: %v\n%s", err, c.logTails())
 	}
-	t.Logf("testcluster: node %s Ready %v after the cluster's start", c.NodeName, time.Since(began).Round(time.Millisecond))
+	t.Logf("cluster: node %s Ready %v after the cluster's start", c.NodeName, time.Since(began).Round(time.Millisecond))
 	return c
 }
 
@@ -190,7 +190,7 @@ func (c *Cluster) prepareHost(t testing.TB) (staleCgroups []string) {
 	c.NodeIP = c.PodSubnet + "1"
 	host, err := snapshotHost()
 	if err != nil {
-		t.Fatalf("testcluster: %v", err)
+		t.Fatalf("cluster: %v", err)
 	}
 	host.Bridge, host.Cgroup = c.Bridge, c.cgroupRoot()
 	if err := host.save(filepath.Join(dir, "host.json")); err != nil {
@@ -198,19 +198,19 @@ func (c *Cluster) prepareHost(t testing.TB) (staleCgroups []string) {
 	}
 	t.Cleanup(func() {
 		if err := host.restore(); err != nil {
-			t.Errorf("testcluster: restoring the host: %v", err)
+			t.Errorf("cluster: restoring the host: %v", err)
 		}
 		removeContainerLogLinks(dir)
 		for _, err := range containerd.UnmountAll(dir) {
-			t.Logf("testcluster: %v", err)
+			t.Logf("cluster: %v", err)
 		}
 		os.RemoveAll(dir)
 	})
 	if err := createCgroups(host.Cgroup); err != nil {
-		t.Fatalf("testcluster: cgroups: %v", err)
+		t.Fatalf("cluster: cgroups: %v", err)
 	}
 	if err := createBridge(c.Bridge, c.NodeIP+"/24"); err != nil {
-		t.Fatalf("testcluster: %v", err)
+		t.Fatalf("cluster: %v", err)
 	}
 	return staleCgroups
 }
@@ -371,7 +371,7 @@ func (p *proc) exited() bool {
 // the host settings follow in their own cleanups.
 func (c *Cluster) stop(t testing.TB) {
 	if t.Failed() {
-		t.Logf("testcluster logs:\n%s", c.logTails())
+		t.Logf("cluster logs:\n%s", c.logTails())
 	}
 	for i := len(c.procs) - 1; i >= 0; i-- {
 		c.procs[i].stop()
@@ -489,7 +489,7 @@ func reapStale(t testing.TB, except string) (cgroups []string) {
 		if dir == except {
 			continue
 		}
-		t.Logf("testcluster: cleaning up %s, left by a test binary that died", dir)
+		t.Logf("cluster: cleaning up %s, left by a test binary that died", dir)
 		for _, name := range []string{"kubelet", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd"} {
 			if b, err := os.ReadFile(filepath.Join(dir, name+".pid")); err == nil {
 				if pid, err := strconv.Atoi(string(b)); err == nil && processIs(pid, name) {
@@ -502,11 +502,11 @@ func reapStale(t testing.TB, except string) (cgroups []string) {
 			cgroups = append(cgroups, h.Cgroup)
 			h.Cgroup = ""
 			if err := h.restore(); err != nil {
-				t.Logf("testcluster: %v", err)
+				t.Logf("cluster: %v", err)
 			}
 		}
 		for _, err := range containerd.UnmountAll(dir) {
-			t.Logf("testcluster: %v", err)
+			t.Logf("cluster: %v", err)
 		}
 		os.RemoveAll(dir)
 	}

@@ -95,7 +95,7 @@ func NewPodUID() string {
 func (d *Daemon) Create(t testing.TB, opts PodContainer) *Container {
 	t.Helper()
 	if opts.PodUID == "" {
-		t.Fatal("testcontainerd: PodContainer.PodUID is required")
+		t.Fatal("containerd: PodContainer.PodUID is required")
 	}
 	if opts.Name == "" {
 		opts.Name = "qemu"
@@ -117,7 +117,7 @@ func (d *Daemon) Create(t testing.TB, opts PodContainer) *Container {
 	}
 	c, err := d.create(t, opts)
 	if err != nil {
-		t.Fatalf("testcontainerd: creating container of pod %s: %v\n%s", opts.PodUID, err, d.logTail())
+		t.Fatalf("containerd: creating container of pod %s: %v\n%s", opts.PodUID, err, d.logTail())
 	}
 	return c
 }
@@ -213,7 +213,7 @@ func (d *Daemon) Delete(t testing.TB, c *Container) {
 	ctx, cancel := context.WithTimeout(d.Context(context.Background()), 30*time.Second)
 	defer cancel()
 	if err := d.remove(ctx, c); err != nil {
-		t.Fatalf("testcontainerd: deleting container %s: %v", c.ID, err)
+		t.Fatalf("containerd: deleting container %s: %v", c.ID, err)
 	}
 }
 
@@ -257,7 +257,7 @@ func (d *Daemon) Replace(t testing.TB, c *Container) *Container {
 	}
 	n, err := d.create(t, opts)
 	if err != nil {
-		t.Fatalf("testcontainerd: recreating container of pod %s: %v", opts.PodUID, err)
+		t.Fatalf("containerd: recreating container of pod %s: %v", opts.PodUID, err)
 	}
 	return n
 }
@@ -269,7 +269,7 @@ func (d *Daemon) Kill(t testing.TB, c *Container) {
 	ctx, cancel := context.WithTimeout(d.Context(context.Background()), 30*time.Second)
 	defer cancel()
 	if err := c.Task.Kill(ctx, syscall.SIGKILL); err != nil {
-		t.Fatalf("testcontainerd: kill %s: %v", c.ID, err)
+		t.Fatalf("containerd: kill %s: %v", c.ID, err)
 	}
 	if _, err := c.Wait(ctx); err != nil {
 		t.Fatal(err)
@@ -330,7 +330,7 @@ func (d *Daemon) Run(t testing.TB, opts PodContainer, timeout time.Duration) uin
 	defer cancel()
 	code, err := c.Wait(ctx)
 	if err != nil {
-		t.Errorf("testcontainerd: %v", err)
+		t.Errorf("containerd: %v", err)
 	}
 	d.Delete(t, c) // waits for the output to be copied
 

@@ -340,7 +340,7 @@ func (d *Daemon) stop(t testing.TB) {
 		d.mu.Unlock()
 		for _, c := range left {
 			if err := d.remove(ctx, c); err != nil {
-				t.Logf("testcontainerd: removing container %s: %v", c.ID, err)
+				t.Logf("containerd: removing container %s: %v", c.ID, err)
 			}
 		}
 		cancel()
@@ -380,7 +380,7 @@ func reapStale(t testing.TB) {
 				continue // alive
 			}
 		}
-		t.Logf("testcontainerd: cleaning up %s, left by a test binary that died", dir)
+		t.Logf("containerd: cleaning up %s, left by a test binary that died", dir)
 		if b, err := os.ReadFile(filepath.Join(dir, "containerd.pid")); err == nil {
 			if pid, err := strconv.Atoi(string(b)); err == nil && isProcess(pid, "containerd") {
 				syscall.Kill(pid, syscall.SIGKILL)
@@ -412,7 +412,7 @@ func cleanupDir(t testing.TB, dir string) {
 	}
 	pids := shimPIDs(address)
 	for _, pid := range pids {
-		t.Logf("testcontainerd: killing leftover shim %d", pid)
+		t.Logf("containerd: killing leftover shim %d", pid)
 		syscall.Kill(pid, syscall.SIGKILL)
 	}
 	if len(pids) > 0 {
@@ -429,14 +429,14 @@ func cleanupDir(t testing.TB, dir string) {
 	}
 	// Rootfs mounts of tasks, deepest first.
 	for _, err := range UnmountAll(dir) {
-		t.Logf("testcontainerd: %v", err)
+		t.Logf("containerd: %v", err)
 	}
 	if left := mountsUnder(dir); len(left) > 0 {
-		t.Logf("testcontainerd: not removing %s: still mounted: %v", dir, left)
+		t.Logf("containerd: not removing %s: still mounted: %v", dir, left)
 		return
 	}
 	if err := os.RemoveAll(dir); err != nil {
-		t.Logf("testcontainerd: %v", err)
+		t.Logf("containerd: %v", err)
 	}
 }
 

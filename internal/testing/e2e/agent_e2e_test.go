@@ -257,6 +257,7 @@ func bigGuest(dir string) guest.Options {
 }
 
 func TestAgentE2EBusyAndDeletedContainer(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	src := startPodVM(t, ctrd, bigGuest(guest.FreeShortDir(t)), podOptions{})
@@ -323,6 +324,7 @@ func waitRunning(t *testing.T, p *podVM) {
 }
 
 func TestAgentE2EKilledAgentContinuesVMOnRestart(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	src := startPodVM(t, ctrd, bigGuest(guest.FreeShortDir(t)), podOptions{})
@@ -440,6 +442,7 @@ func fileDigest(t *testing.T, path string) string {
 // the checkpoint fails after the disk and rootfs images of that attempt
 // were stored, and no tag has moved.
 func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)
@@ -523,6 +526,7 @@ func TestAgentE2ECheckpointWithRootfsAndDisk(t *testing.T) {
 // result says where. A container started from that image, with a QEMU on
 // the overlay in it, resumes the guest with its disk.
 func TestAgentE2EDiskInWritableLayer(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	const inPod = "/vm/disk/overlay.qcow2"
@@ -594,6 +598,7 @@ func TestAgentE2EDiskInWritableLayer(t *testing.T) {
 // root, or a long volume name): the agent checkpoints the real guest
 // through its socket's descriptor, and the image names no host path.
 func TestAgentE2EQMPSocketBeyondAddressLimit(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)

@@ -34,6 +34,7 @@ import (
 // restores its own; the platform, an admin, restores the copy with the
 // node's key.
 func TestAgentE2ERestoreDecryptsOnlyWithTheNamespacesKeys(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	reg := registry.Start(t)
 	vmsnapBin := binary(t)

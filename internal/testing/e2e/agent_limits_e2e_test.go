@@ -29,6 +29,7 @@ const e2eFloodRSSBound = 32 << 20
 // checkpoint through the agent completes meanwhile; the agent's peak RSS
 // grows by less than e2eFloodRSSBound.
 func TestAgentE2EStreamFloodFromOneTenant(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	vmsnapBin, flood := binary(t), buildTestProgram(t, "streamflood")
 	vm := qmptest.NewFakeQEMU(t, "running", bytes.Repeat([]byte("tenant-b's memory "), 1<<15))

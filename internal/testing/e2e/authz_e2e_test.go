@@ -89,6 +89,7 @@ func inPod(t *testing.T, ctrd *containerd.Daemon, ns, sockDir, program string, a
 }
 
 func TestAgentE2ECallersActOnlyInTheirNamespace(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	reg := registry.Start(t)
 	vmsnapBin, callBin := binary(t), agentcall(t)

@@ -24,6 +24,7 @@ import (
 )
 
 func TestAgentE2ECallersUseOnlyTheirNamespacesImages(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	reg := registry.Start(t)
 	vmsnapBin := binary(t)

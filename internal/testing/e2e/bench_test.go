@@ -497,7 +497,7 @@ func waitMigrated(b *testing.B, c *qmp.Client, sub *qmp.Subscription) time.Time 
 	}
 }
 
-// waitRunning waits for the RESUME event (query-status as a fallback).
+// benchWaitRunning waits for the RESUME event (query-status as a fallback).
 func benchWaitRunning(b *testing.B, c *qmp.Client, sub *qmp.Subscription) time.Time {
 	b.Helper()
 	ctx, cancel := benchCtx(5 * time.Minute)

@@ -80,17 +80,21 @@ func runState(t testing.TB, vm *guest.VM) string {
 	return st.Status
 }
 
+// waitCtx bounds a wait for a guest or a tool: a guard against a hang,
+// not a measure. A TCG guest's boot is about 20 s of CPU; on a machine
+// whose cores are shared with a dozen other busy processes it took more
+// than 2 minutes (a 1 GiB QEMU 10 guest in make test).
 func waitCtx(t testing.TB) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	t.Cleanup(cancel)
 	return ctx
 }
 
-// bootSource boots a test guest with a disk and waits for its first status.
-func bootSource(t *testing.T, dir string) (*guest.VM, guest.Status) {
+// bootGuest starts a test guest, waits for it to boot and returns its
+// first status.
+func bootGuest(t *testing.T, o guest.Options) (*guest.VM, guest.Status) {
 	t.Helper()
-	guest.Assets(t)
-	vm := guest.Start(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir})
+	vm := guest.Start(t, o)
 	if _, err := vm.WaitReady(waitCtx(t)); err != nil {
 		t.Fatalf("guest did not boot: %v\n%s", err, vm.SerialTail(20))
 	}
@@ -98,6 +102,14 @@ func bootSource(t *testing.T, dir string) (*guest.VM, guest.Status) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return vm, st
+}
+
+// bootSource boots a test guest with a disk and waits for its first status.
+func bootSource(t *testing.T, dir string) (*guest.VM, guest.Status) {
+	t.Helper()
+	guest.Assets(t)
+	vm, st := bootGuest(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir})
 	if st.Mem != st.Mem0 || !strings.HasPrefix(st.Disk, guest.MarkerPrefix) {
 		t.Fatalf("source guest is not healthy before the checkpoint: %s", st)
 	}
@@ -152,6 +164,7 @@ func assertResumed(t *testing.T, target *guest.VM, src guest.Status, minCounter,
 }
 
 func TestE2EPauseModeRoundTrip(t *testing.T) {
+	t.Parallel()
 	dir := guest.FreeShortDir(t)
 	src, before := bootSource(t, dir)
 	store := filepath.Join(t.TempDir(), "store")
@@ -198,6 +211,7 @@ func TestE2EPauseModeRoundTrip(t *testing.T) {
 }
 
 func TestE2ESnapshotModeKeepsSourceRunning(t *testing.T) {
+	t.Parallel()
 	dir := guest.FreeShortDir(t)
 	src, before := bootSource(t, dir)
 	store := filepath.Join(t.TempDir(), "store")
@@ -226,6 +240,7 @@ func TestE2ESnapshotModeKeepsSourceRunning(t *testing.T) {
 }
 
 func TestE2ELiveModeKeepsSourceRunning(t *testing.T) {
+	t.Parallel()
 	dir := guest.FreeShortDir(t)
 	src, before := bootSource(t, dir)
 	// The guest writes its disk only at boot, so a copy taken now matches
@@ -298,6 +313,7 @@ func TestMain(m *testing.M) {
 }
 
 func TestE2ECompatMismatchIsRefusedBeforeLoading(t *testing.T) {
+	t.Parallel()
 	srcDir, _, image, diskImage := checkpointOnce(t)
 	tdir := targetDir(t, srcDir)
 	disk := filepath.Join(tdir, "overlay.qcow2")
@@ -313,6 +329,7 @@ func TestE2ECompatMismatchIsRefusedBeforeLoading(t *testing.T) {
 }
 
 func TestE2ECorruptChunkIsRefused(t *testing.T) {
+	t.Parallel()
 	srcDir, store, image, diskImage := checkpointOnce(t)
 	ref, err := ociimage.ParseReference(image)
 	if err != nil {

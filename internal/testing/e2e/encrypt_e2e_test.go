@@ -121,6 +121,7 @@ func cliNoKeysError(t testing.TB, secret []string, code errcode.Code, args ...st
 }
 
 func TestEncryptE2ERegistry(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	if _, err := os.Stat("/usr/bin/skopeo"); err != nil {
 		guest.SkipOrFail(t, "skopeo", "skopeo not installed (make deps)")
@@ -320,6 +321,7 @@ func layoutManifest(t *testing.T, dir string) ocispec.Manifest {
 // one plain checkpoint of the source (pausedCopy): the guest never runs
 // between two, so their memory is the same, byte for byte.
 func TestEncryptE2ERepeatCheckpoint(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	reg := registry.Start(t)
 	keys := t.TempDir()

@@ -22,6 +22,7 @@ import (
 // an RSA key, an EC key (ECDH-ES+A256KW), and both, with each key. No
 // guest: the layers are random chunks in an OCI layout.
 func TestEncryptE2ESkopeoRecipients(t *testing.T) {
+	t.Parallel()
 	if _, err := os.Stat("/usr/bin/skopeo"); err != nil {
 		guest.SkipOrFail(t, "skopeo", "skopeo not installed (make deps)")
 	}

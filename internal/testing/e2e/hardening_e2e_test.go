@@ -60,6 +60,7 @@ const hardSnapshotMount = "/snapshot"
 const hardProbeRootFile = "/probe-data/world-writable"
 
 func TestHardeningRestoreInitContainer(t *testing.T) {
+	t.Parallel()
 	timings := &hardTimings{}
 	defer timings.log(t)
 
@@ -78,8 +79,8 @@ func TestHardeningRestoreInitContainer(t *testing.T) {
 	// only a static probe program).
 	start := time.Now()
 	work := t.TempDir()
-	bin := hardBuildStatic(t, work, "vmsnap", vmsnapPkg, "")
-	probeBin := hardBuildStatic(t, work, "probe", "", hardProbeSource)
+	bin := staticVmsnap(t, work)
+	probeBin := hardBuildStatic(t, work, "probe", hardProbeSource)
 	timings.add("build static vmsnap and probe", start)
 
 	start = time.Now()
@@ -335,6 +336,19 @@ func hardWaitLoaded(t *testing.T, vm *guest.VM) string {
 			t.Fatalf("QEMU still loading after 2 minutes (last: %s, %v)\n%s", st.Status, err, vm.Stderr())
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// waitLoadedRunning waits until QEMU has loaded the staged state and runs on
+// (the loader continues it), for a minute at the most.
+func waitLoadedRunning(t *testing.T, vm *guest.VM) {
+	t.Helper()
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+		if st := hardWaitLoaded(t, vm); st == "running" {
+			return
+		} else if time.Now().After(deadline) {
+			t.Fatalf("after the load the VM is %q\n%s", st, vm.Stderr())
+		}
 	}
 }
 
@@ -907,41 +921,57 @@ func hardTreeSums(t *testing.T, dir string) map[string]string {
 // ---------------------------------------------------------------------------
 // Building static binaries.
 
-// hardBuildStatic builds a static binary into dir/name: the package pkg of
-// this module, or a one-file program from source.
-func hardBuildStatic(t *testing.T, dir, name, pkg, source string) string {
+// hardBuildStatic builds the one-file program source into dir/name, static.
+func hardBuildStatic(t *testing.T, dir, name, source string) string {
 	t.Helper()
 	out := filepath.Join(dir, name)
-	cmd := exec.Command("go", "build", "-o", out, pkg)
-	if source != "" {
-		srcDir := filepath.Join(dir, name+"-src")
-		if err := os.MkdirAll(srcDir, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(srcDir, "main.go"), []byte(source), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		cmd = exec.Command("go", "build", "-o", out, "main.go")
-		cmd.Dir = srcDir
-		cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=")
-	} else {
-		cmd.Env = os.Environ()
+	srcDir := filepath.Join(dir, name+"-src")
+	if err := os.MkdirAll(srcDir, 0o755); err != nil {
+		t.Fatal(err)
 	}
-	cmd.Env = append(cmd.Env, "CGO_ENABLED=0")
+	if err := os.WriteFile(filepath.Join(srcDir, "main.go"), []byte(source), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("go", "build", "-o", out, "main.go")
+	cmd.Dir = srcDir
+	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=", "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("building %s: %v\n%s", name, err, b)
 	}
-	f, err := elf.Open(out)
+	assertStatic(t, out)
+	return out
+}
+
+// staticVmsnap copies vmsnap, built once for the package (binary, with
+// CGO_ENABLED=0), into dir: a container or launcher runs it from there.
+func staticVmsnap(t *testing.T, dir string) string {
+	t.Helper()
+	out := filepath.Join(dir, "vmsnap")
+	b, err := os.ReadFile(binary(t))
+	if err == nil {
+		err = os.WriteFile(out, b, 0o755)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertStatic(t, out)
+	return out
+}
+
+// assertStatic fails unless the ELF file at path is statically linked: it
+// runs in containers without a dynamic loader.
+func assertStatic(t *testing.T, path string) {
+	t.Helper()
+	f, err := elf.Open(path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
 	for _, p := range f.Progs {
 		if p.Type == elf.PT_INTERP {
-			t.Fatalf("%s is dynamically linked", out)
+			t.Fatalf("%s is dynamically linked", path)
 		}
 	}
-	return out
 }
 
 // ---------------------------------------------------------------------------

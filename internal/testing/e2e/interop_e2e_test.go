@@ -44,6 +44,7 @@ func restoreCopy(t *testing.T, srcDir, index string, args []string) *guest.VM {
 // same boot, memory and disk; the counter where the checkpoint took it),
 // the encrypted one with its key.
 func TestInteropStreamAndEncrypted(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	p := startPair(t)
 	tools := copyTools(t)
@@ -91,6 +92,7 @@ func TestInteropStreamAndEncrypted(t *testing.T) {
 // RAM file (fetched from the copy into a cache of its own) and the guest
 // resumes exactly on it.
 func TestInteropMemoryFileChain(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	p := startPair(t)
 	tools := copyTools(t)
@@ -98,14 +100,7 @@ func TestInteropMemoryFileChain(t *testing.T) {
 	shm := shmDir(t)
 	overlay := guest.NewDisk(t, dir)
 	const memMB = 256
-	src := guest.Start(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	before, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, before := bootGuest(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
 	image := p.src.Host + "/vms/mem:vm"
 	base := cliJSON[api.CheckpointResult](t, with([]string{"checkpoint", "--qmp", src.QMPPath(), "--image", image, "--mode", "snapshot"}, regArgs(p.src)...)...)
 	if _, err := src.WaitStatus(waitCtx(t), func(s guest.Status) bool { return s.Counter > before.Counter+1 }); err != nil {
@@ -145,6 +140,7 @@ func TestInteropMemoryFileChain(t *testing.T) {
 // overlay the image holds, and the agent loads the state through the
 // copy's checkpoint digest: the guest resumes exactly.
 func TestInteropRootfsThroughTheAgent(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	p := startPair(t)
 	tools := copyTools(t)

@@ -9,7 +9,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -24,8 +23,9 @@ import (
 // from replacing the overlay. The same for -incoming defer (launch --defer):
 // loaded once through the monitor, cold after a restart.
 func TestLaunchLoadsOnceThenBootsCold(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
-	bin := hardBuildStatic(t, t.TempDir(), "vmsnap", vmsnapPkg, "")
+	bin := staticVmsnap(t, t.TempDir())
 	srcDir := guest.FreeShortDir(t)
 	src, before := bootSource(t, srcDir)
 	store := filepath.Join(guest.FreeShortDir(t), "store")
@@ -56,13 +56,7 @@ func TestLaunchLoadsOnceThenBootsCold(t *testing.T) {
 
 	// 1. First start: loaded once, continued, the guest carries on.
 	vm := start()
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
-		if st := hardWaitLoaded(t, vm); st == "running" {
-			break
-		} else if time.Now().After(deadline) {
-			t.Fatalf("after the load the VM is %q\n%s", st, vm.Stderr())
-		}
-	}
+	waitLoadedRunning(t, vm)
 	assertResumed(t, vm, before, resume, resume)
 	loaded := filepath.Join(markers, "loaded-sha256-"+strings.TrimPrefix(cp.VMState.Digest, "sha256:"))
 	if _, err := os.Stat(loaded); err != nil {

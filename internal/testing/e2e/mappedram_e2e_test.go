@@ -47,6 +47,7 @@ func stateFormat(t *testing.T, image string) vmspec.Format {
 }
 
 func TestMappedRAME2EQEMU10(t *testing.T) {
+	t.Parallel()
 	root := testguest.QEMU10(t)
 	testguest.Assets(t)
 	dir := testguest.FreeShortDir(t)
@@ -55,14 +56,7 @@ func TestMappedRAME2EQEMU10(t *testing.T) {
 		o.MemMB, o.GuestMemMB = mappedMemMB, mappedDataMB
 		return o
 	}
-	src := testguest.Start(t, guest(testguest.Options{Disk: overlay, Dir: dir, QEMURoot: root}))
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("QEMU 10 guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	before, err := src.WaitStatus(waitCtx(t), func(testguest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, before := bootGuest(t, guest(testguest.Options{Disk: overlay, Dir: dir, QEMURoot: root}))
 	if before.Mem != before.Mem0 || !strings.HasPrefix(before.Disk, testguest.MarkerPrefix) {
 		t.Fatalf("source guest is not healthy before the checkpoint: %s", before)
 	}
@@ -166,6 +160,7 @@ func TestMappedRAME2EQEMU10(t *testing.T) {
 //
 //	VMSNAP_MAPPEDRAM_FIGURES=3 go test -run TestMappedRAMFigures -v -timeout 30m ./cmd/vmsnap/
 func TestMappedRAMFigures(t *testing.T) {
+	t.Parallel()
 	rounds := 0
 	fmt.Sscan(os.Getenv("VMSNAP_MAPPEDRAM_FIGURES"), &rounds)
 	if rounds <= 0 {

@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -60,19 +59,13 @@ func fileRAMArgs(path string, memMB int) []string {
 }
 
 func TestMemoryFileE2EChainPrepareAndClones(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)
 	shm := shmDir(t)
 	overlay := guest.NewDisk(t, dir)
 	const memMB = 256
-	src := guest.Start(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	before, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, before := bootGuest(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
 	store := filepath.Join(t.TempDir(), "store")
 	image := "oci:" + store + ":vm"
 
@@ -226,20 +219,14 @@ func restoreDisk(t *testing.T, cp api.CheckpointResult, dir, name string) string
 // QEMU opens the cached file read-only, and the guest still writes (to its
 // private pages).
 func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
+	t.Parallel()
 	root := guest.QEMU10(t)
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)
 	shm := shmDir(t)
 	overlay := guest.NewDisk(t, dir)
 	const memMB = 256
-	src := guest.Start(t, guest.Options{Disk: overlay, Dir: dir, QEMURoot: root, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("QEMU 10 guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	before, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, before := bootGuest(t, guest.Options{Disk: overlay, Dir: dir, QEMURoot: root, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
 	store := filepath.Join(t.TempDir(), "store")
 	// Snapshot mode: QEMU 10's pre-copy stream, rewritten for
 	// x-ignore-shared, is what the restore below loads into QEMU 10.
@@ -316,19 +303,13 @@ func TestMemoryFileE2EQEMU10MapsTheFileReadOnly(t *testing.T) {
 // loads the device state (x-ignore-shared, which QEMU 7.2 cannot take on
 // its command line). The guest carries on; a restart boots cold.
 func TestMemoryFileE2ELaunch(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
-	bin := hardBuildStatic(t, t.TempDir(), "vmsnap", vmsnapPkg, "")
+	bin := staticVmsnap(t, t.TempDir())
 	dir := guest.FreeShortDir(t)
 	shm := shmDir(t)
 	const memMB = 256
-	src := guest.Start(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	before, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, before := bootGuest(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)})
 	store := filepath.Join(guest.FreeShortDir(t), "store")
 	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm",
 		"--disk", filepath.Join(dir, "overlay.qcow2"), "--disk-image", "oci:"+store+":vm-disk", "--mode", "pause")
@@ -377,13 +358,7 @@ func TestMemoryFileE2ELaunch(t *testing.T) {
 		t.Fatalf("prepare: %+v", p)
 	}
 	vm := guest.Start(t, guest.Options{Disk: overlay, Dir: tdir, Launcher: launcher, ExtraArgs: qmpArgs})
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
-		if st := hardWaitLoaded(t, vm); st == "running" {
-			break
-		} else if time.Now().After(deadline) {
-			t.Fatalf("after the load the VM is %q\n%s", st, vm.Stderr())
-		}
-	}
+	waitLoadedRunning(t, vm)
 	assertResumed(t, vm, before, resume, resume)
 	if !strings.Contains(vm.Stderr(), "vmsnap load: loaded "+cp.VMState.Digest) {
 		t.Errorf("the loader did not say it loaded the snapshot:\n%s", vm.Stderr())

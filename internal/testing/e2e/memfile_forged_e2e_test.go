@@ -22,20 +22,14 @@ import (
 // compared byte for byte with the stopped guest's, and a QEMU restored on
 // it carries on.
 func TestMemoryFileE2EForgedParentUnderTheTag(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)
 	shm := shmDir(t)
 	overlay := guest.NewDisk(t, dir)
 	const memMB = 256
 	ram := filepath.Join(shm, "src.ram")
-	src := guest.Start(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(ram, memMB)})
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	before, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, before := bootGuest(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(ram, memMB)})
 	store := filepath.Join(t.TempDir(), "store")
 	records := filepath.Join(shm, "records")
 	cp1 := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+store+":vm", "--mode", "snapshot", "--parent-records", records)

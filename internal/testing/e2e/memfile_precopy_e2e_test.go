@@ -16,6 +16,7 @@ import (
 // counters, the counter where the snapshot caught it). QEMU 10: under TCG,
 // QEMU 7.2's dirty log loses writes, and vmsnap scans its VMs instead.
 func TestMemoryFileE2EPrecopySnapshotsRestoreExactly(t *testing.T) {
+	t.Parallel()
 	root := guest.QEMU10(t)
 	guest.Assets(t)
 	dir := guest.FreeShortDir(t)
@@ -25,14 +26,7 @@ func TestMemoryFileE2EPrecopySnapshotsRestoreExactly(t *testing.T) {
 		o.MemMB, o.GuestMemMB, o.KernelArgs, o.QEMURoot = memMB, dataMB, []string{"vmsnap.mem_every=15"}, root
 		return o
 	}
-	src := guest.Start(t, opts(guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)}))
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	boot, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, boot := bootGuest(t, opts(guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "src.ram"), memMB)}))
 	store := filepath.Join(t.TempDir(), "store")
 	for i := range 4 {
 		last, _ := src.LastStatus()

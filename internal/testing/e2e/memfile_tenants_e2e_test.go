@@ -18,6 +18,7 @@ import (
 )
 
 func TestAgentE2EMemoryFileRestoreReadsOnlyTheVMsNamespace(t *testing.T) {
+	t.Parallel()
 	ctrd := containerd.Start(t)
 	guest.Assets(t)
 	vmsnapBin := binary(t)
@@ -28,14 +29,7 @@ func TestAgentE2EMemoryFileRestoreReadsOnlyTheVMsNamespace(t *testing.T) {
 
 	// Tenant B's VM, its RAM a shared file, checkpointed into B's layout
 	// directory.
-	src := guest.Start(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "b.ram"), memMB)})
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	before, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	src, before := bootGuest(t, guest.Options{Disk: overlay, Dir: dir, ExtraArgs: fileRAMArgs(filepath.Join(shm, "b.ram"), memMB)})
 	layouts := t.TempDir()
 	cp := cliJSON[api.CheckpointResult](t, "checkpoint", "--qmp", src.QMPPath(), "--image", "oci:"+layouts+"/tenant-b/vm:1", "--mode", "pause",
 		"--disk", overlay, "--disk-image", "oci:"+layouts+"/tenant-b/disk:1")

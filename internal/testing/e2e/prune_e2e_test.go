@@ -24,6 +24,7 @@ import (
 // third's previous link), then restores exactly: same boot id, memory and
 // disk, the counter carrying on from when it was taken.
 func TestE2EPruneKeepsRestorableCheckpoints(t *testing.T) {
+	t.Parallel()
 	dir := guest.FreeShortDir(t)
 	src, before := bootSource(t, dir)
 	store := "oci:" + filepath.Join(t.TempDir(), "store")
@@ -71,6 +72,7 @@ func TestE2EPruneKeepsRestorableCheckpoints(t *testing.T) {
 // its third manifest DELETE. Both kept checkpoints then restore exactly, and
 // a second prune removes what the first did not reach.
 func TestPruneKilledMidwayLeavesTheKeptRestorable(t *testing.T) {
+	t.Parallel()
 	reg := registry.Start(t)
 	proxy := startFaultProxy(t, reg)
 	image := proxy.Host + "/vms/vm1"

@@ -40,6 +40,7 @@ func with(args []string, more ...string) []string {
 }
 
 func TestRegistryE2ERoundTrip(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t) // skip before starting a registry if there is no guest
 	reg := registry.Start(t)
 	dir := guest.FreeShortDir(t)
@@ -113,6 +114,7 @@ func TestRegistryE2ERoundTrip(t *testing.T) {
 // second is of a paused copy of the first (pausedCopy): the guest does not
 // run between the two, so the memory is the same, byte for byte.
 func TestRegistryE2ERepeatCheckpointUploadsAlmostNothing(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	reg := registry.Start(t)
 	dir := guest.FreeShortDir(t)
@@ -210,6 +212,7 @@ func manifestFromRegistry(t *testing.T, reg *registry.Registry, image string) oc
 // the first checkpoint (pausedCopy): the guest does not run between the
 // two, so the host's writes are all that differs.
 func TestRegistryE2ECheckpointAfterAChangeUploadsOnlyTheChange(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	reg := registry.Start(t)
 	const memMB = 512
@@ -412,18 +415,13 @@ func contStop(t testing.TB, path string) {
 // with REGISTRY_ERROR, the VM runs again, and no tag points at a partial
 // snapshot.
 func TestRegistryE2EKilledMidPush(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	reg := registry.Start(t)
 	dir := guest.FreeShortDir(t)
 	// More random guest memory and small chunks: hundreds of uploads, so
 	// the registry dies well before the end.
-	src := guest.Start(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, GuestMemMB: 96})
-	if _, err := src.WaitReady(waitCtx(t)); err != nil {
-		t.Fatalf("guest did not boot: %v\n%s", err, src.SerialTail(20))
-	}
-	if _, err := src.WaitStatus(waitCtx(t), func(guest.Status) bool { return true }); err != nil {
-		t.Fatal(err)
-	}
+	src, _ := bootGuest(t, guest.Options{Disk: guest.NewDisk(t, dir), Dir: dir, GuestMemMB: 96})
 
 	var killedAt atomic.Int64
 	done := make(chan struct{})

@@ -93,6 +93,7 @@ func checkpointArgs(t *testing.T, e *failureEnv, host string, r *failureRun) []s
 }
 
 func TestRegistryFailuresGetTheirCodes(t *testing.T) {
+	t.Parallel()
 	e := newFailureEnv(t)
 	var runs []*failureRun
 	for i, f := range registryFaults() {

@@ -71,6 +71,7 @@ func runVmsnap(t *testing.T, env []string, args ...string) ([]byte, []byte, int)
 }
 
 func TestSecretsNeverPrintedOrPassedOn(t *testing.T) {
+	t.Parallel()
 	if os.Getenv("DOCKER_CONFIG") != "" {
 		t.Skip("DOCKER_CONFIG is set in the test's environment")
 	}

@@ -123,6 +123,7 @@ func passwordFile(t *testing.T, password string) string {
 // it is signed and then restores with vmsnap's verification; a checkpoint
 // vmsnap signed passes cosign verify --key, and only with its key.
 func TestSignE2ECosignInterop(t *testing.T) {
+	t.Parallel()
 	guest.Assets(t)
 	reg := registry.Start(t)
 	cos := newCosign(t, reg)
@@ -185,6 +186,7 @@ func TestSignE2ECosignInterop(t *testing.T) {
 // and a signature manifest larger than vmsnap reads. The images are
 // checkpoints of a fake QEMU made with the CLI.
 func TestSignE2ERefusals(t *testing.T) {
+	t.Parallel()
 	reg := registry.Start(t)
 	cos := newCosign(t, reg)
 	key, pub := cos.keyPair(t, "pw")
@@ -305,6 +307,7 @@ func oversize(t *testing.T, repo ociimage.Repository, image string) string {
 // other credentials), where vmsnap verifies and restores it with the
 // source registry stopped.
 func TestSignE2ECosignCopy(t *testing.T) {
+	t.Parallel()
 	src, dst := registry.Start(t), registry.Start(t)
 	cos := newCosign(t, src, dst)
 	key, pub := cos.keyPair(t, "pw")

@@ -87,11 +87,11 @@ func (tl Tool) build() (string, error) {
 	}
 	defer os.RemoveAll(tmp)
 	start := time.Now()
-	fmt.Fprintf(os.Stderr, "testtools: building %s %s\n", tl.Name, tl.Version)
+	fmt.Fprintf(os.Stderr, "tools: building %s %s\n", tl.Name, tl.Version)
 	if err := tl.run(tmp); err != nil {
 		return "", err
 	}
-	fmt.Fprintf(os.Stderr, "testtools: built %s in %v\n", tl.Name, time.Since(start).Round(time.Second))
+	fmt.Fprintf(os.Stderr, "tools: built %s in %v\n", tl.Name, time.Since(start).Round(time.Second))
 	os.RemoveAll(dir)
 	if err := os.Rename(tmp, dir); err != nil {
 		return "", err
