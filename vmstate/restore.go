@@ -51,6 +51,9 @@ type RestoreResult struct {
 	// FromNode: the image was read from the device state Prepare kept
 	// beside the RAM file the target maps, not from the store.
 	FromNode bool
+	// GenerationID is the fresh VM generation ID the restore gave the
+	// guest ("": the snapshot's VM has no vmgenid device).
+	GenerationID string
 }
 
 // LoadConfig fetches and checks a VM state image's manifest and config
@@ -209,6 +212,12 @@ func holdCache(c *ramfile.Cache) *ramfile.Held {
 // finishRestore sets a loaded VM's run state (continued, or stopped if
 // opts.Paused) and completes res: the end of either restore path.
 func finishRestore(ctx context.Context, mon Monitor, opts RestoreOptions, res *RestoreResult, start time.Time) (*RestoreResult, error) {
+	if res.Config.Record.VMGenID != "" {
+		var err error
+		if res.GenerationID, err = freshGenerationID(ctx, mon); err != nil {
+			return nil, err
+		}
+	}
 	st, err := queryStatus(ctx, mon)
 	if err != nil {
 		return nil, err
@@ -253,7 +262,8 @@ func (l *lazyIncoming) Write(p []byte) (int, error) {
 // with -incoming "exec:vmsnap stream ...") has loaded it, then sets the run
 // state: continued, or stopped if paused is set. QEMU keeps the run state
 // recorded in the stream, and a checkpoint stops the VM before capturing
-// it, so without this the restored VM would stay paused.
+// it, so without this the restored VM would stay paused. A VM with a
+// vmgenid device gets a fresh generation ID first, as in Restore.
 func FinishIncoming(ctx context.Context, mon Executor, paused bool) (running bool, err error) {
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
@@ -262,14 +272,18 @@ func FinishIncoming(ctx context.Context, mon Executor, paused bool) (running boo
 		if err != nil {
 			return false, errcode.Wrap(errcode.QMPError, err, "waiting for QEMU to load the state (a QEMU that failed to load exits: see its log)")
 		}
-		switch st.Status {
-		case "inmigrate":
+		if st.Status == "inmigrate" {
 			select {
 			case <-tick.C:
 				continue
 			case <-ctx.Done():
 				return false, errcode.Wrap(errcode.QMPError, context.Cause(ctx), "QEMU was still loading the state")
 			}
+		}
+		if _, err := freshGenerationID(ctx, mon); err != nil {
+			return false, err
+		}
+		switch st.Status {
 		case "running":
 			if paused {
 				return false, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "stop", nil, nil), "stopping the restored VM")

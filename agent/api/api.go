@@ -201,8 +201,11 @@ type RestoredState struct {
 	VMRunning  bool   `json:"vmRunning"`
 	// FromNode says the state was read from what vmsnap prepare kept on
 	// this node beside the RAM file the QEMU maps, not from the registry.
-	FromNode    bool               `json:"fromNode,omitempty"`
-	DurationsMs map[string]float64 `json:"durationsMs"`
+	FromNode bool `json:"fromNode,omitempty"`
+	// GenerationID is the fresh VM generation ID the restore gave the
+	// guest (its vmgenid device), so that clones of one snapshot diverge.
+	GenerationID string             `json:"generationID,omitempty"`
+	DurationsMs  map[string]float64 `json:"durationsMs"`
 }
 
 // RestoredDisk describes a disk overlay put in place.
