@@ -280,22 +280,29 @@ func FinishIncoming(ctx context.Context, mon Executor, paused bool) (running boo
 				return false, errcode.Wrap(errcode.QMPError, context.Cause(ctx), "QEMU was still loading the state")
 			}
 		}
-		if _, err := freshGenerationID(ctx, mon); err != nil {
-			return false, err
-		}
 		switch st.Status {
-		case "running":
-			if paused {
-				return false, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "stop", nil, nil), "stopping the restored VM")
-			}
-			return true, nil
-		case "paused", "postmigrate", "prelaunch":
-			if paused {
-				return false, nil
-			}
-			return true, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "cont", nil, nil), "continuing the restored VM")
+		case "running", "paused", "postmigrate", "prelaunch":
+			return setLoadedRunState(ctx, mon, st.Status == "running", paused)
 		default:
 			return false, errcode.New(errcode.QMPError, "QEMU is %s after loading the state: see its log", st.Status)
 		}
 	}
+}
+
+// setLoadedRunState is FinishIncoming's end, once QEMU has loaded the state
+// (and, for a live checkpoint's, runs it): a fresh generation ID, then the
+// run state asked for.
+func setLoadedRunState(ctx context.Context, mon Executor, running, paused bool) (bool, error) {
+	if _, err := freshGenerationID(ctx, mon); err != nil {
+		return false, err
+	}
+	switch {
+	case running && paused:
+		return false, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "stop", nil, nil), "stopping the restored VM")
+	case paused:
+		return false, nil
+	case running:
+		return true, nil
+	}
+	return true, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "cont", nil, nil), "continuing the restored VM")
 }

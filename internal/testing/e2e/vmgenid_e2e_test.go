@@ -147,6 +147,11 @@ func testClonesWithoutVMGenID(t *testing.T, root string) {
 			if out, code := cli(t, "inspect", image); code != 0 || !strings.Contains(string(out), "vmgenid: no") {
 				t.Fatalf("inspect does not say the snapshot lacks vmgenid (exit %d):\n%s", code, out)
 			}
+			// A target with the device loads a snapshot of a VM without
+			// one (Compare lets it): the guest resumes.
+			withDevice := opts
+			withDevice.ExtraArgs = vmgenidArgs
+			restoreClone(t, withDevice, image, resume)
 		}
 		r1, c1 := restoreClone(t, opts, image, resume)
 		_, c2 := restoreClone(t, opts, image, resume)
