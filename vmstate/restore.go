@@ -51,8 +51,9 @@ type RestoreResult struct {
 	// FromNode: the image was read from the device state Prepare kept
 	// beside the RAM file the target maps, not from the store.
 	FromNode bool
-	// GenerationID is the fresh VM generation ID the restore gave the
-	// guest ("": the snapshot's VM has no vmgenid device).
+	// GenerationID is the VM generation ID the guest finds once restored:
+	// the target's own, checked to differ from the snapshot's ("": the
+	// snapshot's VM has no vmgenid device).
 	GenerationID string
 }
 
@@ -130,6 +131,7 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	if err := checkRestorable(ctx, mon, res.Config, res.Manifest.Digest, target, prepared); err != nil {
 		return nil, err
 	}
+	res.GenerationID = restoredGenerationID(res.Config.Record, target)
 	if res.Config.Format == FormatMappedRAM {
 		return restoreMappedRAM(ctx, mon, repo, m.Layers, opts, res, start)
 	}
@@ -212,12 +214,6 @@ func holdCache(c *ramfile.Cache) *ramfile.Held {
 // finishRestore sets a loaded VM's run state (continued, or stopped if
 // opts.Paused) and completes res: the end of either restore path.
 func finishRestore(ctx context.Context, mon Monitor, opts RestoreOptions, res *RestoreResult, start time.Time) (*RestoreResult, error) {
-	if res.Config.Record.VMGenID != "" {
-		var err error
-		if res.GenerationID, err = freshGenerationID(ctx, mon); err != nil {
-			return nil, err
-		}
-	}
 	st, err := queryStatus(ctx, mon)
 	if err != nil {
 		return nil, err
@@ -262,8 +258,7 @@ func (l *lazyIncoming) Write(p []byte) (int, error) {
 // with -incoming "exec:vmsnap stream ...") has loaded it, then sets the run
 // state: continued, or stopped if paused is set. QEMU keeps the run state
 // recorded in the stream, and a checkpoint stops the VM before capturing
-// it, so without this the restored VM would stay paused. A VM with a
-// vmgenid device gets a fresh generation ID first, as in Restore.
+// it, so without this the restored VM would stay paused.
 func FinishIncoming(ctx context.Context, mon Executor, paused bool) (running bool, err error) {
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
@@ -272,37 +267,26 @@ func FinishIncoming(ctx context.Context, mon Executor, paused bool) (running boo
 		if err != nil {
 			return false, errcode.Wrap(errcode.QMPError, err, "waiting for QEMU to load the state (a QEMU that failed to load exits: see its log)")
 		}
-		if st.Status == "inmigrate" {
+		switch st.Status {
+		case "inmigrate":
 			select {
 			case <-tick.C:
 				continue
 			case <-ctx.Done():
 				return false, errcode.Wrap(errcode.QMPError, context.Cause(ctx), "QEMU was still loading the state")
 			}
-		}
-		switch st.Status {
-		case "running", "paused", "postmigrate", "prelaunch":
-			return setLoadedRunState(ctx, mon, st.Status == "running", paused)
+		case "running":
+			if paused {
+				return false, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "stop", nil, nil), "stopping the restored VM")
+			}
+			return true, nil
+		case "paused", "postmigrate", "prelaunch":
+			if paused {
+				return false, nil
+			}
+			return true, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "cont", nil, nil), "continuing the restored VM")
 		default:
 			return false, errcode.New(errcode.QMPError, "QEMU is %s after loading the state: see its log", st.Status)
 		}
 	}
-}
-
-// setLoadedRunState is FinishIncoming's end, once QEMU has loaded the state
-// (and, for a live checkpoint's, runs it): a fresh generation ID, then the
-// run state asked for.
-func setLoadedRunState(ctx context.Context, mon Executor, running, paused bool) (bool, error) {
-	if _, err := freshGenerationID(ctx, mon); err != nil {
-		return false, err
-	}
-	switch {
-	case running && paused:
-		return false, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "stop", nil, nil), "stopping the restored VM")
-	case paused:
-		return false, nil
-	case running:
-		return true, nil
-	}
-	return true, errcode.Ensure(errcode.QMPError, mon.Execute(ctx, "cont", nil, nil), "continuing the restored VM")
 }

@@ -73,8 +73,12 @@ func TestCompareRequiresVMGenIDOnTarget(t *testing.T) {
 	if err := CheckCompatible(src, target); errcode.Of(err) != errcode.CompatMismatch {
 		t.Fatalf("err = %v, want COMPAT_MISMATCH", err)
 	}
-	// Any other ID on the target is fine (the restore replaces it), and
-	// a target with the device may load a snapshot of a VM without one.
+	target.VMGenID = sourceGUID
+	if d := Compare(src, target); len(d) != 1 || !strings.Contains(d[0], "not a fixed guid=") {
+		t.Fatalf("a target with the source's own ID: diffs %v", d)
+	}
+	// An ID of the target's own is fine, and a target with the device
+	// may load a snapshot of a VM without one.
 	target.VMGenID = "00000000-0000-4000-8000-000000000000"
 	for _, s := range []Record{src, sampleRecord()} {
 		if d := Compare(s, target); len(d) != 0 {
@@ -97,33 +101,33 @@ func TestValidateRefusesBadVMGenID(t *testing.T) {
 	}
 }
 
-// Two clones restored into targets started with the source's own fixed
-// guid= (the worst case: a command line copied from the source) each get a
-// fresh ID of their own before they run.
-func TestRestoreGivesEachCloneAFreshGenerationID(t *testing.T) {
+// Two clones restored into targets with IDs of their own (guid=auto) each
+// report the ID their guest finds.
+func TestRestoreReportsEachClonesGenerationID(t *testing.T) {
 	state := testStream(t, 1<<20)
 	ref := checkpointWithVMGenID(t, state, sourceGUID)
-	seen := map[string]bool{sourceGUID: true}
-	for range 2 {
+	for _, id := range []string{"0e8f6a4c-1b2d-4c3e-8f9a-0b1c2d3e4f50", "7a6b5c4d-3e2f-4a1b-9c8d-7e6f5a4b3c2d"} {
 		dst := qmptest.NewFakeQEMU(t, "inmigrate", state)
-		dst.VMGenID = sourceGUID
+		dst.VMGenID = id
 		res, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{})
-		if err != nil {
-			t.Fatal(err)
+		if err != nil || res.GenerationID != id || dst.Status() != "running" {
+			t.Fatalf("err %v, GenerationID %q, status %s: want the target's %s, running", err, res.GenerationID, dst.Status(), id)
 		}
-		dst.Lock()
-		got, sets := dst.VMGenID, dst.VMGenIDSets
-		dst.Unlock()
-		if seen[got] || got != res.GenerationID || sets != 1 {
-			t.Fatalf("target's ID %s (result %s, %d sets): want one fresh ID, not one of %v", got, res.GenerationID, sets, seen)
-		}
-		if _, err := checkGUID(got, "test"); err != nil {
-			t.Fatal(err)
-		}
-		seen[got] = true
-		if cmds := dst.Commands(); slices.Index(cmds, "qom-set") > slices.Index(cmds, "cont") {
-			t.Fatalf("the ID was set after the VM was continued: %v", cmds)
-		}
+	}
+}
+
+// A target started with the source's own fixed guid= would resume a guest
+// that does not know it is a copy: refused before a byte is fed.
+func TestRestoreRefusesTheSourcesGenerationID(t *testing.T) {
+	ref := checkpointWithVMGenID(t, testStream(t, 1<<20), sourceGUID)
+	dst := qmptest.NewFakeQEMU(t, "inmigrate", nil)
+	dst.VMGenID = strings.ToUpper(sourceGUID)
+	_, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{})
+	if errcode.Of(err) != errcode.CompatMismatch || !strings.Contains(err.Error(), "not a fixed guid=") {
+		t.Fatalf("err = %v, want COMPAT_MISMATCH saying to start the target with guid=auto", err)
+	}
+	if slices.Contains(dst.Commands(), "migrate-incoming") {
+		t.Fatalf("the state was fed to a twin: %v", dst.Commands())
 	}
 }
 
@@ -139,41 +143,14 @@ func TestRestoreRefusesTargetWithoutVMGenID(t *testing.T) {
 	}
 }
 
-// A QEMU that does not take the new ID leaves the clone stopped: it never
-// runs as a twin.
-func TestRestoreLeavesATwinStopped(t *testing.T) {
-	state := testStream(t, 1<<20)
-	ref := checkpointWithVMGenID(t, state, sourceGUID)
-	dst := qmptest.NewFakeQEMU(t, "inmigrate", state)
-	dst.VMGenID, dst.VMGenIDIgnoresSet = sourceGUID, true
-	_, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{})
-	if errcode.Of(err) != errcode.QMPError || slices.Contains(dst.Commands(), "cont") || dst.Status() == "running" {
-		t.Fatalf("err = %v, status %s, commands %v; want QMP_ERROR and no cont", err, dst.Status(), dst.Commands())
-	}
-}
-
-// A snapshot of a VM without the device restores as before: no vmgenid
-// command beyond the record's query.
+// A snapshot of a VM without the device restores as before, reporting no
+// generation ID.
 func TestRestoreWithoutVMGenIDSetsNothing(t *testing.T) {
 	state := testStream(t, 1<<20)
 	ref := checkpointWithVMGenID(t, state, "")
 	dst := qmptest.NewFakeQEMU(t, "inmigrate", state)
 	res, err := Restore(context.Background(), dst.Dial(t), openLayout(t, ref.String()), RestoreOptions{})
-	if err != nil || res.GenerationID != "" || slices.Contains(dst.Commands(), "qom-set") {
-		t.Fatalf("err = %v, GenerationID %q, commands %v", err, res.GenerationID, dst.Commands())
-	}
-}
-
-// QEMU loading by itself (-incoming exec:) is finished by FinishIncoming,
-// which gives the guest a fresh ID too.
-func TestFinishIncomingGivesAFreshGenerationID(t *testing.T) {
-	q := qmptest.NewFakeQEMU(t, "paused", nil)
-	q.VMGenID = sourceGUID
-	running, err := FinishIncoming(context.Background(), q.Dial(t), false)
-	q.Lock()
-	got := q.VMGenID
-	q.Unlock()
-	if err != nil || !running || got == sourceGUID {
-		t.Fatalf("running %v, err %v, ID %s: want a running VM with a fresh ID", running, err, got)
+	if err != nil || res.GenerationID != "" {
+		t.Fatalf("err = %v, GenerationID %q", err, res.GenerationID)
 	}
 }

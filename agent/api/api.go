@@ -202,8 +202,8 @@ type RestoredState struct {
 	// FromNode says the state was read from what vmsnap prepare kept on
 	// this node beside the RAM file the QEMU maps, not from the registry.
 	FromNode bool `json:"fromNode,omitempty"`
-	// GenerationID is the fresh VM generation ID the restore gave the
-	// guest (its vmgenid device), so that clones of one snapshot diverge.
+	// GenerationID is the VM generation ID the restored guest finds (its
+	// vmgenid device's, the target QEMU's own), so that clones diverge.
 	GenerationID string             `json:"generationID,omitempty"`
 	DurationsMs  map[string]float64 `json:"durationsMs"`
 }

@@ -252,7 +252,7 @@ func printRestore(w io.Writer, r *api.RestoreResult) {
 		}
 		fmt.Fprintf(w, "VM state restored (%s, verified) in %.2fs; the VM is %s\n", humanBytes(s.RawBytes), s.DurationsMs["total"]/1000, state)
 		if s.GenerationID != "" {
-			fmt.Fprintf(w, "the guest has a fresh VM generation ID, %s: it reseeds its RNG\n", s.GenerationID)
+			fmt.Fprintf(w, "the guest finds a new VM generation ID, %s (its RNG reseeds)\n", s.GenerationID)
 		}
 	}
 	if e := r.Endpoint; e != nil {

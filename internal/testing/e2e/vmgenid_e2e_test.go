@@ -109,15 +109,18 @@ func testClonesWithVMGenID(t *testing.T, root string) {
 		t.Fatalf("inspect does not say the snapshot has vmgenid (exit %d):\n%s", code, out)
 	}
 
-	// A target without the device is refused before it is fed.
-	bare := opts
-	bare.ExtraArgs, bare.Incoming, bare.Dir = nil, true, guest.FreeShortDir(t)
-	noDevice := guest.Start(t, bare)
-	doc := cliError(t, errcode.CompatMismatch, "restore", "--qmp", noDevice.QMPPath(), "--image", image)
-	if !strings.Contains(doc.Error.Message+strings.Join(doc.Error.Details, "\n"), "-device vmgenid,guid=auto") {
-		t.Fatalf("the refusal does not say to add -device vmgenid,guid=auto: %+v", doc.Error)
+	// A target without the device, or with the source's own ID (a fixed
+	// guid= copied from its command line), is refused before it is fed.
+	for _, args := range [][]string{nil, {"-device", "vmgenid,guid=" + genID}} {
+		twin := opts
+		twin.ExtraArgs, twin.Incoming, twin.Dir = args, true, guest.FreeShortDir(t)
+		target := guest.Start(t, twin)
+		doc := cliError(t, errcode.CompatMismatch, "restore", "--qmp", target.QMPPath(), "--image", image)
+		if !strings.Contains(strings.Join(doc.Error.Details, "\n"), "-device vmgenid,guid=auto") {
+			t.Fatalf("target %v: the refusal does not say to start it with -device vmgenid,guid=auto: %+v", args, doc.Error)
+		}
+		target.Kill()
 	}
-	noDevice.Kill()
 
 	r1, c1 := restoreClone(t, opts, image, resume)
 	r2, c2 := restoreClone(t, opts, image, resume)
