@@ -39,6 +39,12 @@ type Record struct {
 	// one (-machine memory-backend=ID): QEMU migrates its pages under that
 	// ID. Nil for a plain -m, and in records from before vmsnap read it.
 	RAM *RAMBackend `json:"ramBackend,omitempty"`
+
+	// VMGenID is the VM generation ID of the VM's vmgenid device (a GUID,
+	// lower case), "" if it has none (and in records from before vmsnap
+	// read it). A target must have the device too; each restore gives the
+	// guest a fresh ID (vmgenid.go).
+	VMGenID string `json:"vmGenID,omitempty"`
 }
 
 // Block is one block device as the guest sees it. File names are left out:
@@ -80,6 +86,8 @@ func (r Record) Validate() error {
 		return errcode.New(errcode.InvalidInput, "compatibility record's device digest does not match its device list")
 	case len(r.CPUFeatures) > maxCPUIDWords || len(r.CPUFiltered) > maxCPUIDWords:
 		return errcode.New(errcode.InvalidInput, "compatibility record lists too many CPUID feature words")
+	case r.VMGenID != "" && !guidRE.MatchString(r.VMGenID):
+		return errcode.New(errcode.InvalidInput, "compatibility record's VM generation ID %.48q is not a lower-case GUID", r.VMGenID)
 	}
 	for _, words := range []map[string]uint32{r.CPUFeatures, r.CPUFiltered} {
 		for k := range words {

@@ -47,6 +47,7 @@ func Compare(src, target Record) []string {
 			diffs = differ(diffs, "memory backend ID", src.RAM.ID, target.RAM.ID)
 		}
 	}
+	diffs = append(diffs, compareVMGenID(src, target)...)
 	return compareBlocks(diffs, src.Blocks, target.Blocks)
 }
 

@@ -79,6 +79,9 @@ func ReadRecord(ctx context.Context, mon Executor) (Record, error) {
 	if r.RAM, err = readRAMBackend(ctx, mon); err != nil {
 		return r, err
 	}
+	if r.VMGenID, err = readGenerationID(ctx, mon); err != nil {
+		return r, err
+	}
 	return r, nil
 }
 

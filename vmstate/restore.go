@@ -50,6 +50,10 @@ type RestoreResult struct {
 	// FromNode: the image was read from the device state Prepare kept
 	// beside the RAM file the target maps, not from the store.
 	FromNode bool
+	// GenerationID is the VM generation ID the guest finds once restored:
+	// the target's own, checked to differ from the snapshot's ("": the
+	// snapshot's VM has no vmgenid device).
+	GenerationID string
 }
 
 // LoadConfig fetches and checks a VM state image's manifest and config
@@ -126,6 +130,7 @@ func Restore(ctx context.Context, mon Monitor, repo ociimage.Repository, opts Re
 	if err := checkRestorable(ctx, mon, res.Config, res.Manifest.Digest, target, prepared); err != nil {
 		return nil, err
 	}
+	res.GenerationID = restoredGenerationID(res.Config.Record, target)
 	run := &restoreRun{mon: mon, repo: repo, opts: opts, res: res, start: start}
 	if res.Config.Format == FormatMappedRAM {
 		return run.restoreMappedRAM(ctx, m.Layers)

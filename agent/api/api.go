@@ -208,8 +208,11 @@ type RestoredState struct {
 	VMRunning  bool   `json:"vmRunning"`
 	// FromNode says the state was read from what vmsnap prepare kept on
 	// this node beside the RAM file the QEMU maps, not from the registry.
-	FromNode    bool               `json:"fromNode,omitempty"`
-	DurationsMs map[string]float64 `json:"durationsMs"`
+	FromNode bool `json:"fromNode,omitempty"`
+	// GenerationID is the VM generation ID the restored guest finds (its
+	// vmgenid device's, the target QEMU's own), so that clones diverge.
+	GenerationID string             `json:"generationID,omitempty"`
+	DurationsMs  map[string]float64 `json:"durationsMs"`
 }
 
 // RestoredDisk describes a disk overlay put in place.

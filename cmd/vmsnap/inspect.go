@@ -12,6 +12,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/ociimage"
+	"github.com/vmsnap/vmsnap/vmstate"
 )
 
 func newInspectCmd(out *globalOutput) *cobra.Command {
@@ -95,35 +96,7 @@ func printInspect(w io.Writer, d *snapshot.InspectResult, indent string) {
 		}
 	}
 	if c := d.VMState; c != nil {
-		r := c.Record
-		fmt.Fprintf(w, "%skind:    VM state (mode %s, taken %s)\n", indent, c.Mode, c.Created.Format("2006-01-02 15:04:05Z"))
-		format := string(c.Format)
-		if format == "" {
-			format = "stream"
-		}
-		fmt.Fprintf(w, "%sformat:  %s\n", indent, format)
-		fmt.Fprintf(w, "%sstream:  %s raw, %s\n", indent, humanBytes(c.RawBytes), c.Compression)
-		if ram := c.RAM; ram != nil {
-			fmt.Fprintf(w, "%sRAM:     %s file (backend %s), %s of data, a chain of %d:\n", indent, humanBytes(ram.Bytes), ram.Backend, humanBytes(ram.DataBytes), len(ram.Chain))
-			for i, l := range ram.Chain {
-				name := string(l.Manifest)
-				if i == len(ram.Chain)-1 {
-					name = "this image"
-				}
-				role := "delta"
-				if i == 0 {
-					role = "base "
-				}
-				fmt.Fprintf(w, "%s  %s %s: %d pages in %d regions, %s, taken %s\n", indent, role, name, l.ChangedPages, l.Regions, humanBytes(l.StoredBytes), l.Created.Format("2006-01-02 15:04:05Z"))
-			}
-		}
-		fmt.Fprintf(w, "%sQEMU:    %s (%s), %s, machine %s\n", indent, r.QEMUVersion, r.QEMUPackage, r.Arch, r.Machine)
-		fmt.Fprintf(w, "%sCPUs:    %d x %s\n", indent, r.CPUs, r.CPUModel)
-		fmt.Fprintf(w, "%smemory:  %s\n", indent, humanBytes(r.MemoryBytes))
-		fmt.Fprintf(w, "%sdevices: %d PCI functions (%s)\n", indent, len(r.Devices), r.DevicesHash)
-		for _, b := range r.Blocks {
-			fmt.Fprintf(w, "%sdisk:    %s %s %s\n", indent, b.Device, b.Format, humanBytes(b.VirtualSize))
-		}
+		printVMStateConfig(w, c, indent)
 	}
 	if c := d.Disk; c != nil {
 		fmt.Fprintf(w, "%skind:    disk overlay (qcow2 v%d, %s virtual, taken %s)\n", indent, c.Version, humanBytes(int64(c.VirtualSize)), c.Created.Format("2006-01-02 15:04:05Z"))
@@ -148,5 +121,44 @@ func printInspect(w io.Writer, d *snapshot.InspectResult, indent string) {
 		for _, r := range d.Referrers {
 			fmt.Fprintf(w, "%s  %s (mode %s, taken %s)\n", indent, r.Image, r.Annotations[ociimage.AnnotationMode], r.Annotations[ociimage.AnnotationCreated])
 		}
+	}
+}
+
+// printVMStateConfig is printInspect's part for a VM state image: its
+// format, RAM file and compatibility record.
+func printVMStateConfig(w io.Writer, c *vmstate.Config, indent string) {
+	r := c.Record
+	fmt.Fprintf(w, "%skind:    VM state (mode %s, taken %s)\n", indent, c.Mode, c.Created.Format("2006-01-02 15:04:05Z"))
+	format := string(c.Format)
+	if format == "" {
+		format = "stream"
+	}
+	fmt.Fprintf(w, "%sformat:  %s\n", indent, format)
+	fmt.Fprintf(w, "%sstream:  %s raw, %s\n", indent, humanBytes(c.RawBytes), c.Compression)
+	if ram := c.RAM; ram != nil {
+		fmt.Fprintf(w, "%sRAM:     %s file (backend %s), %s of data, a chain of %d:\n", indent, humanBytes(ram.Bytes), ram.Backend, humanBytes(ram.DataBytes), len(ram.Chain))
+		for i, l := range ram.Chain {
+			name := string(l.Manifest)
+			if i == len(ram.Chain)-1 {
+				name = "this image"
+			}
+			role := "delta"
+			if i == 0 {
+				role = "base "
+			}
+			fmt.Fprintf(w, "%s  %s %s: %d pages in %d regions, %s, taken %s\n", indent, role, name, l.ChangedPages, l.Regions, humanBytes(l.StoredBytes), l.Created.Format("2006-01-02 15:04:05Z"))
+		}
+	}
+	fmt.Fprintf(w, "%sQEMU:    %s (%s), %s, machine %s\n", indent, r.QEMUVersion, r.QEMUPackage, r.Arch, r.Machine)
+	fmt.Fprintf(w, "%sCPUs:    %d x %s\n", indent, r.CPUs, r.CPUModel)
+	fmt.Fprintf(w, "%smemory:  %s\n", indent, humanBytes(r.MemoryBytes))
+	fmt.Fprintf(w, "%sdevices: %d PCI functions (%s)\n", indent, len(r.Devices), r.DevicesHash)
+	for _, b := range r.Blocks {
+		fmt.Fprintf(w, "%sdisk:    %s %s %s\n", indent, b.Device, b.Format, humanBytes(b.VirtualSize))
+	}
+	if r.VMGenID != "" {
+		fmt.Fprintf(w, "%svmgenid: yes (generation ID %s at checkpoint; each restore gives the guest a fresh one)\n", indent, r.VMGenID)
+	} else {
+		fmt.Fprintf(w, "%svmgenid: no (clones of this snapshot start with the same RNG state: start the source with %s)\n", indent, vmstate.VMGenIDDeviceArg)
 	}
 }

@@ -248,6 +248,9 @@ func printRestore(w io.Writer, r *api.RestoreResult) {
 			state = "paused"
 		}
 		fmt.Fprintf(w, "VM state restored (%s, verified) in %.2fs; the VM is %s\n", humanBytes(s.RawBytes), s.DurationsMs["total"]/1000, state)
+		if s.GenerationID != "" {
+			fmt.Fprintf(w, "the guest finds a new VM generation ID, %s (its RNG reseeds)\n", s.GenerationID)
+		}
 	}
 	if e := r.Endpoint; e != nil {
 		fmt.Fprintf(w, "the VM now lives in pod %s, container %s, monitor %s\n", e.PodUID, e.Container, e.QMPPath)

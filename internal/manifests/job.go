@@ -61,7 +61,7 @@ var Placeholders = map[string]string{
 	"${DISK_DIGEST}":    "sha256:HEX, the checkpoint result's disk.digest, or its checkpoint.digest with ${DISK_REPO} the state's repository (restore takes the disk from the checkpoint, from another repository of the same registry if the checkpoint links it there)",
 	"${BACKING_FILE}":   "the overlay's backing file name, the checkpoint result's disk.backingFile (e.g. base.qcow2)",
 	"${QEMU_IMAGE}":     "the QEMU image: qemu-system-x86_64, vmsnap, /bin/sh and cp, and the backing file in the base directory, readable by the restore user",
-	"${QEMU_ARGS}":      "the source VM's exact QEMU options as a JSON array of strings, without -incoming",
+	"${QEMU_ARGS}":      "the source VM's exact QEMU options as a JSON array of strings, without -incoming; with -device vmgenid,guid=auto, so that each restored clone gets a fresh VM generation ID",
 	"${POD_NAME}":       "the restored pod's name",
 	"${NAMESPACE}":      "the restored pod's namespace (the source's), with the pull secret (and CA ConfigMap) in it",
 }

@@ -310,7 +310,7 @@ func restoreDoc(o Options) document {
 		{"secretName: " + o.PullSecret, "The pull secret, read-only; .dockerconfigjson becomes config.json."},
 		{"defaultMode: 292", "0444: secret files belong to root and these containers are not; only " + pullers(o) + "."},
 		{"- launch", "Starts QEMU once with -incoming, and cold (or not at all: --on-restart fail) on a restart."},
-		{"- args: " + QEMUArgsPlaceholder, "The source VM's exact options, a JSON array; -incoming is the launcher's to add."},
+		{"- args: " + QEMUArgsPlaceholder, "The source VM's exact options, a JSON array, with -device vmgenid,guid=auto (a fresh VM generation ID per clone); -incoming is the launcher's to add."},
 		{"- mountPath: " + path.Dir(o.QMPSocket), "QEMU's QMP socket directory: the root filesystem is read-only."},
 		{"name: " + BackingContainerName, "The overlay's backing file, copied beside it unless there already."},
 	}

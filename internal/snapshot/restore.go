@@ -69,7 +69,7 @@ func RestoreState(ctx context.Context, s RestoreSpec) (*api.RestoreResult, error
 	}
 	return &api.RestoreResult{VMState: &api.RestoredState{
 		Image: repo.Reference().WithDigest(res.Manifest.Digest).String(), Digest: res.Manifest.Digest.String(), Checkpoint: checkpointRef(cp),
-		RawBytes: res.RawBytes, VMRunning: res.VMRunning, FromNode: res.FromNode,
+		RawBytes: res.RawBytes, VMRunning: res.VMRunning, FromNode: res.FromNode, GenerationID: res.GenerationID,
 		DurationsMs: map[string]float64{"prepare": api.Ms(res.Durations.Prepare), "stream": api.Ms(res.Durations.Stream), "total": api.Ms(res.Durations.Total)},
 	}}, nil
 }

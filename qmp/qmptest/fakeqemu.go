@@ -61,6 +61,7 @@ type FakeQEMU struct {
 	done          sync.WaitGroup
 	srv           atomic.Pointer[Server] // Srv, for the handlers
 	fileMigration                        // add-fd and file: URIs, QEMU 9's mapped-ram (fakefile.go)
+	fakeVMGenID                          // the vmgenid device, if VMGenID is set (fakevmgenid.go)
 
 	// FeatureWords and FilteredFeatures are what the vCPU's x86 QOM
 	// properties of those names report (QEMU 7.2's qemu64 model by
@@ -179,6 +180,9 @@ func (f *FakeQEMU) handle(_ *Server, cmd Command, files []*os.File) (any, *qmp.E
 	}
 	if res, ok := f.query(cmd.Execute); ok {
 		return res, nil
+	}
+	if res, qerr, handled := f.handleVMGenID(cmd); handled {
+		return res, qerr
 	}
 	switch cmd.Execute {
 	case "qom-get":

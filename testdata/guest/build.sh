@@ -1,10 +1,17 @@
 #!/bin/sh
-# build.sh OUTDIR — build the vmsnap test guest: OUTDIR/vmlinuz and OUTDIR/initrd.
+# build.sh [--kernel cloud|generic] OUTDIR — build the vmsnap test guest:
+# OUTDIR/vmlinuz and OUTDIR/initrd.
 #
-# Kernel: the versioned package behind Debian's linux-image-cloud-amd64
-# metapackage, fetched with `apt-get download` (never installed) and unpacked
-# with `dpkg-deb -x`. Initramfs: busybox-static + the virtio modules + ./init,
-# packed as a gzip'd cpio (newc).
+# Kernel, by flavour, fetched with `apt-get download` (never installed) and
+# unpacked with `dpkg-deb -x`:
+#   cloud (default)  the versioned package behind Debian's
+#                    linux-image-cloud-amd64 metapackage (boots fastest; has
+#                    no VM generation ID driver: # CONFIG_VIRT_DRIVERS is not set)
+#   generic          Debian's generic kernel, pinned below by version and
+#                    SHA256 (CONFIG_VMGENID=y: the guest reseeds its RNG when
+#                    QEMU's vmgenid device gives it a new generation ID)
+# Initramfs: busybox-static + the virtio modules + ./init, packed as a gzip'd
+# cpio (newc).
 #
 # Idempotent and cache-friendly: OUTDIR/stamp holds a hash of this script and
 # of ./init; when it matches and both outputs exist nothing is done (and
@@ -12,9 +19,10 @@
 # directory and renamed into place, the stamp last.
 #
 # Environment:
-#   VMSNAP_KERNEL_DEB        a linux-image-*-cloud-amd64 .deb to use instead of
-#                            downloading one; or a directory to use as the
-#                            download cache (default OUTDIR/debs)
+#   VMSNAP_KERNEL_DEB        a kernel .deb to use instead of downloading one
+#                            (for generic: it must match the pinned SHA256);
+#                            or a directory to use as the download cache
+#                            (default OUTDIR/debs)
 #   VMSNAP_BUSYBOX           the static busybox binary (default /bin/busybox)
 #
 # Exit status: 0 ok; 3 a prerequisite is missing (message on stderr, starting
@@ -25,8 +33,20 @@ die() { echo "build.sh: ERROR: $*" >&2; exit 1; }
 missing() { echo "build.sh: MISSING: $*" >&2; exit 3; }
 log() { echo "build.sh: $*" >&2; }
 
-[ $# -eq 1 ] || { echo "usage: $0 OUTDIR" >&2; exit 2; }
+FLAVOUR=cloud
+if [ "${1:-}" = --kernel ]; then
+	FLAVOUR=${2:-}
+	shift 2 || true
+fi
+case $FLAVOUR in cloud | generic) ;; *) echo "usage: $0 [--kernel cloud|generic] OUTDIR" >&2; exit 2 ;; esac
+[ $# -eq 1 ] || { echo "usage: $0 [--kernel cloud|generic] OUTDIR" >&2; exit 2; }
 OUTDIR=$1
+
+# The generic kernel, pinned: version and SHA256 from Debian's package index
+# (apt-cache show linux-image-6.1.0-57-amd64). Update all three together.
+GENERIC_PKG=linux-image-6.1.0-57-amd64
+GENERIC_VERSION=6.1.192-3
+GENERIC_SHA256=14d219d01e1283261817d961dbb3895cb5b4288d0de10e0ba0632a0d993e15bf
 SRCDIR=$(cd "$(dirname "$0")" && pwd)
 INIT=$SRCDIR/init
 [ -f "$INIT" ] || die "init script not found at $INIT"
@@ -36,7 +56,7 @@ OUTDIR=$(cd "$OUTDIR" && pwd)
 
 # Hash of the inputs. The kernel package is resolved afresh only on rebuilds.
 command -v sha256sum >/dev/null 2>&1 || missing "sha256sum (coreutils) not found"
-HASH=$(cat "$SRCDIR/build.sh" "$INIT" | sha256sum | cut -d' ' -f1)
+HASH=$( (cat "$SRCDIR/build.sh" "$INIT"; echo "flavour=$FLAVOUR") | sha256sum | cut -d' ' -f1)
 
 uptodate() {
 	[ -f "$OUTDIR/stamp" ] && [ -f "$OUTDIR/vmlinuz" ] && [ -f "$OUTDIR/initrd" ] &&
@@ -49,7 +69,7 @@ fi
 # Serialise concurrent builds into the same OUTDIR (when flock(1) exists).
 if command -v flock >/dev/null 2>&1 && [ -z "${VMSNAP_BUILD_LOCKED:-}" ]; then
 	export VMSNAP_BUILD_LOCKED=1
-	exec flock "$OUTDIR/.build.lock" sh "$0" "$@"
+	exec flock "$OUTDIR/.build.lock" sh "$0" --kernel "$FLAVOUR" "$@"
 fi
 if uptodate; then
 	exit 0
@@ -75,6 +95,31 @@ TMP=$(mktemp -d "$OUTDIR/.tmp.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT INT TERM
 
 # --- kernel package --------------------------------------------------------
+# download PKG SPEC: the cached PKG_*.deb, else `apt-get download SPEC` into
+# the cache; prints its path.
+download() {
+	f=$(ls "$DEBCACHE/${1}"_*.deb 2>/dev/null | sort | tail -n1 || true)
+	if [ -n "$f" ]; then
+		echo "$f"
+		return
+	fi
+	command -v apt-get >/dev/null 2>&1 || missing "apt-get not found: cannot download $2 (set VMSNAP_KERNEL_DEB)"
+	mkdir -p "$DEBCACHE"
+	DL=$(mktemp -d "$DEBCACHE/.dl.XXXXXX")
+	chmod 0777 "$DL" # so apt's _apt sandbox user may write there when run as root
+	log "downloading $2 with apt-get download"
+	if ! (cd "$DL" && apt-get download "$2" >"$DL/apt.log" 2>&1); then
+		cat "$DL/apt.log" >&2
+		rm -rf "$DL"
+		missing "apt-get download $2 failed (no network/apt mirror? run apt-get update, or set VMSNAP_KERNEL_DEB to a downloaded .deb)"
+	fi
+	f=$(ls "$DL/${1}"_*.deb 2>/dev/null | head -n1 || true)
+	[ -n "$f" ] || { cat "$DL/apt.log" >&2; rm -rf "$DL"; die "apt-get download $2 produced no .deb"; }
+	mv "$f" "$DEBCACHE/"
+	rm -rf "$DL"
+	echo "$DEBCACHE/$(basename "$f")"
+}
+
 DEBCACHE=$OUTDIR/debs
 DEB=
 if [ -n "${VMSNAP_KERNEL_DEB:-}" ]; then
@@ -87,7 +132,12 @@ if [ -n "${VMSNAP_KERNEL_DEB:-}" ]; then
 	fi
 fi
 
-if [ -z "$DEB" ]; then
+if [ "$FLAVOUR" = generic ]; then
+	[ -n "$DEB" ] || DEB=$(download "$GENERIC_PKG" "$GENERIC_PKG=$GENERIC_VERSION")
+	SUM=$(sha256sum "$DEB" | cut -d' ' -f1)
+	[ "$SUM" = "$GENERIC_SHA256" ] ||
+		die "$DEB has SHA256 $SUM, but $GENERIC_PKG $GENERIC_VERSION is pinned at $GENERIC_SHA256 (update the pins in build.sh together)"
+elif [ -z "$DEB" ]; then
 	command -v apt-cache >/dev/null 2>&1 || missing "apt-cache not found: cannot resolve linux-image-cloud-amd64 (set VMSNAP_KERNEL_DEB to a linux-image-*-cloud-amd64 .deb)"
 	PKG=$(apt-cache depends linux-image-cloud-amd64 2>/dev/null |
 		sed -n 's/^ *Depends: *\(linux-image-[0-9][^ ]*-cloud-amd64\)$/\1/p' | head -n1)
@@ -97,24 +147,7 @@ if [ -z "$DEB" ]; then
 		[ -n "$DEB" ] || missing "cannot resolve linux-image-cloud-amd64 with apt-cache depends (run apt-get update, or set VMSNAP_KERNEL_DEB to a linux-image-*-cloud-amd64 .deb)"
 		log "apt-cache could not resolve linux-image-cloud-amd64; using cached $DEB"
 	else
-		DEB=$(ls "$DEBCACHE/${PKG}"_*.deb 2>/dev/null | sort | tail -n1 || true)
-		if [ -z "$DEB" ]; then
-			command -v apt-get >/dev/null 2>&1 || missing "apt-get not found: cannot download $PKG (set VMSNAP_KERNEL_DEB)"
-			mkdir -p "$DEBCACHE"
-			DL=$(mktemp -d "$DEBCACHE/.dl.XXXXXX")
-			chmod 0777 "$DL" # so apt's _apt sandbox user may write there when run as root
-			log "downloading $PKG with apt-get download"
-			if ! (cd "$DL" && apt-get download "$PKG" >"$DL/apt.log" 2>&1); then
-				cat "$DL/apt.log" >&2
-				rm -rf "$DL"
-				missing "apt-get download $PKG failed (no network/apt mirror? run apt-get update, or set VMSNAP_KERNEL_DEB to a downloaded .deb)"
-			fi
-			f=$(ls "$DL/${PKG}"_*.deb 2>/dev/null | head -n1 || true)
-			[ -n "$f" ] || { cat "$DL/apt.log" >&2; rm -rf "$DL"; die "apt-get download $PKG produced no .deb"; }
-			mv "$f" "$DEBCACHE/"
-			DEB=$DEBCACHE/$(basename "$f")
-			rm -rf "$DL"
-		fi
+		DEB=$(download "$PKG" "$PKG")
 	fi
 fi
 log "kernel package: $DEB"
@@ -130,6 +163,10 @@ for d in "$X/lib/modules/$KVER" "$X/usr/lib/modules/$KVER"; do
 	[ -d "$d" ] && MODDIR=$d && break
 done
 [ -n "$MODDIR" ] || die "no modules directory for $KVER in $DEB"
+if [ "$FLAVOUR" = generic ]; then
+	grep -qx CONFIG_VMGENID=y "$X/boot/config-$KVER" 2>/dev/null ||
+		die "$DEB: kernel $KVER is not built with CONFIG_VMGENID=y (see boot/config-$KVER)"
+fi
 
 # --- initramfs tree --------------------------------------------------------
 R=$TMP/root
@@ -176,7 +213,7 @@ echo "$KVER" >"$R/etc/kernel-release"
 cp "$VMLINUZ" "$TMP/vmlinuz"
 
 # --- install ---------------------------------------------------------------
-printf '%s\nkernel=%s\ndeb=%s\n' "$HASH" "$KVER" "$(basename "$DEB")" >"$TMP/stamp"
+printf '%s\nflavour=%s\nkernel=%s\ndeb=%s\n' "$HASH" "$FLAVOUR" "$KVER" "$(basename "$DEB")" >"$TMP/stamp"
 rm -f "$OUTDIR/stamp"
 mv -f "$TMP/vmlinuz" "$OUTDIR/vmlinuz"
 mv -f "$TMP/initrd" "$OUTDIR/initrd"

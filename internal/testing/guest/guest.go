@@ -1,14 +1,17 @@
 // Package guest starts real QEMU guests for vmsnap's tests.
 //
-// The guest is a Debian cloud kernel plus a busybox initramfs whose /init
+// The guest is a Debian kernel (the cloud flavour, or the generic one for
+// vmgenid: Options.Kernel) plus a busybox initramfs whose /init
 // (testdata/guest/init) fills some RAM with random data, stamps a marker on
 // its virtio disk and then prints, about once a second, one serial line
 //
-//	VMSNAP counter=N boot=BOOTID mem=MD5_NOW mem0=MD5_AT_BOOT disk=MARKER
+//	VMSNAP counter=N boot=BOOTID mem=MD5_NOW mem0=MD5_AT_BOOT disk=MARKER rand=HEX
 //
 // so a test can tell that a restored guest is the same boot (boot), that it
 // kept running where it stopped (counter), that its memory came back intact
-// (mem == mem0) and that it sees its disk (disk, read with O_DIRECT).
+// (mem == mem0) and that it sees its disk (disk, read with O_DIRECT); rand is
+// 32 bytes read from /dev/urandom just before the line, so that clones can
+// be told apart from twins.
 //
 // Assets builds the kernel and initramfs once (testdata/guest/build.sh) into
 // a cache; Start boots a guest under TCG; NewDisk makes a qcow2 overlay on a
@@ -21,7 +24,7 @@
 //	VMSNAP_TEST_CACHE         cache directory (default: os.UserCacheDir()/vmsnap-test)
 //	VMSNAP_TEST_KVM=1         use -accel kvm instead of tcg
 //	VMSNAP_TEST_REQUIRE_QEMU=1  fail instead of skipping when QEMU tests cannot run
-//	VMSNAP_KERNEL_DEB         a linux-image-*-cloud-amd64 .deb, or a directory of them
+//	VMSNAP_KERNEL_DEB         a kernel .deb for build.sh, or a directory of them
 package guest
 
 import (
@@ -59,12 +62,34 @@ const (
 // buildTimeout bounds one run of build.sh (a kernel download included).
 const buildTimeout = 5 * time.Minute
 
-var assets struct {
+// Kernel is the guest kernel's flavour (build.sh --kernel).
+type Kernel string
+
+const (
+	// KernelCloud is Debian's cloud kernel: the default, it boots fastest.
+	KernelCloud Kernel = "cloud"
+	// KernelGeneric is Debian's generic kernel (pinned in build.sh), built
+	// with CONFIG_VMGENID: it reseeds its RNG when QEMU's vmgenid device
+	// gives it a new generation ID.
+	KernelGeneric Kernel = "generic"
+)
+
+// cacheSubdir is where a flavour's build lives in the test cache.
+func (k Kernel) cacheSubdir() string {
+	if k == KernelCloud {
+		return "guest"
+	}
+	return "guest-" + string(k)
+}
+
+type builtAssets struct {
 	once           sync.Once
 	kernel, initrd string
 	skip           string // the host cannot run the guest: why
 	err            error  // the build itself failed
 }
+
+var assets = map[Kernel]*builtAssets{KernelCloud: {}, KernelGeneric: {}}
 
 var skipNotices sync.Map // what -> printed
 
@@ -91,20 +116,31 @@ func skipf(t testing.TB, format string, args ...any) {
 	SkipOrFail(t, "real-QEMU", fmt.Sprintf(format, args...))
 }
 
-// Assets returns the guest kernel and initramfs, building them on first use
-// (once per process, serialised across processes by a file lock) into
-// $VMSNAP_TEST_CACHE/guest or os.UserCacheDir()/vmsnap-test/guest. It skips t
-// when the host lacks what the guest needs.
+// Assets returns the cloud guest's kernel and initramfs, building them on
+// first use (once per process, serialised across processes by a file lock)
+// into $VMSNAP_TEST_CACHE/guest or os.UserCacheDir()/vmsnap-test/guest. It
+// skips t when the host lacks what the guest needs.
 func Assets(t testing.TB) (kernel, initrd string) {
 	t.Helper()
-	assets.once.Do(buildAssets)
-	if assets.skip != "" {
-		skipf(t, "%s", assets.skip)
+	return KernelAssets(t, KernelCloud)
+}
+
+// KernelAssets is Assets for a kernel flavour; the generic one is built
+// into the cache's guest-generic directory.
+func KernelAssets(t testing.TB, k Kernel) (kernel, initrd string) {
+	t.Helper()
+	a, ok := assets[k]
+	if !ok {
+		t.Fatalf("unknown guest kernel flavour %q", k)
 	}
-	if assets.err != nil {
-		t.Fatalf("building the test guest: %v", assets.err)
+	a.once.Do(func() { a.build(k) })
+	if a.skip != "" {
+		skipf(t, "%s", a.skip)
 	}
-	return assets.kernel, assets.initrd
+	if a.err != nil {
+		t.Fatalf("building the %s test guest: %v", k, a.err)
+	}
+	return a.kernel, a.initrd
 }
 
 // CacheDir is where Assets keeps its build (and the downloaded kernel
@@ -120,44 +156,44 @@ func CacheDir() (string, error) {
 	return filepath.Join(os.TempDir(), "vmsnap-test-cache"), nil
 }
 
-func buildAssets() {
+func (a *builtAssets) build(flavour Kernel) {
 	if _, err := exec.LookPath(QEMUBinary); err != nil {
-		assets.skip = QEMUBinary + " not installed (apt-get install qemu-system-x86)"
+		a.skip = QEMUBinary + " not installed (apt-get install qemu-system-x86)"
 		return
 	}
 	if reason := checkBusybox(); reason != "" {
-		assets.skip = reason
+		a.skip = reason
 		return
 	}
 	if _, err := exec.LookPath("cpio"); err != nil {
-		assets.skip = "cpio not installed (apt-get install cpio)"
+		a.skip = "cpio not installed (apt-get install cpio)"
 		return
 	}
 	script, err := findBuildScript()
 	if err != nil {
-		assets.err = err
+		a.err = err
 		return
 	}
 	cache, err := CacheDir()
 	if err != nil {
-		assets.skip = err.Error()
+		a.skip = err.Error()
 		return
 	}
-	out := filepath.Join(cache, "guest")
+	out := filepath.Join(cache, flavour.cacheSubdir())
 	if err := os.MkdirAll(out, 0o755); err != nil {
-		assets.skip = fmt.Sprintf("cannot create the guest cache %s: %v", out, err)
+		a.skip = fmt.Sprintf("cannot create the guest cache %s: %v", out, err)
 		return
 	}
-	unlock, err := LockFile(filepath.Join(cache, "assets.lock"))
+	unlock, err := LockFile(filepath.Join(cache, "a.lock"))
 	if err != nil {
-		assets.err = fmt.Errorf("locking %s: %w", cache, err)
+		a.err = fmt.Errorf("locking %s: %w", cache, err)
 		return
 	}
 	defer unlock()
 
 	ctx, cancel := context.WithTimeout(context.Background(), buildTimeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "sh", script, out)
+	cmd := exec.CommandContext(ctx, "sh", script, "--kernel", string(flavour), out)
 	var output bytes.Buffer
 	cmd.Stdout = &output
 	cmd.Stderr = &output
@@ -171,17 +207,17 @@ func buildAssets() {
 		if i := strings.LastIndex(msg, "build.sh: MISSING: "); i >= 0 {
 			msg = strings.TrimSpace(msg[i+len("build.sh: MISSING: "):])
 		}
-		assets.skip = "cannot build the test guest: " + msg
+		a.skip = "cannot build the test guest: " + msg
 		return
 	default:
-		assets.err = fmt.Errorf("%s %s: %v\n%s", script, out, err, output.String())
+		a.err = fmt.Errorf("%s %s: %v\n%s", script, out, err, output.String())
 		return
 	}
-	assets.kernel = filepath.Join(out, "vmlinuz")
-	assets.initrd = filepath.Join(out, "initrd")
-	for _, f := range []string{assets.kernel, assets.initrd} {
+	a.kernel = filepath.Join(out, "vmlinuz")
+	a.initrd = filepath.Join(out, "initrd")
+	for _, f := range []string{a.kernel, a.initrd} {
 		if _, err := os.Stat(f); err != nil {
-			assets.err = fmt.Errorf("%s succeeded but %v", script, err)
+			a.err = fmt.Errorf("%s succeeded but %v", script, err)
 			return
 		}
 	}

@@ -261,6 +261,12 @@ func TestParseStatus(t *testing.T) {
 	if st, ok := ParseStatus("[   12.3] virtio_blk: x VMSNAP counter=3 boot=b mem=m mem0=m disk=none"); !ok || st.Counter != 3 || st.Disk != "none" {
 		t.Errorf("with a prefix: %+v, %v", st, ok)
 	}
+	if st, ok := ParseStatus("VMSNAP counter=3 boot=b mem=m mem0=m disk=none rand=00ff"); !ok || st.Rand != "00ff" || st.Disk != "none" {
+		t.Errorf("with rand=: %+v, %v", st, ok)
+	}
+	if st, ok := ParseStatus("VMSNAP counter=3 boot=b mem=m mem0=m rand=00ff"); ok {
+		t.Errorf("rand= does not stand in for disk=: %+v", st)
+	}
 	for _, bad := range []string{
 		"",
 		"VMSNAP ready boot=b mem0=m disk=none",

@@ -18,6 +18,7 @@ type Status struct {
 	Mem     string // md5 of the in-memory data, now
 	Mem0    string // md5 of the in-memory data when it was written at boot
 	Disk    string // /dev/vda's first sector read with O_DIRECT: the marker, "none" without a disk, "empty", or "ioerror"
+	Rand    string // 32 bytes read from /dev/urandom just before the line, in hex ("" from a guest built before it printed them)
 	Line    string // the line as printed
 }
 
@@ -60,6 +61,9 @@ func ParseStatus(line string) (Status, bool) {
 			st.Mem0 = v
 		case "disk":
 			st.Disk = v
+		case "rand":
+			st.Rand = v
+			continue // optional: not counted in have
 		default:
 			continue
 		}

@@ -29,6 +29,7 @@ type Options struct {
 	KernelArgs []string // appended to the kernel command line (e.g. "vmsnap.marker=new")
 	Dir        string   // where the QMP socket, serial log and stderr go (default FreeShortDir)
 	QEMURoot   string   // an unpacked QEMU tree to run (QEMU10's) instead of the system's QEMU
+	Kernel     Kernel   // the guest kernel's flavour (default KernelCloud)
 	// Launcher runs QEMU through a command that execs it (vmsnap launch
 	// ... --): Launcher, then QEMU's path and arguments. The launcher must
 	// exec QEMU, so that the process Start watches is QEMU's.
@@ -82,7 +83,10 @@ var vmSeq atomic.Int64
 // started without it loads into one started with it and the same Options.
 func Start(t testing.TB, opts Options) *VM {
 	t.Helper()
-	kernel, initrd := Assets(t)
+	if opts.Kernel == "" {
+		opts.Kernel = KernelCloud
+	}
+	kernel, initrd := KernelAssets(t, opts.Kernel)
 	qemu, err := exec.LookPath(QEMUBinary)
 	if err != nil {
 		skipf(t, "%s not installed (apt-get install qemu-system-x86)", QEMUBinary)
