@@ -2,12 +2,12 @@ package vmstate
 
 import (
 	"context"
-	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/testing/chunkdata"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/chunk"
 	"github.com/vmsnap/vmsnap/qmp/qmptest"
