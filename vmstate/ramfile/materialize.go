@@ -45,8 +45,10 @@ type MaterializeOptions struct {
 	MaxDataBytes int64
 }
 
-// Materialize writes the RAM file the region layers make into f, which
-// must be empty: it is sized to size, then every region is fetched,
+// Materialize writes the RAM file the image's layers make into f, which
+// must be empty: it is sized to size. An image in the pack format is
+// materialized from its index and packs (materializePacks); in the
+// region-layer format of earlier versions, every region is fetched,
 // verified (digest, header, declared offset, pages inside the file) and
 // written at its offset. Layers apply in manifest order, a delta's pages
 // replacing its parent's: they are processed newest first and each page is
@@ -64,6 +66,10 @@ func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os
 		opts.Workers = 4
 	}
 	m := &materializer{src: src, f: f, size: size, opts: opts, written: make([]byte, (Pages(size)+7)/8)}
+	if layers.Index != nil {
+		err := m.materializePacks(ctx, layers)
+		return m.fetched.Load(), err
+	}
 	// Runs of strictly increasing offsets hold each region at most once:
 	// a run's layers may be written in any order, by several workers. A
 	// run ends where a delta's layers begin.
@@ -158,9 +164,7 @@ func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor) error 
 	return context.Cause(ctx)
 }
 
-// region fetches one region layer, checks it and writes the pages no newer
-// layer wrote: runs of data pages in one pwrite each, zero pages left as
-// holes.
+// region fetches one region layer, checks it and writes it.
 func (m *materializer) region(ctx context.Context, l ocispec.Descriptor, dec interface {
 	DecodeAll([]byte, []byte) ([]byte, error)
 }, buf []byte) error {
@@ -172,10 +176,20 @@ func (m *materializer) region(ctx context.Context, l ocispec.Descriptor, dec int
 	if err != nil {
 		return err
 	}
-	r, err := parseRegion(raw, l, m.size)
+	off, err := RegionOffset(l)
 	if err != nil {
 		return err
 	}
+	r, err := parseRegion(raw, string(l.Digest), off, m.size)
+	if err != nil {
+		return err
+	}
+	return m.write(r)
+}
+
+// write writes the region's pages that no newer layer wrote: runs of data
+// pages in one pwrite each, zero pages left as holes.
+func (m *materializer) write(r region) error {
 	base := int(r.offset / PageSize)
 	// Consecutive pages to write are one pwrite: they are consecutive in
 	// the blob as in the file.
