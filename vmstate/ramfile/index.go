@@ -72,8 +72,9 @@ type Frame struct {
 	SHA256    [sha256.Size]byte
 }
 
-// encode is the index's binary form (before compression), little-endian.
-func (x *Index) encode() []byte {
+// Encode is the index's binary form (before compression), little-endian
+// (docs/image-format.md).
+func (x *Index) Encode() []byte {
 	b := make([]byte, 0, x.encodedSize())
 	b = append(b, indexMagic...)
 	b = binary.LittleEndian.AppendUint64(b, uint64(x.FileSize))
@@ -100,7 +101,7 @@ func (x *Index) encode() []byte {
 	return b
 }
 
-// encodedSize is how many bytes encode gives.
+// encodedSize is how many bytes Encode gives.
 func (x *Index) encodedSize() int {
 	n := indexHeaderSize + len(x.Packs)*indexPackSize
 	for _, r := range x.Regions {

@@ -138,7 +138,7 @@ func lie(t *testing.T, repo ociimage.Repository, l Layers, change func(x *Index)
 	change(x)
 	enc, err := zstd.NewWriter(nil)
 	must(t, err)
-	data := enc.EncodeAll(x.encode(), nil)
+	data := enc.EncodeAll(x.Encode(), nil)
 	d := blobDesc(ociimage.MediaTypeRAMIndex, data)
 	must(t, repo.PutBlob(context.Background(), d, data))
 	l.Index = &d
@@ -219,7 +219,7 @@ func FuzzParseIndex(f *testing.F) {
 		Regions: []RegionEntry{{Offset: 0, Frames: []Frame{{Pack: 0, Offset: 0, Length: 60, RawLength: uint32(headerSize + PageSize)}}},
 			{Offset: RegionSize, Frames: []Frame{{Pack: 0, Offset: 60, Length: 40, RawLength: uint32(headerSize)}}}}}
 	packs := []ocispec.Descriptor{{Digest: x.Packs[0].Digest, Size: 100}}
-	good := x.encode()
+	good := x.Encode()
 	if _, err := ParseIndex(good, testSize, packs); err != nil {
 		f.Fatalf("the seed index is refused: %v", err)
 	}
@@ -232,7 +232,7 @@ func FuzzParseIndex(f *testing.F) {
 			}
 			return
 		}
-		if !bytes.Equal(got.encode(), raw) {
+		if !bytes.Equal(got.Encode(), raw) {
 			t.Fatal("an index it took does not encode back to its bytes")
 		}
 	})

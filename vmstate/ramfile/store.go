@@ -116,7 +116,7 @@ func chainIndex(parent *Index, size int64, own []ocispec.Descriptor, frames []re
 
 // storeIndex compresses the index and puts it.
 func storeIndex(ctx context.Context, sink chunk.BlobSink, x *Index, level zstd.EncoderLevel, uploaded *atomic.Int64) (ocispec.Descriptor, error) {
-	raw := x.encode()
+	raw := x.Encode()
 	if len(raw) > MaxIndexBytes {
 		return ocispec.Descriptor{}, errcode.New(errcode.Internal, "the RAM index would take %d bytes, more than %d: checkpoint with a shorter chain (%s)", len(raw), MaxIndexBytes, errcode.Field("maxChain"))
 	}
@@ -136,10 +136,13 @@ func storeIndex(ctx context.Context, sink chunk.BlobSink, x *Index, level zstd.E
 // base) that stores regions more regions would take at most: a checkpoint
 // past MaxIndexBytes starts a fresh base instead.
 func IndexBytes(parent *Index, regions int) int {
-	packs := regions*maxFrameLen/PackTarget + 1
+	packs := PacksFor(regions)
 	n := indexHeaderSize + regions*(indexRegionSize+indexFrameSize) + packs*indexPackSize
 	if parent != nil {
 		n += parent.encodedSize()
 	}
 	return n
 }
+
+// PacksFor is the most packs a capture of regions regions makes.
+func PacksFor(regions int) int { return regions*maxFrameLen/PackTarget + 1 }
