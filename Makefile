@@ -125,7 +125,7 @@ FUZZ_TARGETS := \
 	./qmp:FuzzClientReplies \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
-	./vmstate/disk:FuzzReadHeader \
+	./vmstate/disk:FuzzReadHeader ./vmstate/ramfile:FuzzParseIndex \
 	./cmd/vmsnap:FuzzErrorRendering
 .PHONY: fuzz
 fuzz:

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/klauspost/compress/zstd"
@@ -117,15 +118,17 @@ func (s lyingSource) Blob(ctx context.Context, d ocispec.Descriptor, limit int64
 	return b, err
 }
 
-func TestCorruptFrameIsRefusedBeforeAByteIsWritten(t *testing.T) {
+// A frame that is not its SHA-256 is refused by that check, before it is
+// decompressed (the region hash would catch it later, after decoding).
+func TestCorruptFrameIsRefusedByItsSHA256(t *testing.T) {
 	repo := layout(t)
 	l, _, _ := checkpoint(t, repo, ramFile(t, rand.New(rand.NewPCG(15, 16))), nil, Layers{})
 	out, err := os.Create(filepath.Join(t.TempDir(), "out"))
 	must(t, err)
 	defer out.Close()
 	_, err = Materialize(context.Background(), l, lyingSource{repo}, out, testSize, MaterializeOptions{Workers: 1})
-	if errcode.Of(err) != errcode.DigestMismatch {
-		t.Fatalf("a frame that is not its SHA-256 gave %v, want DIGEST_MISMATCH", err)
+	if errcode.Of(err) != errcode.DigestMismatch || !strings.Contains(err.Error(), "SHA-256 in the index") {
+		t.Fatalf("a frame that is not its SHA-256 gave %v, want DIGEST_MISMATCH from the frame's SHA-256", err)
 	}
 }
 
