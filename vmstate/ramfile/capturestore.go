@@ -2,6 +2,7 @@ package ramfile
 
 import (
 	"context"
+	"crypto/sha256"
 	"sync"
 	"sync/atomic"
 
@@ -74,7 +75,7 @@ func (s *regionStore) storeRegion(enc *zstd.Encoder, j regionJob) {
 	}
 	data := enc.EncodeAll(j.raw, make([]byte, 0, len(j.raw)/2+1024))
 	select {
-	case s.packer.in <- compressedRegion{index: j.index, offset: j.offset, rawLen: len(j.raw), data: data}:
+	case s.packer.in <- compressedRegion{index: j.index, offset: j.offset, rawLen: len(j.raw), data: data, sum: sha256.Sum256(data)}:
 	case <-s.ctx.Done():
 	}
 }

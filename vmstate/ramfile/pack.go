@@ -18,6 +18,20 @@ type compressedRegion struct {
 	offset int64
 	rawLen int
 	data   []byte
+	sum    [sha256.Size]byte // of data, by the worker
+}
+
+// packTarget is PackTarget; tests make packs smaller.
+var packTarget = PackTarget
+
+// packUploaders is how many packs upload at once, while the next fills:
+// at most packUploaders+1 packs are in memory.
+const packUploaders = 2
+
+// sealedPack is a pack for an uploader: the n-th of this capture's.
+type sealedPack struct {
+	n    int
+	data []byte
 }
 
 // regionFrame is a frame the packer placed: the region it holds and
@@ -28,8 +42,8 @@ type regionFrame struct {
 }
 
 // packer appends the workers' frames to packs in region order, and
-// uploads each pack once it reaches PackTarget while the next fills: at
-// most two packs are in memory.
+// uploads each pack once it reaches PackTarget while the next fills (the
+// uploaders digest it, in parallel with the packing).
 type packer struct {
 	ctx      context.Context
 	cancel   context.CancelCauseFunc
@@ -39,25 +53,28 @@ type packer struct {
 	in       chan compressedRegion
 	pending  map[int]compressedRegion // arrived before their turn
 	next     int
+	left     int // raw bytes of the frames still to come: sizes a new pack's buffer
 	cur      []byte
-	free     chan []byte // pack buffers, back from the uploader
-	uploads  chan []byte
+	free     chan []byte // pack buffers, back from the uploaders
+	uploads  chan sealedPack
 	wg       sync.WaitGroup
 	mu       sync.Mutex
 	packs    []ocispec.Descriptor
 	frames   []regionFrame
 }
 
-func newPacker(ctx context.Context, cancel context.CancelCauseFunc, sink chunk.BlobSink, uploaded *atomic.Int64, base int) *packer {
-	p := &packer{ctx: ctx, cancel: cancel, sink: sink, uploaded: uploaded, base: base,
+func newPacker(ctx context.Context, cancel context.CancelCauseFunc, sink chunk.BlobSink, uploaded *atomic.Int64, base, left int) *packer {
+	p := &packer{ctx: ctx, cancel: cancel, sink: sink, uploaded: uploaded, base: base, left: left,
 		in: make(chan compressedRegion), pending: map[int]compressedRegion{},
-		free: make(chan []byte, 2), uploads: make(chan []byte)}
-	p.free <- nil
-	p.free <- nil
-	p.cur = <-p.free
-	p.wg.Add(2)
+		free: make(chan []byte, packUploaders+1), uploads: make(chan sealedPack)}
+	for range packUploaders {
+		p.free <- nil
+	}
+	p.wg.Add(1 + packUploaders)
 	go p.pack()
-	go p.upload()
+	for range packUploaders {
+		go p.upload()
+	}
 	return p
 }
 
@@ -88,25 +105,31 @@ func (p *packer) pack() {
 // add appends one frame, sealing the pack first if it would pass
 // PackTarget.
 func (p *packer) add(r compressedRegion) {
-	if len(p.cur) > 0 && len(p.cur)+len(r.data) > PackTarget {
+	if len(p.cur) > 0 && len(p.cur)+len(r.data) > packTarget {
 		if !p.seal() {
 			return
 		}
 	}
+	if cap(p.cur) == 0 {
+		// Sized once: appending to a growing slice would copy a pack
+		// several times over.
+		p.cur = make([]byte, 0, min(packTarget+maxFrameLen, max(p.left, 0)+maxFrameLen))
+	}
+	p.left -= r.rawLen
 	f := Frame{Pack: uint16(p.base + len(p.packs)), Offset: int64(len(p.cur)), Length: uint32(len(r.data)),
-		RawLength: uint32(r.rawLen), SHA256: sha256.Sum256(r.data)}
+		RawLength: uint32(r.rawLen), SHA256: r.sum}
 	p.frames = append(p.frames, regionFrame{offset: r.offset, frame: f})
 	p.cur = append(p.cur, r.data...)
 }
 
-// seal hands the current pack to the uploader and takes a free buffer.
+// seal hands the current pack to an uploader and takes a free buffer.
 func (p *packer) seal() bool {
-	d := blobDesc(ociimage.MediaTypeRAMPack, p.cur)
 	p.mu.Lock()
-	p.packs = append(p.packs, d)
+	n := len(p.packs)
+	p.packs = append(p.packs, ocispec.Descriptor{}) // the uploader's to fill in
 	p.mu.Unlock()
 	select {
-	case p.uploads <- p.cur:
+	case p.uploads <- sealedPack{n: n, data: p.cur}:
 	case <-p.ctx.Done():
 		return false
 	}
@@ -119,21 +142,20 @@ func (p *packer) seal() bool {
 	}
 }
 
-// upload stores the sealed packs, in order.
+// upload digests and stores sealed packs.
 func (p *packer) upload() {
 	defer p.wg.Done()
-	n := 0
-	for data := range p.uploads {
-		p.mu.Lock()
-		d := p.packs[n]
-		p.mu.Unlock()
-		n++
+	for s := range p.uploads {
 		if p.ctx.Err() == nil {
-			if err := chunk.Put(p.ctx, p.sink, d, data, p.uploaded); err != nil {
+			d := blobDesc(ociimage.MediaTypeRAMPack, s.data)
+			p.mu.Lock()
+			p.packs[s.n] = d
+			p.mu.Unlock()
+			if err := chunk.Put(p.ctx, p.sink, d, s.data, p.uploaded); err != nil {
 				p.cancel(err)
 			}
 		}
-		p.free <- data
+		p.free <- s.data
 	}
 }
 

@@ -105,6 +105,35 @@ func TestPacksAreFewAndTheIndexCoversTheChain(t *testing.T) {
 	}
 }
 
+// Small packs: a base and a delta of several each, uploaded at once,
+// give the file back, and every pack but each capture's last is full.
+func TestManyPacksRoundTrip(t *testing.T) {
+	defer func(n int) { packTarget = n }(packTarget)
+	packTarget = 3 << 20
+	rng := rand.New(rand.NewPCG(19, 20))
+	repo := layout(t)
+	f := ramFile(t, rng)
+	base, _, st := checkpoint(t, repo, f, nil, Layers{})
+	if len(st.Packs) < 3 {
+		t.Fatalf("9 MiB of random data in 3 MiB packs made %d packs", len(st.Packs))
+	}
+	for _, d := range st.Packs[:len(st.Packs)-1] {
+		if d.Size > int64(packTarget) || d.Size < int64(packTarget-maxFrameLen) {
+			t.Errorf("pack %s of %d bytes: want a full pack of at most %d", d.Digest, d.Size, packTarget)
+		}
+	}
+	m, err := LoadPageMap(context.Background(), base, repo, testSize)
+	must(t, err)
+	writeRandom(t, rng, f, 5<<20, 6<<20)
+	d1, _, st1 := checkpoint(t, repo, f, trusted(m), base)
+	if len(st1.Packs) < 2 || len(d1.Packs) != len(st.Packs)+len(st1.Packs) {
+		t.Fatalf("the delta made %d packs, its manifest lists %d", len(st1.Packs), len(d1.Packs))
+	}
+	if got := readAll(t, materialize(t, repo, d1)); !bytes.Equal(got, readAll(t, f)) {
+		t.Fatal("base + delta in many packs differs from the RAM file")
+	}
+}
+
 // lyingSource flips a byte of every pack it serves, after its digest was
 // checked: a store (or a range read) that gives other bytes than the
 // pack's.

@@ -55,7 +55,7 @@ func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOpti
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	s := &regionStore{c: c, sink: sink, opts: opts, ctx: ctx, cancel: cancel, uploaded: &uploaded,
-		jobs: make(chan regionJob), bufs: make(chan []byte, opts.Workers+1), packer: newPacker(ctx, cancel, sink, &uploaded, base)}
+		jobs: make(chan regionJob), bufs: make(chan []byte, opts.Workers+1), packer: newPacker(ctx, cancel, sink, &uploaded, base, int(c.StagedBytes)+c.Regions()*headerSize)}
 	for range opts.Workers + 1 {
 		s.bufs <- make([]byte, 0, maxRegionRaw)
 	}
