@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/klauspost/compress/zstd"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sys/unix"
 
@@ -119,11 +120,28 @@ type materializer struct {
 
 // run writes one run's regions.
 func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor) error {
+	return decodeEach(ctx, m.opts.Workers, run, func(ctx context.Context, dec *zstd.Decoder, buf []byte, l ocispec.Descriptor) error {
+		if err := m.region(ctx, l, dec, buf); err != nil {
+			return err
+		}
+		n := m.fetched.Add(l.Size)
+		if m.opts.Progress != nil {
+			m.opts.Progress(n)
+		}
+		return checkAllocated(m.f, m.opts.MaxDataBytes)
+	})
+}
+
+// decodeEach runs do on every item, on up to workers workers, each with
+// its zstd decoder and a region's buffer, and stops at the first error.
+// An item is what the store gave, untrusted: a panic is an error
+// (errcode.Safely).
+func decodeEach[T any](ctx context.Context, workers int, items []T, do func(context.Context, *zstd.Decoder, []byte, T) error) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	jobs := make(chan ocispec.Descriptor)
+	jobs := make(chan T)
 	var wg sync.WaitGroup
-	for range min(m.opts.Workers, len(run)) {
+	for range min(workers, len(items)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -134,28 +152,18 @@ func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor) error 
 			}
 			defer dec.Close()
 			buf := make([]byte, 0, maxRegionRaw)
-			for l := range jobs {
-				if ctx.Err() != nil {
-					continue
-				}
-				// Safely: a region is what the store gave, untrusted.
-				if err := errcode.Safely(func() error { return m.region(ctx, l, dec, buf) }); err != nil {
-					cancel(err)
-					continue
-				}
-				n := m.fetched.Add(l.Size)
-				if m.opts.Progress != nil {
-					m.opts.Progress(n)
-				}
-				if err := checkAllocated(m.f, m.opts.MaxDataBytes); err != nil {
-					cancel(err)
+			for it := range jobs {
+				if ctx.Err() == nil {
+					if err := errcode.Safely(func() error { return do(ctx, dec, buf, it) }); err != nil {
+						cancel(err)
+					}
 				}
 			}
 		}()
 	}
-	for _, l := range run {
+	for _, it := range items {
 		select {
-		case jobs <- l:
+		case jobs <- it:
 		case <-ctx.Done():
 		}
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"strconv"
-	"sync"
 
 	"github.com/klauspost/compress/zstd"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
@@ -107,46 +106,10 @@ func (m *materializer) prefetch(ctx context.Context, packs []ocispec.Descriptor)
 // applyPack decodes and writes one pack's frames, on the workers: a pack
 // holds at most one frame of a region, so they never write the same page.
 func (m *materializer) applyPack(ctx context.Context, pack []byte, jobs []packJob) error {
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	ch := make(chan packJob)
-	var wg sync.WaitGroup
-	for range min(m.opts.Workers, len(jobs)) {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			m.frameWorker(ctx, cancel, ch)
-		}()
-	}
-	for _, j := range jobs {
+	return decodeEach(ctx, m.opts.Workers, jobs, func(_ context.Context, dec *zstd.Decoder, buf []byte, j packJob) error {
 		j.pack = pack
-		select {
-		case ch <- j:
-		case <-ctx.Done():
-		}
-	}
-	close(ch)
-	wg.Wait()
-	return context.Cause(ctx)
-}
-
-func (m *materializer) frameWorker(ctx context.Context, cancel context.CancelCauseFunc, jobs <-chan packJob) {
-	dec, err := chunk.NewDecoder()
-	if err != nil {
-		cancel(errcode.Wrap(errcode.Internal, err, "zstd decoder"))
-		return
-	}
-	defer dec.Close()
-	buf := make([]byte, 0, maxRegionRaw)
-	for j := range jobs {
-		if ctx.Err() != nil {
-			continue
-		}
-		// Safely: a frame is what the store gave, untrusted.
-		if err := errcode.Safely(func() error { return m.frame(j, dec, buf) }); err != nil {
-			cancel(err)
-		}
-	}
+		return m.frame(j, dec, buf)
+	})
 }
 
 // frame checks one frame (SHA-256, raw length, header) and writes it.
