@@ -146,6 +146,7 @@ FUZZ_TARGETS := \
 	./agent:FuzzCheckpointRequest ./agent:FuzzAllowRepository \
 	./agent/containerd:FuzzHostPath ./agent/containerd:FuzzResolveNames \
 	./vmstate/disk:FuzzReadHeader ./internal/fusefs:FuzzRequest \
+	./vmstate/ramfile:FuzzParseIndex \
 	./cmd/vmsnap:FuzzErrorRendering
 .PHONY: fuzz
 fuzz:

@@ -197,20 +197,23 @@ func PullArtifact(ctx context.Context, repo Repository, artifactType string, con
 }
 
 // checkChunkLayers checks that every layer is a blob of vmsnap's (a
-// stream's chunk or a RAM file's region or page map) that vmsnap can hold
+// stream's chunk, a RAM file's region, page map, index or pack) that vmsnap can hold
 // in memory. Errors are INVALID_INPUT.
 func checkChunkLayers(layers []ocispec.Descriptor) error {
 	for i, l := range layers {
 		// An encrypted layer is checked as its plaintext kind: its config
 		// is readable without a key (inspect); reading its bytes needs one
 		// (imgcrypt.CheckDecrypted).
+		limit := int64(MaxChunkSize)
 		switch strings.TrimSuffix(l.MediaType, MediaTypeEncryptedSuffix) {
-		case MediaTypeChunk, MediaTypeRAMRegion, MediaTypeRAMPageMap:
+		case MediaTypeChunk, MediaTypeRAMRegion, MediaTypeRAMPageMap, MediaTypeRAMIndex:
+		case MediaTypeRAMPack:
+			limit = MaxPackSize
 		default:
 			return errcode.New(errcode.InvalidInput, "layer %d has media type %q, not %s", i, l.MediaType, MediaTypeChunk)
 		}
-		if l.Size < 0 || l.Size > MaxChunkSize {
-			return errcode.New(errcode.InvalidInput, "layer %d is %d bytes, outside the 0 to %d a chunk may have", i, l.Size, MaxChunkSize)
+		if l.Size < 0 || l.Size > limit {
+			return errcode.New(errcode.InvalidInput, "layer %d is %d bytes, outside the 0 to %d its kind may have", i, l.Size, limit)
 		}
 	}
 	return nil

@@ -24,6 +24,14 @@ const (
 	// hash per page (0 for a zero page), zstd-compressed, from which the
 	// next checkpoint finds the pages that changed.
 	MediaTypeRAMPageMap = "application/vnd.vmsnap.ram.pagemap.v1+zstd"
+	// MediaTypeRAMPack is a pack of RAM regions: region blobs, each its
+	// own zstd frame, concatenated (a valid zstd stream). Which frame is
+	// which region lies in the image's one MediaTypeRAMIndex layer.
+	MediaTypeRAMPack = "application/vnd.vmsnap.ram.pack.v1+zstd"
+	// MediaTypeRAMIndex is the index of a memory-file image's packs: for
+	// every region of the RAM file, its frames in the chain's packs and
+	// the hash of its final content (docs/image-format.md).
+	MediaTypeRAMIndex = "application/vnd.vmsnap.ram.index.v1+zstd"
 
 	// AnnotationRawSize on a chunk layer: its size after decompression.
 	// Decompression refuses to produce more.
@@ -60,12 +68,13 @@ const (
 
 // Limits that keep a hostile or corrupt image from exhausting memory.
 const (
-	MaxManifestSize = 4 << 20  // bytes of one manifest
-	MaxConfigSize   = 1 << 20  // bytes of one config blob
-	MaxLayers       = 1 << 20  // layers of one manifest
-	MaxChunkSize    = 64 << 20 // bytes of one chunk, compressed or raw
-	MaxIndexSize    = 16 << 20 // bytes of a layout's index.json (tens of thousands of entries)
-	MaxTags         = 100000   // tags of one repository that vmsnap lists (retention)
+	MaxManifestSize = 4 << 20   // bytes of one manifest
+	MaxConfigSize   = 1 << 20   // bytes of one config blob
+	MaxLayers       = 1 << 20   // layers of one manifest
+	MaxChunkSize    = 64 << 20  // bytes of one chunk, compressed or raw
+	MaxPackSize     = 256 << 20 // bytes of one RAM pack (MediaTypeRAMPack)
+	MaxIndexSize    = 16 << 20  // bytes of a layout's index.json (tens of thousands of entries)
+	MaxTags         = 100000    // tags of one repository that vmsnap lists (retention)
 
 	// A cosign signature manifest (sha256-HEX.sig) and its payloads are
 	// read before the image they sign is trusted: whoever can push to the

@@ -130,9 +130,10 @@ type RAMConfig struct {
 type ChainLink struct {
 	Manifest     digest.Digest `json:"manifest,omitempty"`
 	Created      time.Time     `json:"created"`
-	Regions      int           `json:"regions"`      // region layers it added
-	StoredBytes  int64         `json:"storedBytes"`  // their compressed bytes
-	ChangedPages int           `json:"changedPages"` // pages it stored
+	Regions      int           `json:"regions"`         // regions it stored (region layers, or frames in its packs)
+	Packs        int           `json:"packs,omitempty"` // packs it added (the pack format)
+	StoredBytes  int64         `json:"storedBytes"`     // their compressed bytes
+	ChangedPages int           `json:"changedPages"`    // pages it stored
 }
 
 // Parent is the manifest digest of the checkpoint this image is a delta
@@ -173,17 +174,7 @@ func (c Config) checkRAM(layers []ocispec.Descriptor) (stream []ocispec.Descript
 	if ram, err = ramfile.SplitLayers(ramLayers, c.RAM.Bytes); err != nil {
 		return nil, ram, err
 	}
-	regions := 0
-	for i, l := range c.RAM.Chain {
-		if l.Regions < 0 || (i < len(c.RAM.Chain)-1 && l.Manifest.Validate() != nil) {
-			return nil, ram, errcode.New(errcode.InvalidInput, "the image's chain link %d is malformed", i)
-		}
-		regions += l.Regions
-	}
-	if regions != len(ram.Regions) {
-		return nil, ram, errcode.New(errcode.InvalidInput, "the image's chain adds up to %d region layers, its manifest lists %d", regions, len(ram.Regions))
-	}
-	return stream, ram, nil
+	return stream, ram, c.RAM.checkChain(ram)
 }
 
 func (c Config) formatName() string {

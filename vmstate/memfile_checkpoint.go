@@ -137,11 +137,10 @@ func (c *memFileCheckpoint) save(ctx context.Context) error {
 	if c.capture == nil {
 		c.capture, err = ramfile.Scan(c.f, c.be.Bytes, c.parentMap, stagingDir(c.opts.StagingDir))
 	}
-	if err == nil && c.parent != nil && len(c.parent.ram.Regions)+c.capture.Regions() > ramfile.MaxRegionLayers {
-		// The delta would list more layers than a manifest holds:
-		// a fresh base instead (rare: a chain of large deltas). The VM
+	if why := c.chainTooLong(err); why != "" {
+		// A fresh base instead (rare: a chain of large deltas). The VM
 		// is stopped, so the file is the RAM of this checkpoint.
-		res.RAMParentNote = fmt.Sprintf("the chain would list %d region layers, more than %d: a fresh base", len(c.parent.ram.Regions)+c.capture.Regions(), ramfile.MaxRegionLayers)
+		res.RAMParentNote = why
 		c.capture.Close()
 		c.parent, res.RAMParentTrust = nil, ""
 		res.RAMCapture = CaptureScan // a pre-copy kept only the pages that changed
@@ -185,7 +184,7 @@ func (c *memFileCheckpoint) store(ctx context.Context) error {
 	storeStart := time.Now()
 	devices := res.Stream.RawBytes
 	progress := c.opts.Stream.Progress
-	stored, err := c.capture.Store(ctx, c.repo, ramfile.StoreOptions{Workers: c.opts.Stream.Workers, Level: c.opts.Stream.Level, Progress: func(pages int64) {
+	stored, err := c.capture.Store(ctx, c.repo, ramfile.StoreOptions{Workers: c.opts.Stream.Workers, Level: c.opts.Stream.Level, Parent: c.parentIndex(), Progress: func(pages int64) {
 		if progress != nil {
 			progress(devices + pages*ramfile.PageSize)
 		}
@@ -202,25 +201,26 @@ func (c *memFileCheckpoint) store(ctx context.Context) error {
 }
 
 // addStored puts the stored pages into the result: the chain in the
-// config, and the layers after the device state's (page map, the parent's
-// regions, this checkpoint's).
+// config, and the layers after the device state's (page map, the chain's
+// index, the parent's packs, this checkpoint's).
 func (c *memFileCheckpoint) addStored(stored ramfile.Stored) {
 	res := c.res
 	dataBytes := int64(c.capture.Map.DataPages()) * ramfile.PageSize
-	link := ChainLink{Created: res.Config.Created, Regions: len(stored.Regions), StoredBytes: stored.StoredBytes - layerBytes(stored.PageMap), ChangedPages: c.capture.Changed()}
+	link := ChainLink{Created: res.Config.Created, Regions: stored.Frames, Packs: len(stored.Packs), StoredBytes: stored.StoredBytes - layerBytes(stored.PageMap), ChangedPages: c.capture.Changed()}
 	var chain []ChainLink
-	var parentRegions []ocispec.Descriptor
+	var parentPacks []ocispec.Descriptor
 	if c.parent != nil {
 		chain = append(chain, c.parent.cfg.RAM.Chain...)
 		chain[len(chain)-1].Manifest = c.parent.desc.Digest
-		parentRegions = c.parent.ram.Regions
+		parentPacks = c.parent.ram.Packs
 	}
 	res.Config.RAM = &RAMConfig{Backend: c.be.ID, Bytes: c.be.Bytes, DataBytes: dataBytes, Chain: append(chain, link)}
 	layers := append([]ocispec.Descriptor(nil), res.Stream.Layers...)
 	layers = append(layers, stored.PageMap...)
-	layers = append(layers, parentRegions...)
-	layers = append(layers, stored.Regions...)
+	layers = append(layers, stored.Index)
+	layers = append(layers, parentPacks...)
+	layers = append(layers, stored.Packs...)
 	res.Stream.Layers = layers
-	res.Stream.StoredBytes += stored.StoredBytes + layerBytes(parentRegions)
+	res.Stream.StoredBytes += stored.StoredBytes + layerBytes(parentPacks)
 	res.Stream.UploadedBytes += stored.UploadedBytes
 }

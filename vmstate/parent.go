@@ -28,6 +28,7 @@ type parentImage struct {
 	desc  ocispec.Descriptor
 	cfg   Config
 	ram   ramfile.Layers
+	index *ramfile.Index // the chain's, which a delta's index extends
 	trust string
 	ramfile.Parent
 }
@@ -121,7 +122,9 @@ func loadParent(ctx context.Context, repo ociimage.Repository, desc ocispec.Desc
 	if err != nil {
 		return nil, "", err
 	}
-	return &parentImage{desc: desc, cfg: cfg, ram: ram}, "", nil
+	p := &parentImage{desc: desc, cfg: cfg, ram: ram}
+	why, err := p.loadIndex(ctx, repo)
+	return p, why, err
 }
 
 // encryptionChange says why this checkpoint may not list the parent's

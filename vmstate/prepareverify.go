@@ -37,11 +37,14 @@ func maxFillBytes(cfg Config) int64 { return cfg.RAM.DataBytes + ramfile.RegionS
 // do not hold what its map says is refused here (DIGEST_MISMATCH). A
 // base's pages are all its own layers', verified by their digests: its map
 // decides nothing a restore gives (a VM's own copy is checked against it
-// all the same before the node records it, recordOwnCopy).
+// all the same before the node records it, recordOwnCopy). An image in the
+// pack format needs no second pass: Materialize checked every region
+// against its hash in the index, which the checkpoint computed from the
+// same map.
 func materializeVerified(ctx context.Context, repo ociimage.Repository, cfg Config, ram ramfile.Layers, f *os.File, opts PrepareOptions) (int64, error) {
 	mo := ramfile.MaterializeOptions{Workers: opts.Workers, Progress: opts.Progress, MaxDataBytes: maxFillBytes(cfg)}
 	fetched, err := ramfile.Materialize(ctx, ram, repo, f, cfg.RAM.Bytes, mo)
-	if err != nil || len(cfg.RAM.Chain) == 1 {
+	if err != nil || len(cfg.RAM.Chain) == 1 || ram.Index != nil {
 		return fetched, err
 	}
 	_, err = ramfile.Verify(ctx, ram, repo, f, cfg.RAM.Bytes, false)

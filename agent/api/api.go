@@ -97,6 +97,7 @@ type ChainLink struct {
 	Manifest     string    `json:"manifest,omitempty"`
 	Created      time.Time `json:"created"`
 	Regions      int       `json:"regions"`
+	Packs        int       `json:"packs,omitempty"`
 	StoredBytes  int64     `json:"storedBytes"`
 	ChangedPages int       `json:"changedPages"`
 }

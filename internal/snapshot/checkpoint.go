@@ -205,7 +205,7 @@ func ramResult(res *vmstate.CheckpointResult) *api.RAMResult {
 		Capture: res.RAMCapture, CaptureNote: res.RAMCaptureNote,
 		ParentTrust: res.RAMParentTrust, RefutedPages: res.RAMRefutedPages, RecordNote: res.RAMRecordNote}
 	for _, l := range r.Chain {
-		out.Chain = append(out.Chain, api.ChainLink{Manifest: string(l.Manifest), Created: l.Created, Regions: l.Regions, StoredBytes: l.StoredBytes, ChangedPages: l.ChangedPages})
+		out.Chain = append(out.Chain, api.ChainLink{Manifest: string(l.Manifest), Created: l.Created, Regions: l.Regions, Packs: l.Packs, StoredBytes: l.StoredBytes, ChangedPages: l.ChangedPages})
 	}
 	return out
 }

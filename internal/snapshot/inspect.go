@@ -229,6 +229,10 @@ func layerKind(mediaType string) string {
 		return "ram-pagemap"
 	case ociimage.MediaTypeRAMRegion:
 		return "ram-region"
+	case ociimage.MediaTypeRAMIndex:
+		return "ram-index"
+	case ociimage.MediaTypeRAMPack:
+		return "ram-pack"
 	}
 	return mediaType
 }

@@ -3,12 +3,10 @@ package ramfile
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"crypto/sha256"
 	"errors"
 	"math/bits"
 	"os"
-	"sync/atomic"
 	"syscall"
 
 	"github.com/klauspost/compress/zstd"
@@ -17,7 +15,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/vmsnap/vmsnap/internal/errcode"
-	"github.com/vmsnap/vmsnap/ociimage/chunk"
 )
 
 // Capture is what a checkpoint took from a RAM file while the VM was
@@ -235,65 +232,6 @@ func dataExtents(f *os.File, size int64, fn func(start, end int64) error) error 
 		off = end
 	}
 	return nil
-}
-
-// StoreOptions tunes Store.
-type StoreOptions struct {
-	Workers  int               // regions compressed at once (default 2)
-	Level    zstd.EncoderLevel // default SpeedFastest
-	Progress func(pagesDone int64)
-}
-
-// Stored is what Store put in the store.
-type Stored struct {
-	PageMap       []ocispec.Descriptor
-	Regions       []ocispec.Descriptor // this capture's region layers, by offset
-	StoredBytes   int64                // compressed bytes of those layers
-	UploadedBytes int64                // of which the store did not have yet
-}
-
-// Store compresses the capture's changed pages into one region layer per
-// region that has any, and its page map into page-map layers, and puts
-// every blob the sink lacks. Memory is bounded by the workers' buffers.
-func (c *Capture) Store(ctx context.Context, sink chunk.BlobSink, opts StoreOptions) (Stored, error) {
-	var out Stored
-	if opts.Workers <= 0 {
-		opts.Workers = 2
-	}
-	if opts.Level == 0 {
-		opts.Level = zstd.SpeedFastest
-	}
-	var uploaded atomic.Int64
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	s := &regionStore{c: c, sink: sink, opts: opts, ctx: ctx, cancel: cancel, uploaded: &uploaded,
-		jobs: make(chan regionJob), bufs: make(chan []byte, opts.Workers+1), regions: map[int]ocispec.Descriptor{}}
-	for range opts.Workers + 1 {
-		s.bufs <- make([]byte, 0, maxRegionRaw)
-	}
-	s.startWorkers()
-	readErr := s.readRegions()
-	s.wg.Wait()
-	if readErr != nil {
-		return out, readErr
-	}
-	if err := context.Cause(ctx); err != nil {
-		return out, err
-	}
-	var err error
-	if out.PageMap, err = c.storePageMap(ctx, sink, opts.Level, &uploaded); err != nil {
-		return out, err
-	}
-
-	out.Regions = make([]ocispec.Descriptor, len(s.regions))
-	for i, d := range s.regions {
-		out.Regions[i] = d
-	}
-	for _, d := range append(append([]ocispec.Descriptor(nil), out.PageMap...), out.Regions...) {
-		out.StoredBytes += d.Size
-	}
-	out.UploadedBytes = uploaded.Load()
-	return out, nil
 }
 
 // encodePageMap compresses the entries of pages first..first+n, 24 bytes

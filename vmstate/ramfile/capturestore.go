@@ -2,6 +2,7 @@ package ramfile
 
 import (
 	"context"
+	"crypto/sha256"
 	"sync"
 	"sync/atomic"
 
@@ -21,8 +22,8 @@ type regionJob struct {
 }
 
 // regionStore is one Store's pipeline: a reader builds each region's blob
-// from the staging file in order, workers compress and store them. The
-// first error cancels ctx with its cause.
+// from the staging file in order, workers compress them, the packer packs
+// and uploads them. The first error cancels ctx with its cause.
 type regionStore struct {
 	c        *Capture
 	sink     chunk.BlobSink
@@ -34,8 +35,7 @@ type regionStore struct {
 	uploaded *atomic.Int64
 	done     atomic.Int64 // pages handed to the workers
 	wg       sync.WaitGroup
-	mu       sync.Mutex
-	regions  map[int]ocispec.Descriptor
+	packer   *packer
 }
 
 // startWorkers starts opts.Workers workers that store the reader's jobs.
@@ -60,7 +60,8 @@ func (s *regionStore) work() {
 }
 
 // storeRegion fills in the strong hashes of the region's pages, then
-// (unless the store failed already) compresses and stores its blob.
+// (unless the store failed already) compresses its blob and hands the
+// frame to the packer.
 func (s *regionStore) storeRegion(enc *zstd.Encoder, j regionJob) {
 	m := s.c.Map
 	for k, page := range j.pages {
@@ -72,19 +73,11 @@ func (s *regionStore) storeRegion(enc *zstd.Encoder, j regionJob) {
 	if s.ctx.Err() != nil {
 		return
 	}
-	var d ocispec.Descriptor
-	err := errcode.Safely(func() (err error) { // the store reads a registry's answers
-		data := enc.EncodeAll(j.raw, make([]byte, 0, len(j.raw)/2+1024))
-		d = regionDesc(j.offset, len(j.raw), data)
-		return chunk.Put(s.ctx, s.sink, d, data, s.uploaded)
-	})
-	if err != nil {
-		s.cancel(err)
-		return
+	data := enc.EncodeAll(j.raw, make([]byte, 0, len(j.raw)/2+1024))
+	select {
+	case s.packer.in <- compressedRegion{index: j.index, offset: j.offset, rawLen: len(j.raw), data: data, sum: sha256.Sum256(data)}:
+	case <-s.ctx.Done():
 	}
-	s.mu.Lock()
-	s.regions[j.index] = d
-	s.mu.Unlock()
 }
 
 // readRegions hands the workers every region that holds a changed page,

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/klauspost/compress/zstd"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"golang.org/x/sys/unix"
 
@@ -49,8 +50,10 @@ type MaterializeOptions struct {
 	MaxDataBytes int64
 }
 
-// Materialize writes the RAM file the region layers make into f, which
-// must be empty: it is sized to size, then every region is fetched,
+// Materialize writes the RAM file the image's layers make into f, which
+// must be empty: it is sized to size. An image in the pack format is
+// materialized from its index and packs (materializePacks); in the
+// region-layer format of earlier versions, every region is fetched,
 // verified (digest, header, declared offset, pages inside the file) and
 // written at its offset. Layers apply in manifest order, a delta's pages
 // replacing its parent's: they are processed newest first and each page is
@@ -68,6 +71,10 @@ func Materialize(ctx context.Context, layers Layers, src chunk.BlobSource, f *os
 		opts.Workers = DefaultMaterializeWorkers
 	}
 	m := &materializer{src: src, f: f, size: size, opts: opts, written: make([]byte, (Pages(size)+7)/8)}
+	if layers.Index != nil {
+		err := m.materializePacks(ctx, layers)
+		return m.fetched.Load(), err
+	}
 	// Runs of strictly increasing offsets hold each region at most once:
 	// a run's layers may be written in any order, by several workers. A
 	// run ends where a delta's layers begin.
@@ -117,11 +124,28 @@ type materializer struct {
 
 // run writes one run's regions.
 func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor) error {
+	return decodeEach(ctx, m.opts.Workers, run, func(ctx context.Context, dec *zstd.Decoder, buf []byte, l ocispec.Descriptor) error {
+		if err := m.region(ctx, l, dec, buf); err != nil {
+			return err
+		}
+		n := m.fetched.Add(l.Size)
+		if m.opts.Progress != nil {
+			m.opts.Progress(n)
+		}
+		return checkAllocated(m.f, m.opts.MaxDataBytes)
+	})
+}
+
+// decodeEach runs do on every item, on up to workers workers, each with
+// its zstd decoder and a region's buffer, and stops at the first error.
+// An item is what the store gave, untrusted: a panic is an error
+// (errcode.Safely).
+func decodeEach[T any](ctx context.Context, workers int, items []T, do func(context.Context, *zstd.Decoder, []byte, T) error) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	jobs := make(chan ocispec.Descriptor)
+	jobs := make(chan T)
 	var wg sync.WaitGroup
-	for range min(m.opts.Workers, len(run)) {
+	for range min(workers, len(items)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -132,28 +156,18 @@ func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor) error 
 			}
 			defer dec.Close()
 			buf := make([]byte, 0, maxRegionRaw)
-			for l := range jobs {
-				if ctx.Err() != nil {
-					continue
-				}
-				// Safely: a region is what the store gave, untrusted.
-				if err := errcode.Safely(func() error { return m.region(ctx, l, dec, buf) }); err != nil {
-					cancel(err)
-					continue
-				}
-				n := m.fetched.Add(l.Size)
-				if m.opts.Progress != nil {
-					m.opts.Progress(n)
-				}
-				if err := checkAllocated(m.f, m.opts.MaxDataBytes); err != nil {
-					cancel(err)
+			for it := range jobs {
+				if ctx.Err() == nil {
+					if err := errcode.Safely(func() error { return do(ctx, dec, buf, it) }); err != nil {
+						cancel(err)
+					}
 				}
 			}
 		}()
 	}
-	for _, l := range run {
+	for _, it := range items {
 		select {
-		case jobs <- l:
+		case jobs <- it:
 		case <-ctx.Done():
 		}
 	}
@@ -162,9 +176,7 @@ func (m *materializer) run(ctx context.Context, run []ocispec.Descriptor) error 
 	return context.Cause(ctx)
 }
 
-// region fetches one region layer, checks it and writes the pages no newer
-// layer wrote: runs of data pages in one pwrite each, zero pages left as
-// holes.
+// region fetches one region layer, checks it and writes it.
 func (m *materializer) region(ctx context.Context, l ocispec.Descriptor, dec interface {
 	DecodeAll([]byte, []byte) ([]byte, error)
 }, buf []byte) error {
@@ -176,10 +188,20 @@ func (m *materializer) region(ctx context.Context, l ocispec.Descriptor, dec int
 	if err != nil {
 		return err
 	}
-	r, err := parseRegion(raw, l, m.size)
+	off, err := RegionOffset(l)
 	if err != nil {
 		return err
 	}
+	r, err := parseRegion(raw, string(l.Digest), off, m.size)
+	if err != nil {
+		return err
+	}
+	return m.write(r)
+}
+
+// write writes the region's pages that no newer layer wrote: runs of data
+// pages in one pwrite each, zero pages left as holes.
+func (m *materializer) write(r region) error {
 	base := int(r.offset / PageSize)
 	// Consecutive pages to write are one pwrite: they are consecutive in
 	// the blob as in the file.

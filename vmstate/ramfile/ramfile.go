@@ -223,21 +223,18 @@ type region struct {
 
 func (r region) has(i int) bool { return r.bitmap[i/8]&(1<<(i%8)) != 0 }
 
-// parseRegion checks a decompressed region blob against its layer and the
-// RAM file's size: the header, the offset the layer declares, and that
-// it holds exactly the pages its bitmap sets, all inside the file.
-func parseRegion(raw []byte, desc ocispec.Descriptor, ramSize int64) (region, error) {
+// parseRegion checks a decompressed region blob, named name, against
+// the offset its layer or index entry declares (want) and the RAM file's
+// size: the header, the offset, and that it holds exactly the pages its
+// bitmap sets, all inside the file.
+func parseRegion(raw []byte, name string, want, ramSize int64) (region, error) {
 	bad := func(format string, args ...any) (region, error) {
-		return region{}, errcode.New(errcode.InvalidInput, "RAM region %s: "+format, append([]any{desc.Digest}, args...)...)
+		return region{}, errcode.New(errcode.InvalidInput, "RAM region %s: "+format, append([]any{name}, args...)...)
 	}
 	if len(raw) < headerSize || string(raw[:len(regionMagic)]) != regionMagic {
 		return bad("not a region blob")
 	}
 	off := int64(binary.LittleEndian.Uint64(raw[len(regionMagic):]))
-	want, err := RegionOffset(desc)
-	if err != nil {
-		return region{}, err
-	}
 	if off != want {
 		return bad("holds offset %d, its layer declares %d", off, want)
 	}
@@ -268,60 +265,86 @@ func RegionOffset(desc ocispec.Descriptor) (int64, error) {
 	return off, nil
 }
 
-// Layers is a memory-file image's RAM layers, split by kind.
+// Layers is a memory-file image's RAM layers, split by kind. An image is
+// in the pack format (Index set, Packs) or the region-layer format of
+// earlier versions (Regions), never both.
 type Layers struct {
 	PageMap []ocispec.Descriptor // in page order
 	Regions []ocispec.Descriptor // in the order they apply: a base's, then each delta's
+	Index   *ocispec.Descriptor  // the chain's index (pack format)
+	Packs   []ocispec.Descriptor // the chain's packs, a base's first, in the index's order
 }
 
 // SplitLayers validates the RAM layers of a manifest (media types, sizes,
-// offsets, a page map that covers the file exactly) before anything is
-// fetched.
+// offsets, a page map that covers the file exactly, one format) before
+// anything is fetched.
 func SplitLayers(layers []ocispec.Descriptor, ramSize int64) (Layers, error) {
 	var out Layers
 	if err := CheckSize(ramSize); err != nil {
 		return out, err
 	}
-	pages := Pages(ramSize)
 	next := 0
 	for i, l := range layers {
-		if l.Size <= 0 || l.Size > ociimage.MaxChunkSize {
-			return out, errcode.New(errcode.InvalidInput, "RAM layer %d declares %d bytes: want 1..%d", i, l.Size, ociimage.MaxChunkSize)
-		}
-		if err := l.Digest.Validate(); err != nil {
-			return out, errcode.Wrap(errcode.InvalidInput, err, "RAM layer %d", i)
-		}
-		switch l.MediaType {
-		case ociimage.MediaTypeRAMPageMap:
-			first, count, err := pageMapRange(l)
-			if err != nil {
-				return out, err
-			}
-			if first != next || count <= 0 || count > pageMapPiece || first+count > pages {
-				return out, errcode.New(errcode.InvalidInput, "page map layer %d covers pages %d+%d, want the next from page %d of %d", i, first, count, next, pages)
-			}
-			next += count
-			out.PageMap = append(out.PageMap, l)
-		case ociimage.MediaTypeRAMRegion:
-			off, err := RegionOffset(l)
-			if err != nil {
-				return out, err
-			}
-			if _, err := rawRegionSize(l); err != nil {
-				return out, err
-			}
-			if off >= ramSize {
-				return out, errcode.New(errcode.InvalidInput, "RAM region layer %d at offset %d lies beyond the %d-byte RAM file", i, off, ramSize)
-			}
-			out.Regions = append(out.Regions, l)
-		default:
-			return out, errcode.New(errcode.InvalidInput, "layer %d has media type %q, not a RAM layer", i, l.MediaType)
+		if err := out.add(i, l, ramSize, &next); err != nil {
+			return out, err
 		}
 	}
-	if next != pages {
+	if pages := Pages(ramSize); next != pages {
 		return out, errcode.New(errcode.InvalidInput, "the page map covers %d of the RAM file's %d pages", next, pages)
 	}
+	if out.Index == nil && len(out.Packs) > 0 || out.Index != nil && len(out.Regions) > 0 {
+		return out, errcode.New(errcode.InvalidInput, "the image's RAM layers mix formats: packs need one index, and region layers none")
+	}
 	return out, nil
+}
+
+// add checks layer i and files it by kind; next is the page the next page
+// map layer must start at.
+func (out *Layers) add(i int, l ocispec.Descriptor, ramSize int64, next *int) error {
+	limit := int64(ociimage.MaxChunkSize)
+	if l.MediaType == ociimage.MediaTypeRAMPack {
+		limit = ociimage.MaxPackSize
+	}
+	if l.Size <= 0 || l.Size > limit {
+		return errcode.New(errcode.InvalidInput, "RAM layer %d declares %d bytes: want 1..%d", i, l.Size, limit)
+	}
+	if err := l.Digest.Validate(); err != nil {
+		return errcode.Wrap(errcode.InvalidInput, err, "RAM layer %d", i)
+	}
+	switch l.MediaType {
+	case ociimage.MediaTypeRAMPageMap:
+		first, count, err := pageMapRange(l)
+		if err != nil {
+			return err
+		}
+		if first != *next || count <= 0 || count > pageMapPiece || first+count > Pages(ramSize) {
+			return errcode.New(errcode.InvalidInput, "page map layer %d covers pages %d+%d, want the next from page %d of %d", i, first, count, *next, Pages(ramSize))
+		}
+		*next += count
+		out.PageMap = append(out.PageMap, l)
+	case ociimage.MediaTypeRAMRegion:
+		off, err := RegionOffset(l)
+		if err != nil {
+			return err
+		}
+		if _, err := rawRegionSize(l); err != nil {
+			return err
+		}
+		if off >= ramSize {
+			return errcode.New(errcode.InvalidInput, "RAM region layer %d at offset %d lies beyond the %d-byte RAM file", i, off, ramSize)
+		}
+		out.Regions = append(out.Regions, l)
+	case ociimage.MediaTypeRAMIndex:
+		if out.Index != nil {
+			return errcode.New(errcode.InvalidInput, "RAM layer %d is a second index: an image has one", i)
+		}
+		out.Index = &l
+	case ociimage.MediaTypeRAMPack:
+		out.Packs = append(out.Packs, l)
+	default:
+		return errcode.New(errcode.InvalidInput, "layer %d has media type %q, not a RAM layer", i, l.MediaType)
+	}
+	return nil
 }
 
 func pageMapRange(l ocispec.Descriptor) (first, count int, err error) {
@@ -336,7 +359,11 @@ func pageMapRange(l ocispec.Descriptor) (first, count int, err error) {
 // IsRAMLayer says whether a layer belongs to the RAM file rather than to
 // QEMU's device state stream.
 func IsRAMLayer(l ocispec.Descriptor) bool {
-	return l.MediaType == ociimage.MediaTypeRAMRegion || l.MediaType == ociimage.MediaTypeRAMPageMap
+	switch l.MediaType {
+	case ociimage.MediaTypeRAMRegion, ociimage.MediaTypeRAMPageMap, ociimage.MediaTypeRAMIndex, ociimage.MediaTypeRAMPack:
+		return true
+	}
+	return false
 }
 
 func pageMapDesc(first, count int, data []byte) ocispec.Descriptor {

@@ -73,19 +73,26 @@ func readAll(t *testing.T, f *os.File) []byte {
 }
 
 // checkpoint scans f against parent and stores it, returning the layers a
-// manifest would list: the page map and the parent's regions then these.
-func checkpoint(t *testing.T, repo ociimage.Repository, f *os.File, parent *Parent, parentRegions Layers) (Layers, *Capture, Stored) {
+// manifest would list: the page map, the chain's index, the parent's
+// packs then these.
+func checkpoint(t *testing.T, repo ociimage.Repository, f *os.File, parent *Parent, parentLayers Layers) (Layers, *Capture, Stored) {
 	t.Helper()
 	c, err := Scan(f, testSize, parent, t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	st, err := c.Store(context.Background(), repo, StoreOptions{})
+	var px *Index
+	if parentLayers.Index != nil {
+		if px, err = LoadIndex(context.Background(), parentLayers, repo, testSize); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st, err := c.Store(context.Background(), repo, StoreOptions{Parent: px})
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := Layers{PageMap: st.PageMap, Regions: append(append([]ocispec.Descriptor(nil), parentRegions.Regions...), st.Regions...)}
+	l := Layers{PageMap: st.PageMap, Index: &st.Index, Packs: append(append([]ocispec.Descriptor(nil), parentLayers.Packs...), st.Packs...)}
 	return l, c, st
 }
 
@@ -155,11 +162,11 @@ func TestBaseAndDeltasRoundTrip(t *testing.T) {
 	// Delta 2 on delta 1: an unchanged file stores nothing but its map.
 	map1, _ := LoadPageMap(context.Background(), d1, repo, testSize)
 	d2, c2, st2 := checkpoint(t, repo, f, trusted(map1), d1)
-	if c2.Changed() != 0 || len(st2.Regions) != 0 {
-		t.Fatalf("an unchanged file gave a delta of %d pages in %d regions", c2.Changed(), len(st2.Regions))
+	if c2.Changed() != 0 || st2.Frames != 0 || len(st2.Packs) != 0 {
+		t.Fatalf("an unchanged file gave a delta of %d pages in %d regions, %d packs", c2.Changed(), st2.Frames, len(st2.Packs))
 	}
 	if st2.UploadedBytes != 0 {
-		t.Errorf("an unchanged file uploaded %d bytes (its page map is the parent's)", st2.UploadedBytes)
+		t.Errorf("an unchanged file uploaded %d bytes (its page map and index are the parent's)", st2.UploadedBytes)
 	}
 	if got := readAll(t, materialize(t, repo, d2)); !bytes.Equal(got, readAll(t, f)) {
 		t.Fatal("base + 2 deltas differs from the RAM file")
@@ -173,7 +180,7 @@ func TestMaterializeRefusesTamperedRegion(t *testing.T) {
 	repo, _ := ociimage.Open(context.Background(), ref)
 	f := ramFile(t, rng)
 	l, _, _ := checkpoint(t, repo, f, nil, Layers{})
-	victim := l.Regions[len(l.Regions)/2]
+	victim := l.Packs[len(l.Packs)/2]
 	p := filepath.Join(dir, "blobs", "sha256", victim.Digest.Encoded())
 	b, err := os.ReadFile(p)
 	if err != nil {
@@ -194,7 +201,7 @@ func TestMaterializeRefusesTamperedRegion(t *testing.T) {
 func TestSplitLayersRefusesBadLayers(t *testing.T) {
 	rng := rand.New(rand.NewPCG(5, 6))
 	repo := layout(t)
-	l, _, _ := checkpoint(t, repo, ramFile(t, rng), nil, Layers{})
+	l := legacyCheckpoint(t, repo, ramFile(t, rng))
 	all := append(append([]ocispec.Descriptor(nil), l.PageMap...), l.Regions...)
 	if _, err := SplitLayers(all, testSize); err != nil {
 		t.Fatalf("good layers refused: %v", err)
@@ -234,7 +241,7 @@ func TestCacheFillsOnceAndRefusesAForeignDirectory(t *testing.T) {
 	repo := layout(t)
 	l, _, _ := checkpoint(t, repo, ramFile(t, rng), nil, Layers{})
 	c := Cache{Dir: filepath.Join(t.TempDir(), "cache")}
-	key := l.Regions[0].Digest // any digest names the image here
+	key := l.Index.Digest // any digest names the image here
 	fill := func(f *os.File) (int64, error) {
 		return Materialize(context.Background(), l, repo, f, testSize, MaterializeOptions{})
 	}
@@ -278,7 +285,7 @@ func TestCacheFillsOnceAndRefusesAForeignDirectory(t *testing.T) {
 		}
 	}
 	// A failed fill leaves nothing under the name.
-	other := l.Regions[1].Digest
+	other := l.Packs[0].Digest
 	if _, _, err := c.Fill(context.Background(), other, testSize, func(*os.File) (int64, error) {
 		return 0, errcode.New(errcode.DigestMismatch, "bad")
 	}); errcode.Of(err) != errcode.DigestMismatch {

@@ -112,6 +112,7 @@ type mfSize struct {
 	clones                       *cloneMemory
 	trust                        *trustCost
 	rewriteSpan                  string
+	requests                     mfRequests
 }
 
 type mfChainRow struct {
@@ -162,7 +163,7 @@ func benchMemoryFile(b *testing.B) {
 		bb.bin = bb.vmsnapBinary()
 		bb.mfQEMU, bb.mfQEMUName = benchMFQEMU(b)
 		bb.reg = registry.Start(b)
-		for _, memMB := range []int{benchMemMB, benchMFBigMemMB} {
+		for _, memMB := range benchMFSizes(b, benchMemMB, benchMFBigMemMB) {
 			rep.sizes = append(rep.sizes, bb.memoryFileSize(memMB))
 		}
 		rep.total = time.Since(start)
@@ -232,7 +233,9 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 		at := bb.settled(src)
 		streamCkpt := func() {
 			bb.settled(src)
-			bb.runCLI(src, &sc, "checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:r%d", streamRepo, i), "--mode", "snapshot", "--format", "stream")
+			r.requests.streamCkpt = bb.counted(func() {
+				bb.runCLI(src, &sc, "checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:r%d", streamRepo, i), "--mode", "snapshot", "--format", "stream")
+			})
 			if sc.VMState.Format != vmspec.FormatStream || !sc.VMRunning {
 				b.Fatalf("stream checkpoint: format %q, running %v", sc.VMState.Format, sc.VMRunning)
 			}
@@ -245,7 +248,10 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 		}
 		alloc := allocated(b, g.ram)
 		// No parent records: each a base.
-		rss, _, _ := bb.peakRun(&mc, "checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:r%d", mfRepo, i), "--mode", "snapshot", "--format", "memory-file", "--parent-records", "")
+		var rss int64
+		r.requests.mfCkpt = bb.counted(func() {
+			rss, _, _ = bb.peakRun(&mc, "checkpoint", "--qmp", src.QMPPath(), "--image", fmt.Sprintf("%s:r%d", mfRepo, i), "--mode", "snapshot", "--format", "memory-file", "--parent-records", "")
+		})
 		if mc.VMState.Format != vmspec.FormatMemoryFile || !mc.VMRunning || mc.VMState.RAM == nil || len(mc.VMState.RAM.Chain) != 1 {
 			b.Fatalf("memory-file checkpoint: format %q, running %v, ram %+v: want a base", mc.VMState.Format, mc.VMRunning, mc.VMState.RAM)
 		}
@@ -268,7 +274,8 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 		// backend ID (its fastest: pages it does not write stay unallocated).
 		t := bb.mfTarget(g, []string{"-object", fmt.Sprintf("memory-backend-ram,id=ram0,size=%dM", memMB), "-machine", "memory-backend=ram0"})
 		var rs api.RestoreResult
-		tm := bb.runCLI(t, &rs, "restore", "--qmp", t.QMPPath(), "--image", im.stream)
+		var tm timed
+		r.requests.streamRestore = bb.counted(func() { tm = bb.runCLI(t, &rs, "restore", "--qmp", t.QMPPath(), "--image", im.stream) })
 		bb.mfResumed(t, im.at, rs)
 		r.streamRestore, r.streamRestoreMs = append(r.streamRestore, tm.d), append(r.streamRestoreMs, rs.VMState.DurationsMs["total"])
 		t.Kill()
@@ -286,7 +293,9 @@ func (bb *bench) memoryFileSize(memMB int) *mfSize {
 
 		cache := filepath.Join(shmDir(b), "cache")
 		var p api.PrepareResult
-		rss, pd, _ := bb.peakRun(&p, "prepare", im.file, "--cache-dir", cache)
+		var rss int64
+		var pd time.Duration
+		r.requests.coldPrepare = bb.counted(func() { rss, pd, _ = bb.peakRun(&p, "prepare", im.file, "--cache-dir", cache) })
 		if p.FetchedBytes <= 0 {
 			b.Fatalf("cold prepare fetched %d bytes", p.FetchedBytes)
 		}
@@ -710,6 +719,7 @@ func (r *mfReport) print(w io.Writer, bb *bench) {
 		return fmt.Sprintf("%.0f, %.0f, %.0f ms", s.chain[1].downtimeMs, s.chain[2].downtimeMs, s.chain[3].downtimeMs)
 	}, "", nil)
 	trustRows(rowf)
+	requestRows(rowf)
 	rowf("base + 4 deltas: cold prepare + restore", func(s *mfSize) string {
 		return fmt.Sprintf("%.0f ms (%s fetched)", float64(s.chainRestore)/1e6, humanBytes(s.chainFetched))
 	}, "exact", func(s *mfSize) bool { return s.exact != "" })

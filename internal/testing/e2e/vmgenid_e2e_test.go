@@ -14,6 +14,7 @@ import (
 
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
+	"github.com/vmsnap/vmsnap/internal/snapshot"
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 )
 
@@ -101,7 +102,7 @@ func testClonesWithVMGenID(t *testing.T, root string) {
 	image, resume := checkpointForClones(t, src, "oci:"+filepath.Join(t.TempDir(), "store")+":vm")
 	genID := generationID(t, src)
 
-	ins := cliJSON[api.InspectResult](t, "inspect", image)
+	ins := cliJSON[snapshot.InspectResult](t, "inspect", image)
 	if ins.VMState == nil || ins.VMState.Record.VMGenID != genID {
 		t.Fatalf("inspect --json: the record's vmGenID is not the source's %s: %+v", genID, ins.VMState)
 	}

@@ -29,7 +29,7 @@ import (
 // parent whose page map carries the victim's xxhash64 for every page (read
 // from the victim's published map) and, for the victim's data pages below
 // span, the SHA-256 of pages of the attacker's own (random, from seed),
-// which its region layers hold after the victim's. Its map agrees with its
+// which its packs hold after the victim's. Its map agrees with its
 // layers, so a prepare that checks the one against the other passes; a
 // checkpoint of the victim that takes it as its parent finds no page
 // changed and restores the attacker's pages. It returns the manifest
@@ -76,16 +76,16 @@ func Parent(ctx context.Context, repo ociimage.Repository, victim ocispec.Descri
 	if err != nil {
 		return ocispec.Descriptor{}, nil, err
 	}
-	own, ownMap, err := storePages(ctx, repo, pages, size, stagingDir)
+	st, ownMap, err := storePages(ctx, repo, layers, victimMap, pages, size, stagingDir)
 	if err != nil {
 		return ocispec.Descriptor{}, nil, err
 	}
-	mapLayer, err := forgedMap(ctx, repo, victimMap, ownMap)
+	mapLayer, err := forgedMap(ctx, repo, victimMap, ownMap, pages)
 	if err != nil {
 		return ocispec.Descriptor{}, nil, err
 	}
-	m.Layers = append(append(append(stream, mapLayer), layers.Regions...), own...)
-	if m.Config, err = extendChain(ctx, repo, m.Config, cfgBlob, victim, len(own)); err != nil {
+	m.Layers = append(append(append(append(stream, mapLayer), st.Index), layers.Packs...), st.Packs...)
+	if m.Config, err = extendChain(ctx, repo, m.Config, cfgBlob, victim, st); err != nil {
 		return ocispec.Descriptor{}, nil, err
 	}
 	desc, err := repo.PutManifest(ctx, m)
@@ -109,38 +109,43 @@ func attackerPages(victim *ramfile.PageMap, span int64, seed uint64) (map[int][]
 	return pages, nil
 }
 
-// storePages stores pages as a base would (region layers) and returns its
-// regions and page map.
-func storePages(ctx context.Context, repo ociimage.Repository, pages map[int][]byte, size int64, stagingDir string) ([]ocispec.Descriptor, *ramfile.PageMap, error) {
+// storePages stores pages as a delta on the victim would (its packs, an
+// index over the victim's chain whose region hashes are what the layers
+// give): it materializes the victim's file, writes the attacker's pages
+// over it, and stores the pages that differ. It returns what it stored
+// and the map of the file that makes.
+func storePages(ctx context.Context, repo ociimage.Repository, victim ramfile.Layers, victimMap *ramfile.PageMap, pages map[int][]byte, size int64, stagingDir string) (ramfile.Stored, *ramfile.PageMap, error) {
+	var st ramfile.Stored
 	f, err := os.CreateTemp(stagingDir, "forged-*.ram")
 	if err != nil {
-		return nil, nil, err
+		return st, nil, err
 	}
 	defer os.Remove(f.Name())
 	defer f.Close()
-	if err := f.Truncate(size); err != nil {
-		return nil, nil, err
+	if _, err := ramfile.Materialize(ctx, victim, repo, f, size, ramfile.MaterializeOptions{}); err != nil {
+		return st, nil, err
 	}
 	for i, p := range pages {
 		if _, err := f.WriteAt(p, int64(i)*ramfile.PageSize); err != nil {
-			return nil, nil, err
+			return st, nil, err
 		}
 	}
-	c, err := ramfile.Scan(f, size, nil, stagingDir)
+	index, err := ramfile.LoadIndex(ctx, victim, repo, size)
 	if err != nil {
-		return nil, nil, err
+		return st, nil, err
+	}
+	c, err := ramfile.Scan(f, size, &ramfile.Parent{Map: victimMap}, stagingDir)
+	if err != nil {
+		return st, nil, err
 	}
 	defer c.Close()
-	st, err := c.Store(ctx, repo, ramfile.StoreOptions{})
-	if err != nil {
-		return nil, nil, err
-	}
-	return st.Regions, c.Map, nil
+	st, err = c.Store(ctx, repo, ramfile.StoreOptions{Parent: index})
+	return st, c.Map, err
 }
 
 // forgedMap is one page map layer: the victim's xxhash64 for every page,
 // and the attacker's SHA-256 where the attacker stored a page.
-func forgedMap(ctx context.Context, repo ociimage.Repository, victim, own *ramfile.PageMap) (ocispec.Descriptor, error) {
+func forgedMap(ctx context.Context, repo ociimage.Repository, victim, own *ramfile.PageMap, pages map[int][]byte) (ocispec.Descriptor, error) {
 	var raw bytes.Buffer
 	var e [24]byte
 	for i := range victim.Len() {
@@ -148,7 +153,7 @@ func forgedMap(ctx context.Context, repo ociimage.Repository, victim, own *ramfi
 		if !victim.IsZero(i) {
 			binary.LittleEndian.PutUint64(e[:8], victim.Fast(i))
 			s := victim.Strong(i)
-			if !own.IsZero(i) {
+			if _, ok := pages[i]; ok {
 				s = own.Strong(i)
 			}
 			copy(e[8:], s[:])
@@ -166,8 +171,8 @@ func forgedMap(ctx context.Context, repo ociimage.Repository, victim, own *ramfi
 }
 
 // extendChain is the victim's config with one more link, the attacker's
-// regions, after the victim's own checkpoint.
-func extendChain(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor, blob []byte, victim ocispec.Descriptor, regions int) (ocispec.Descriptor, error) {
+// packs, after the victim's own checkpoint.
+func extendChain(ctx context.Context, repo ociimage.Repository, desc ocispec.Descriptor, blob []byte, victim ocispec.Descriptor, st ramfile.Stored) (ocispec.Descriptor, error) {
 	var cfg map[string]any
 	if err := json.Unmarshal(blob, &cfg); err != nil {
 		return desc, err
@@ -175,7 +180,7 @@ func extendChain(ctx context.Context, repo ociimage.Repository, desc ocispec.Des
 	ram := cfg["ram"].(map[string]any)
 	chain := ram["chain"].([]any)
 	chain[len(chain)-1].(map[string]any)["manifest"] = victim.Digest.String()
-	ram["chain"] = append(chain, map[string]any{"created": time.Now().UTC(), "regions": regions, "storedBytes": 0, "changedPages": 0})
+	ram["chain"] = append(chain, map[string]any{"created": time.Now().UTC(), "regions": st.Frames, "packs": len(st.Packs), "storedBytes": 0, "changedPages": 0})
 	out, err := json.Marshal(cfg)
 	if err != nil {
 		return desc, err
