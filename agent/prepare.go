@@ -89,7 +89,7 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 	}
 	res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
 		Image: req.Image, AllowTag: req.AllowTag, CacheDir: RAMCacheDir(s.cfg.StateDir, ns),
-		MaxCacheBytes: s.cfg.RAMCacheMaxBytes, MaxGuestMemory: s.cfg.MaxGuestMemory, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store,
+		MaxCacheBytes: s.cfg.RAMCacheMaxBytes, MaxCacheAge: s.cfg.RAMCacheMaxAge, MaxGuestMemory: s.cfg.MaxGuestMemory, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store,
 	})
 	if err != nil {
 		if ctx.Err() != nil && context.Cause(ctx) != nil && errcode.Of(err) == errcode.Internal {
@@ -102,6 +102,7 @@ func (s *Server) Prepare(ctx context.Context, req api.PrepareRequest) (*api.Prep
 		}
 		return nil, err
 	}
+	s.metrics.cache.prepared(ns, res)
 	// The result names the file as QEMU sees it, not the node's path.
 	if req.QEMUDir != "" {
 		res.MemoryFile = path.Join(req.QEMUDir, path.Base(res.MemoryFile))

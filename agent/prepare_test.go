@@ -31,6 +31,13 @@ func memoryFileImage(t *testing.T, dir string, size int, store ...ociimage.Optio
 // memoryFileImageState is memoryFileImage, and the fake's device state.
 func memoryFileImageState(t *testing.T, dir string, size int, store ...ociimage.Option) (string, []byte, []byte) {
 	t.Helper()
+	return memoryFileCheckpoint(t, "oci:"+dir+":vm", [3]int{}, size, store...)
+}
+
+// memoryFileCheckpoint checkpoints a fake QEMU of version qemu (the fake's
+// default when zero) whose RAM is a shared file of size bytes to image.
+func memoryFileCheckpoint(t *testing.T, image string, qemu [3]int, size int, store ...ociimage.Option) (string, []byte, []byte) {
+	t.Helper()
 	ram := make([]byte, size)
 	rand.Read(ram[:size/4])
 	ramPath := filepath.Join(t.TempDir(), "guest.ram")
@@ -41,12 +48,15 @@ func memoryFileImageState(t *testing.T, dir string, size int, store ...ociimage.
 	state := make([]byte, 32<<10)
 	rand.Read(state)
 	vm := qmptest.NewFakeQEMU(t, "running", state)
+	if qemu != [3]int{} {
+		vm.Version = qemu
+	}
 	vm.Memory = int64(size)
 	vm.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: ramPath, Share: true}
 	vm.Caps["x-ignore-shared"] = false
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	res, err := snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{QMPPath: vm.Path(), Image: "oci:" + dir + ":vm", Mode: "snapshot", Store: store})
+	res, err := snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{QMPPath: vm.Path(), Image: image, Mode: "snapshot", Store: store})
 	if err != nil {
 		t.Fatal(err)
 	}

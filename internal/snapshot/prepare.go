@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"time"
 
 	"github.com/opencontainers/go-digest"
 
@@ -32,6 +33,8 @@ type PrepareSpec struct {
 	// MaxCacheBytes, if above 0, evicts the least recently used RAM files
 	// past it once this one is ready.
 	MaxCacheBytes int64
+	// MaxCacheAge, if above 0, evicts the RAM files unused for longer.
+	MaxCacheAge time.Duration
 	// QEMUDir is CacheDir as the target QEMU sees it (its container's
 	// mount), for the QEMU arguments; default CacheDir.
 	QEMUDir string
@@ -82,7 +85,7 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 		return nil, err
 	}
 	res, err := vmstate.Prepare(ctx, repo, vmstate.PrepareOptions{
-		Cache: ramfile.Cache{Dir: s.CacheDir, PrivateParent: s.PrivateParent}, MaxCacheBytes: s.MaxCacheBytes, QEMUDir: s.QEMUDir, CopyTo: s.CopyTo,
+		Cache: ramfile.Cache{Dir: s.CacheDir, PrivateParent: s.PrivateParent}, MaxCacheBytes: s.MaxCacheBytes, MaxCacheAge: s.MaxCacheAge, QEMUDir: s.QEMUDir, CopyTo: s.CopyTo,
 		Records: s.Records, MaxGuestMemory: s.MaxGuestMemory, Workers: s.Workers, Progress: s.Progress.bytes("prepare"),
 	})
 	if err != nil {
