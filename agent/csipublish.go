@@ -33,16 +33,17 @@ type Mounter interface {
 func (s *Server) CSIPublisher(m Mounter) csi.Publisher { return &csiPublisher{s: s, m: m} }
 
 type csiPublisher struct {
-	s *Server
-	m Mounter
+	s     *Server
+	m     Mounter
+	fills fills
 }
 
 // Publish fills the pod's namespace's cache as that namespace's prepare
-// would, links the file into the publication pub.VolumeID and has the
+// would (joining a fill under way), links the file into the publication pub.VolumeID and has the
 // mounter bind it read-only onto the target. A kubelet retry finds the
 // file (or waits for the fill under way) and the publication in place.
 func (p *csiPublisher) Publish(ctx context.Context, pub csi.Publication) error {
-	res, err := p.s.prepareFor(ctx, pub)
+	res, err := p.prepare(ctx, pub)
 	if err != nil {
 		return err
 	}
