@@ -46,7 +46,7 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 		"bound of each namespace's RAM file cache (--state-dir/ram/NAMESPACE, filled by prepare requests), in allocated bytes, the device states kept beside the files included: "+
 			"once a file is ready, the least recently used others past it are removed (QEMUs that map them keep their pages; 0: no bound)")
 	c.Flags().DurationVar(&cfg.RAMCacheMaxAge, "ram-cache-max-age", 0,
-		"with --ram-cache-max-bytes, also remove the RAM files of a namespace's cache unused for longer than this (files a pod's CSI volume shows stay; 0: no bound)")
+		"each time a file is prepared, also remove the RAM files of its namespace's cache unused for longer than this (files a pod's CSI volume shows stay; 0: no bound)")
 	c.Flags().Int64Var(&cfg.MaxGuestMemory, "max-guest-memory", 0,
 		"refuse a prepare request whose image declares more guest memory than this many bytes, before fetching its layers (0: this node's memory)")
 

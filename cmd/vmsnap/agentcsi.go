@@ -23,7 +23,7 @@ func (f *agentCSIFlags) add(c *cobra.Command) {
 	c.Flags().StringVar(&f.kubeletDir, "csi-kubelet-dir", "",
 		"the kubelet's root directory (/var/lib/kubelet), at the same path in the agent's container: serve the CSI node plugin "+csi.DriverName+
 			" there (its socket under plugins/, its registration under plugins_registry/); \"\": no CSI plugin")
-	c.Flags().StringVar(&f.nodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name, for the CSI plugin (default: $NODE_NAME, from the downward API)")
+	c.Flags().StringVar(&f.nodeName, "node-name", "", "this node's name, for the CSI plugin (default: $NODE_NAME, which the manifests set from the downward API)")
 	c.Flags().StringVar(&f.mounterSocket, "mounter-socket", "/run/vmsnap/node/mounter.sock", "socket of this node's vmsnap mounter, which mounts the CSI plugin's publications")
 }
 
@@ -32,6 +32,9 @@ func (f *agentCSIFlags) add(c *cobra.Command) {
 func (f *agentCSIFlags) serve(ctx context.Context, srv *agent.Server, log *slog.Logger) error {
 	if f.kubeletDir == "" {
 		return srv.Serve(ctx)
+	}
+	if f.nodeName == "" {
+		f.nodeName = os.Getenv("NODE_NAME")
 	}
 	if f.nodeName == "" {
 		return errcode.New(errcode.Usage, "--csi-kubelet-dir needs the node's name: give --node-name, or NODE_NAME from the downward API (spec.nodeName)")
