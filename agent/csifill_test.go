@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 
+	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/agent/csi"
 	"github.com/vmsnap/vmsnap/agent/mounter"
 	"github.com/vmsnap/vmsnap/internal/errcode"
@@ -83,5 +84,48 @@ func TestCSIPublishFillOutlivesTheCaller(t *testing.T) {
 	}
 	if len(m.published) != 1 || !m.published[0].ReadOnly || m.published[0].Source != filepath.Join(cache, "pub", pub.VolumeID) {
 		t.Errorf("the mounter was asked %+v; want one read-only publish of %s", m.published, filepath.Join(cache, "pub", pub.VolumeID))
+	}
+}
+
+// --ram-cache-max-age: a prepare removes the namespace's files unused for
+// longer, except one a publication links. Their age is set, not waited for.
+func TestRAMCacheMaxAgeSparesPublished(t *testing.T) {
+	root := t.TempDir()
+	var imgs []string
+	for _, name := range []string{"a", "b", "c"} {
+		img, _, _ := memoryFileCheckpoint(t, "oci:"+filepath.Join(root, "tenant-a", name)+":vm", [3]int{10, 0, 2}, 1<<20)
+		imgs = append(imgs, img)
+	}
+	stateDir := t.TempDir()
+	s := startAgentConfig(t, Config{StateDir: stateDir, Resolver: newStaticResolver(), LayoutRoot: root, RAMCacheMaxAge: time.Hour}).srv
+	ctx := withCaller(context.Background(), callerA)
+	uid := "0b6a4a5e-35c1-4a7c-9f0e-6a2d3c1b9e11"
+	pub := csi.Publication{VolumeID: mounter.VolumeHandle(uid, "ram"), Target: "/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~csi/ram/mount",
+		Pod: csi.Pod{Namespace: "tenant-a", Name: "restore", UID: uid}, Image: imgs[0], ReadOnly: true}
+	if err := s.CSIPublisher(&fakeMounter{}).Publish(ctx, pub); err != nil {
+		t.Fatal(err)
+	}
+	published, err := s.Prepare(ctx, api.PrepareRequest{Image: imgs[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	unpublished, err := s.Prepare(ctx, api.PrepareRequest{Image: imgs[1]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := time.Now().Add(-2 * time.Hour)
+	for _, p := range []string{published.MemoryFile, unpublished.MemoryFile} {
+		if err := os.Chtimes(p, old, old); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := s.Prepare(ctx, api.PrepareRequest{Image: imgs[2]}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(unpublished.MemoryFile); !os.IsNotExist(err) {
+		t.Errorf("a file unused for 2h with --ram-cache-max-age 1h is still there (%v)", err)
+	}
+	if _, err := os.Stat(published.MemoryFile); err != nil {
+		t.Errorf("the published file was evicted by age: %v", err)
 	}
 }
