@@ -15,19 +15,22 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/vmsnap/vmsnap/agent/api"
+	"github.com/vmsnap/vmsnap/agent/csi"
+	"github.com/vmsnap/vmsnap/agent/mounter"
+	"github.com/vmsnap/vmsnap/internal/testing/csinode"
 	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
 )
 
 // publishedFile is the one file a publication's target shows, and its
 // inode.
-func publishedFile(t *testing.T, v csiVolume) (string, uint64) {
+func publishedFile(t *testing.T, v csinode.Volume) (string, uint64) {
 	t.Helper()
-	des, err := os.ReadDir(v.target)
+	des, err := os.ReadDir(v.Target)
 	if err != nil || len(des) != 1 || !strings.HasSuffix(des[0].Name(), ".ram") {
-		t.Fatalf("the target %s shows %v (%v); want one RAM file", v.target, des, err)
+		t.Fatalf("the target %s shows %v (%v); want one RAM file", v.Target, des, err)
 	}
-	p := filepath.Join(v.target, des[0].Name())
+	p := filepath.Join(v.Target, des[0].Name())
 	var st unix.Stat_t
 	if err := unix.Stat(p, &st); err != nil {
 		t.Fatal(err)
@@ -58,12 +61,12 @@ func TestCSIPublish(t *testing.T) {
 	ta := startAgentConfig(t, Config{StateDir: stateDir, Resolver: newStaticResolver(), AllowRepositories: []string{reg.Host + "/vms"},
 		Store: store, RAMCacheMaxBytes: 3 << 19}) // 1.5 MiB: one file of 1 MiB of data and its state, not two
 	s := ta.srv
-	n := startCSINode(t, s)
+	n := csinode.Start(t, filepath.Join(stateDir, "ram"), func(sock string) csi.Publisher { return s.CSIPublisher(mounter.Client{Socket: sock}) })
 	fetched := func(ns string) float64 { return testutil.ToFloat64(s.metrics.cache.fetched.WithLabelValues(ns)) }
 
 	// (a) cold: fetched, and shown read-only.
-	v1 := n.newVolume(t)
-	if err := n.publish(v1, "tenant-a", img); err != nil {
+	v1 := n.NewVolume(t)
+	if err := n.Publish(v1, "tenant-a", img); err != nil {
 		t.Fatal(err)
 	}
 	f1, ino1 := publishedFile(t, v1)
@@ -76,9 +79,9 @@ func TestCSIPublish(t *testing.T) {
 	}
 	// (b) warm, and a kubelet retry: nothing fetched, the same inode.
 	before := fetched("tenant-a")
-	v2 := n.newVolume(t)
+	v2 := n.NewVolume(t)
 	for range 2 {
-		if err := n.publish(v2, "tenant-a", img); err != nil {
+		if err := n.Publish(v2, "tenant-a", img); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -89,8 +92,8 @@ func TestCSIPublish(t *testing.T) {
 		t.Errorf("tenant-a's cache hits: %v, want 2", hits)
 	}
 	// (c) another namespace: its own file, fetched again.
-	v3 := n.newVolume(t)
-	if err := n.publish(v3, "tenant-b", img); err != nil {
+	v3 := n.NewVolume(t)
+	if err := n.Publish(v3, "tenant-b", img); err != nil {
 		t.Fatal(err)
 	}
 	if _, ino3 := publishedFile(t, v3); ino3 == ino1 || fetched("tenant-b") == 0 {
@@ -148,7 +151,7 @@ func attackPublished(t *testing.T, p string, want []byte) {
 // refusedPublishes: an image outside the allowed repositories, and one a
 // QEMU before 8.2 made (not served through a CSI volume yet), publish
 // nothing.
-func refusedPublishes(t *testing.T, n *csiNode, reg *registry.Registry, stateDir string, store []ociimage.Option) {
+func refusedPublishes(t *testing.T, n *csinode.Node, reg *registry.Registry, stateDir string, store []ociimage.Option) {
 	t.Helper()
 	other, _, _ := memoryFileCheckpoint(t, reg.Host+"/other/csi:a", [3]int{10, 0, 2}, 1<<20, store...)
 	old, _, _ := memoryFileCheckpoint(t, reg.Host+"/vms/csi:old", [3]int{}, 1<<20, store...)
@@ -159,15 +162,15 @@ func refusedPublishes(t *testing.T, n *csiNode, reg *registry.Registry, stateDir
 		{"a repository not allowed", other, codes.PermissionDenied},
 		{"an image of QEMU 7.2", old, codes.InvalidArgument},
 	} {
-		v := n.newVolume(t)
-		err := n.publish(v, "tenant-a", tc.image)
+		v := n.NewVolume(t)
+		err := n.Publish(v, "tenant-a", tc.image)
 		if status.Code(err) != tc.code {
 			t.Errorf("%s: %v; want %s", tc.name, err, tc.code)
 		}
-		if _, err := os.Lstat(v.target); !errors.Is(err, os.ErrNotExist) {
-			t.Errorf("%s: the target %s exists (%v): something was published", tc.name, v.target, err)
+		if _, err := os.Lstat(v.Target); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s: the target %s exists (%v): something was published", tc.name, v.Target, err)
 		}
-		if _, err := os.Lstat(filepath.Join(RAMCacheDir(stateDir, "tenant-a"), "pub", v.id)); !errors.Is(err, os.ErrNotExist) {
+		if _, err := os.Lstat(filepath.Join(RAMCacheDir(stateDir, "tenant-a"), "pub", v.ID)); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("%s: a publication directory was left (%v)", tc.name, err)
 		}
 	}
@@ -176,7 +179,7 @@ func refusedPublishes(t *testing.T, n *csiNode, reg *registry.Registry, stateDir
 // evictionSparesPublished fills tenant-a's cache past its bound while v1
 // and v2 show cacheFile: other files go, cacheFile stays until both are
 // unpublished.
-func evictionSparesPublished(t *testing.T, s *Server, n *csiNode, reg *registry.Registry, store []ociimage.Option, v1, v2 csiVolume, cacheFile string) {
+func evictionSparesPublished(t *testing.T, s *Server, n *csinode.Node, reg *registry.Registry, store []ociimage.Option, v1, v2 csinode.Volume, cacheFile string) {
 	t.Helper()
 	ctx := withCaller(t.Context(), callerA)
 	var files []string
@@ -199,12 +202,12 @@ func evictionSparesPublished(t *testing.T, s *Server, n *csiNode, reg *registry.
 	if ev := testutil.ToFloat64(s.metrics.cache.evictions.WithLabelValues("tenant-a")); ev != 2 {
 		t.Errorf("tenant-a's evictions: %v, want 2", ev)
 	}
-	for _, v := range []csiVolume{v1, v2} {
-		if err := n.unpublish(v); err != nil {
+	for _, v := range []csinode.Volume{v1, v2} {
+		if err := n.Unpublish(v); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := os.Lstat(v.target); !errors.Is(err, os.ErrNotExist) {
-			t.Errorf("after unpublish the target %s is still there (%v)", v.target, err)
+		if _, err := os.Lstat(v.Target); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("after unpublish the target %s is still there (%v)", v.Target, err)
 		}
 	}
 	img, _, _ := memoryFileCheckpoint(t, reg.Host+"/vms/csi:d", [3]int{10, 0, 2}, 4<<20, store...)

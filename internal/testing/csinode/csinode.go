@@ -1,4 +1,9 @@
-package agent
+// Package csinode is a node without a cluster for tests of vmsnap's CSI
+// path: a kubelet directory under a short temporary path, the real mounter
+// in the test's process, the CSI plugin on its real sockets with the
+// caller's Publisher, and a CSI client that calls it as the kubelet does.
+// It needs root (bind mounts) and skips loudly otherwise.
+package csinode
 
 import (
 	"context"
@@ -20,15 +25,19 @@ import (
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
 )
 
-// csiNode is a node without a cluster: a kubelet directory under a short
-// temporary path, the real mounter in this process, the agent's CSI plugin
-// on its real sockets, and a CSI client that calls it as the kubelet does.
-type csiNode struct {
+// Node is a running node plugin and its client.
+type Node struct {
 	kubelet string
 	node    csipb.NodeClient
 }
 
-func startCSINode(t *testing.T, srv *Server) *csiNode {
+// Publisher makes the plugin's Publisher once the mounter listens on
+// socket.
+type Publisher func(mounterSocket string) csi.Publisher
+
+// Start runs the mounter, with publicationRoot its one publication root,
+// and the plugin with the Publisher pub makes, until the test ends.
+func Start(t *testing.T, publicationRoot string, pub Publisher) *Node {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		guest.SkipOrFail(t, "CSI publication", "the mounter's bind mounts need root")
@@ -44,7 +53,7 @@ func startCSINode(t *testing.T, srv *Server) *csiNode {
 	}
 	log := slog.New(slog.DiscardHandler)
 	m, err := mounter.New(mounter.Config{Socket: filepath.Join(dir, "run", "mounter.sock"), PodsDir: filepath.Join(kubelet, "pods"),
-		PublicationRoots: []string{filepath.Join(srv.cfg.StateDir, "ram")}, AgentGID: -1, Log: log})
+		PublicationRoots: []string{publicationRoot}, AgentGID: -1, Log: log})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -53,7 +62,7 @@ func startCSINode(t *testing.T, srv *Server) *csiNode {
 	go func() { mdone <- m.Serve(ctx) }()
 	go func() {
 		cdone <- csi.Serve(ctx, csi.Config{KubeletDir: kubelet, NodeID: "node-1", Version: "test",
-			Publisher: srv.CSIPublisher(mounter.Client{Socket: filepath.Join(dir, "run", "mounter.sock")}), Log: log})
+			Publisher: pub(filepath.Join(dir, "run", "mounter.sock")), Log: log})
 	}()
 	t.Cleanup(func() {
 		cancel()
@@ -66,7 +75,7 @@ func startCSINode(t *testing.T, srv *Server) *csiNode {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return &csiNode{kubelet: kubelet, node: csipb.NewNodeClient(conn)}
+	return &Node{kubelet: kubelet, node: csipb.NewNodeClient(conn)}
 }
 
 func waitForSocket(t *testing.T, p string) {
@@ -81,41 +90,41 @@ func waitForSocket(t *testing.T, p string) {
 	}
 }
 
-// csiVolume is one pod's inline volume, as the kubelet names it.
-type csiVolume struct {
-	id, target, podUID string
+// Volume is one pod's inline volume, as the kubelet names it.
+type Volume struct {
+	ID, Target, PodUID string
 }
 
-// newVolume is a new pod's volume "ram": the kubelet makes the target's
+// NewVolume is a new pod's volume "ram": the kubelet makes the target's
 // parent, the plugin (the mounter) the target.
-func (n *csiNode) newVolume(t *testing.T) csiVolume {
+func (n *Node) NewVolume(t *testing.T) Volume {
 	t.Helper()
 	b := make([]byte, 16)
 	rand.Read(b)
 	h := hex.EncodeToString(b)
 	uid := h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
-	v := csiVolume{id: mounter.VolumeHandle(uid, "ram"), podUID: uid,
-		target: filepath.Join(n.kubelet, "pods", uid, "volumes", "kubernetes.io~csi", "ram", "mount")}
-	if err := os.MkdirAll(filepath.Dir(v.target), 0o750); err != nil {
+	v := Volume{ID: mounter.VolumeHandle(uid, "ram"), PodUID: uid,
+		Target: filepath.Join(n.kubelet, "pods", uid, "volumes", "kubernetes.io~csi", "ram", "mount")}
+	if err := os.MkdirAll(filepath.Dir(v.Target), 0o750); err != nil {
 		t.Fatal(err)
 	}
 	// Whatever the test does, no mount outlives it.
-	t.Cleanup(func() { unix.Unmount(v.target, unix.MNT_DETACH) })
+	t.Cleanup(func() { unix.Unmount(v.Target, unix.MNT_DETACH) })
 	return v
 }
 
-// publish calls NodePublishVolume as the kubelet does for a pod of
+// Publish calls NodePublishVolume as the kubelet does for a pod of
 // namespace ns whose volume names image.
-func (n *csiNode) publish(v csiVolume, ns, image string) error {
+func (n *Node) Publish(v Volume, ns, image string) error {
 	_, err := n.node.NodePublishVolume(context.Background(), &csipb.NodePublishVolumeRequest{
-		VolumeId: v.id, TargetPath: v.target, Readonly: true,
+		VolumeId: v.ID, TargetPath: v.Target, Readonly: true,
 		VolumeCapability: &csipb.VolumeCapability{AccessType: &csipb.VolumeCapability_Mount{Mount: &csipb.VolumeCapability_MountVolume{}},
 			AccessMode: &csipb.VolumeCapability_AccessMode{Mode: csipb.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY}},
 		VolumeContext: map[string]string{
 			csi.AttrImage:                            image,
-			"csi.storage.k8s.io/pod.name":            "restore-" + v.podUID[:8],
+			"csi.storage.k8s.io/pod.name":            "restore-" + v.PodUID[:8],
 			"csi.storage.k8s.io/pod.namespace":       ns,
-			"csi.storage.k8s.io/pod.uid":             v.podUID,
+			"csi.storage.k8s.io/pod.uid":             v.PodUID,
 			"csi.storage.k8s.io/serviceAccount.name": "default",
 			"csi.storage.k8s.io/ephemeral":           "true",
 		},
@@ -123,7 +132,8 @@ func (n *csiNode) publish(v csiVolume, ns, image string) error {
 	return err
 }
 
-func (n *csiNode) unpublish(v csiVolume) error {
-	_, err := n.node.NodeUnpublishVolume(context.Background(), &csipb.NodeUnpublishVolumeRequest{VolumeId: v.id, TargetPath: v.target})
+// Unpublish calls NodeUnpublishVolume as the kubelet does.
+func (n *Node) Unpublish(v Volume) error {
+	_, err := n.node.NodeUnpublishVolume(context.Background(), &csipb.NodeUnpublishVolumeRequest{VolumeId: v.ID, TargetPath: v.Target})
 	return err
 }
