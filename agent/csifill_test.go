@@ -128,4 +128,30 @@ func TestRAMCacheMaxAgeSparesPublished(t *testing.T) {
 	if _, err := os.Stat(published.MemoryFile); err != nil {
 		t.Errorf("the published file was evicted by age: %v", err)
 	}
+	// The bytes held are read from the cache at each scrape: the two files
+	// left (their data, 1/4 of each) and their device states.
+	held := heldBytesOf(t, s, "tenant-a")
+	if held < 2*(1<<20)/4 || held > 4<<20 {
+		t.Errorf("vmsnap_ram_cache_bytes{namespace=tenant-a} = %v; want the two files' data and states", held)
+	}
+}
+
+func heldBytesOf(t *testing.T, s *Server, ns string) float64 {
+	t.Helper()
+	mfs, err := s.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "vmsnap_ram_cache_bytes" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if len(m.GetLabel()) == 1 && m.GetLabel()[0].GetValue() == ns {
+				return m.GetGauge().GetValue()
+			}
+		}
+	}
+	t.Fatalf("no vmsnap_ram_cache_bytes for namespace %s", ns)
+	return 0
 }
