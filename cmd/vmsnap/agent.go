@@ -101,6 +101,9 @@ func runAgent(ctx context.Context, f agentDaemonFlags) error {
 	if err != nil {
 		return err
 	}
+	if err := f.csi.check(); err != nil {
+		return err
+	}
 	// Keys are read before anything else starts: a bad one fails here (the
 	// key directory's, in agent.New).
 	enc, err := f.crypt.encrypt.encryption()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"os"
+	"path/filepath"
 
 	"github.com/spf13/cobra"
 	"golang.org/x/sync/errgroup"
@@ -27,17 +28,28 @@ func (f *agentCSIFlags) add(c *cobra.Command) {
 	c.Flags().StringVar(&f.mounterSocket, "mounter-socket", "/run/vmsnap/node/mounter.sock", "socket of this node's vmsnap mounter, which mounts the CSI plugin's publications")
 }
 
-// serve runs srv's API, and the CSI plugin when asked, until ctx ends or
-// either fails (which stops the other).
-func (f *agentCSIFlags) serve(ctx context.Context, srv *agent.Server, log *slog.Logger) error {
+// check completes and checks the flags before the agent starts.
+func (f *agentCSIFlags) check() error {
 	if f.kubeletDir == "" {
-		return srv.Serve(ctx)
+		return nil
+	}
+	if !filepath.IsAbs(f.kubeletDir) {
+		return errcode.New(errcode.Usage, "--csi-kubelet-dir %q: give the kubelet's root directory as an absolute path", f.kubeletDir)
 	}
 	if f.nodeName == "" {
 		f.nodeName = os.Getenv("NODE_NAME")
 	}
 	if f.nodeName == "" {
 		return errcode.New(errcode.Usage, "--csi-kubelet-dir needs the node's name: give --node-name, or NODE_NAME from the downward API (spec.nodeName)")
+	}
+	return nil
+}
+
+// serve runs srv's API, and the CSI plugin when asked, until ctx ends or
+// either fails (which stops the other).
+func (f *agentCSIFlags) serve(ctx context.Context, srv *agent.Server, log *slog.Logger) error {
+	if f.kubeletDir == "" {
+		return srv.Serve(ctx)
 	}
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return srv.Serve(ctx) })
