@@ -117,6 +117,10 @@ type Config struct {
 	// is ready, the least recently used others past it are removed (0: no
 	// bound).
 	RAMCacheMaxBytes int64
+	// RAMCacheMaxAge, applied with RAMCacheMaxBytes, removes the files of
+	// a namespace's cache unused for longer (0: no bound). Published files
+	// (a pod's CSI volume shows them) stay either way.
+	RAMCacheMaxAge time.Duration
 
 	// Keep is the retention a checkpoint request without "keep" gets: the
 	// newest checkpoints its state repository keeps (0: no prune).
@@ -195,6 +199,9 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 	if cfg.RAMCacheMaxBytes < 0 {
 		return nil, errcode.New(errcode.Usage, "--ram-cache-max-bytes %d: give a size in bytes, or 0 for no bound", cfg.RAMCacheMaxBytes)
 	}
+	if cfg.RAMCacheMaxAge < 0 {
+		return nil, errcode.New(errcode.Usage, "--ram-cache-max-age %s: give a duration, or 0 for no bound", cfg.RAMCacheMaxAge)
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
 	}
@@ -229,6 +236,7 @@ func New(ctx context.Context, cfg Config) (*Server, error) {
 
 		signatures: signatures,
 	}
+	s.metrics.reg.MustRegister(newHeldBytes(cfg.StateDir))
 	s.recover(ctx)
 	return s, nil
 }

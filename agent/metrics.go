@@ -17,6 +17,7 @@ type metrics struct {
 	downtime   prometheus.Histogram
 	inFlight   *prometheus.GaugeVec   // kind, state (pending, running)
 	refusals   *prometheus.CounterVec // resource (limits.go)
+	cache      *cacheMetrics
 }
 
 func newMetrics() *metrics {
@@ -46,7 +47,9 @@ func newMetrics() *metrics {
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "vmsnap_caller_limit_refusals_total", Help: "Requests and connections refused because their caller held its limit, by resource (connections, streams, operations).",
 		}, []string{"resource"}),
+		cache: newCacheMetrics(),
 	}
+	m.reg.MustRegister(m.cache.collectors()...)
 	m.reg.MustRegister(m.total, m.duration, m.bytes, m.throughput, m.downtime, m.inFlight, m.refusals,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m

@@ -65,11 +65,12 @@ func (s *Server) StartPrepare(ctx context.Context, req api.PrepareRequest) (api.
 		}
 		res, err := snapshot.Prepare(ctx, snapshot.PrepareSpec{
 			Image: req.Image, AllowTag: req.AllowTag, CacheDir: RAMCacheDir(s.cfg.StateDir, ns), MaxCacheBytes: s.cfg.RAMCacheMaxBytes,
-			MaxGuestMemory: s.cfg.MaxGuestMemory, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store, Progress: s.progress(o),
+			MaxCacheAge: s.cfg.RAMCacheMaxAge, MaxGuestMemory: s.cfg.MaxGuestMemory, QEMUDir: req.QEMUDir, Workers: req.Workers, Store: store, Progress: s.progress(o),
 		})
 		if err != nil {
 			return err
 		}
+		s.metrics.cache.prepared(ns, res)
 		// The result names the file as QEMU sees it, not the node's path.
 		if req.QEMUDir != "" {
 			res.MemoryFile = path.Join(req.QEMUDir, path.Base(res.MemoryFile))
@@ -77,6 +78,30 @@ func (s *Server) StartPrepare(ctx context.Context, req api.PrepareRequest) (api.
 		o.update(func(d *api.Operation) { d.Prepare = res })
 		return nil
 	})
+}
+
+// prepareAndWait runs a prepare as an operation of the caller in ctx and
+// waits for its end, or ctx's: the in-process way to fill a cache (a CSI
+// publication's), seen in the journal and the events like any other.
+func (s *Server) prepareAndWait(ctx context.Context, req api.PrepareRequest) (*api.PrepareResult, error) {
+	started, err := s.StartPrepare(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	o, err := s.ops.get(started.ID)
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case <-o.done:
+	case <-ctx.Done():
+		return nil, context.Cause(ctx)
+	}
+	final := o.snapshot()
+	if err := Result(final); err != nil {
+		return nil, err
+	}
+	return final.Prepare, nil
 }
 
 // checkPrepare refuses, before anything is held or fetched, a prepare

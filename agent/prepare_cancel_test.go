@@ -82,7 +82,7 @@ func (w *stallingWriter) Write(b []byte) (int, error) {
 func TestAgentPrepareCancelledMidFetch(t *testing.T) {
 	reg := startStallingRegistry(t)
 	store := []ociimage.Option{ociimage.WithInsecureRegistry(reg.host)}
-	img, _, _ := memoryFileImageAt(t, reg.host+"/vm:snap", 8<<20, store...)
+	img, _, _ := memoryFileCheckpoint(t, reg.host+"/vm:snap", [3]int{}, 8<<20, store...)
 	stateDir := t.TempDir()
 	ta := startAgentConfig(t, Config{StateDir: stateDir, Resolver: newStaticResolver(), Store: store,
 		AllowRepositories: []string{reg.host + "/vm"}, Limits: Limits{Operations: 1}})

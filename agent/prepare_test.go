@@ -31,12 +31,12 @@ func memoryFileImage(t *testing.T, dir string, size int, store ...ociimage.Optio
 // memoryFileImageState is memoryFileImage, and the fake's device state.
 func memoryFileImageState(t *testing.T, dir string, size int, store ...ociimage.Option) (string, []byte, []byte) {
 	t.Helper()
-	return memoryFileImageAt(t, "oci:"+dir+":vm", size, store...)
+	return memoryFileCheckpoint(t, "oci:"+dir+":vm", [3]int{}, size, store...)
 }
 
-// memoryFileImageAt is memoryFileImageState into the image ref (a layout
-// or a registry).
-func memoryFileImageAt(t *testing.T, ref string, size int, store ...ociimage.Option) (string, []byte, []byte) {
+// memoryFileCheckpoint checkpoints a fake QEMU of version qemu (the fake's
+// default when zero) whose RAM is a shared file of size bytes to image.
+func memoryFileCheckpoint(t *testing.T, image string, qemu [3]int, size int, store ...ociimage.Option) (string, []byte, []byte) {
 	t.Helper()
 	ram := make([]byte, size)
 	rand.Read(ram[:size/4])
@@ -48,12 +48,15 @@ func memoryFileImageAt(t *testing.T, ref string, size int, store ...ociimage.Opt
 	state := make([]byte, 32<<10)
 	rand.Read(state)
 	vm := qmptest.NewFakeQEMU(t, "running", state)
+	if qemu != [3]int{} {
+		vm.Version = qemu
+	}
 	vm.Memory = int64(size)
 	vm.RAMBackend = &qmptest.FakeBackend{ID: "ram0", Type: "memory-backend-file", MemPath: ramPath, Share: true}
 	vm.Caps["x-ignore-shared"] = false
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	res, err := snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{QMPPath: vm.Path(), Image: ref, Mode: "snapshot", Store: store})
+	res, err := snapshot.Checkpoint(ctx, snapshot.CheckpointSpec{QMPPath: vm.Path(), Image: image, Mode: "snapshot", Store: store})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -66,17 +69,7 @@ func memoryFileImageAt(t *testing.T, ref string, size int, store ...ociimage.Opt
 // prepareNow runs a prepare through the server as the caller in ctx and
 // waits for the operation's end: its result, or its error.
 func prepareNow(s *Server, ctx context.Context, req api.PrepareRequest) (*api.PrepareResult, error) {
-	started, err := s.StartPrepare(ctx, req)
-	if err != nil {
-		return nil, err
-	}
-	o, err := s.ops.get(started.ID)
-	if err != nil {
-		return nil, err
-	}
-	<-o.done
-	final := o.snapshot()
-	return final.Prepare, Result(final)
+	return s.prepareAndWait(ctx, req)
 }
 
 // prepareVia runs a prepare through the client, as the CLI does.

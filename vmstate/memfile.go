@@ -265,6 +265,9 @@ type PrepareOptions struct {
 	// MaxCacheBytes, if set, evicts the least recently used files past
 	// it once the file is ready.
 	MaxCacheBytes int64
+	// MaxCacheAge, if set, evicts the files unused for longer, with the
+	// size bound (the file just prepared and published files stay).
+	MaxCacheAge time.Duration
 	// QEMUDir is the cache directory as the target QEMU sees it (a
 	// container's mount of it), for QEMUArgs; default Cache.Dir.
 	QEMUDir string
@@ -342,7 +345,7 @@ func Prepare(ctx context.Context, repo ociimage.Repository, opts PrepareOptions)
 	}
 	// Best effort: without it, a restore reads the registry.
 	_ = opts.Cache.KeepState(ctx, ociimage.Pinned(repo, desc), desc)
-	if res.Evicted, err = opts.Cache.Evict(opts.MaxCacheBytes, 0, desc.Digest); err != nil {
+	if res.Evicted, err = opts.Cache.Evict(opts.MaxCacheBytes, opts.MaxCacheAge, desc.Digest); err != nil {
 		return nil, err
 	}
 	dir := opts.QEMUDir

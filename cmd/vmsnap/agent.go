@@ -45,6 +45,8 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 	c.Flags().Int64Var(&cfg.RAMCacheMaxBytes, "ram-cache-max-bytes", 0,
 		"bound of each namespace's RAM file cache (--state-dir/ram/NAMESPACE, filled by prepare requests), in allocated bytes, the device states kept beside the files included: "+
 			"once a file is ready, the least recently used others past it are removed (QEMUs that map them keep their pages; 0: no bound)")
+	c.Flags().DurationVar(&cfg.RAMCacheMaxAge, "ram-cache-max-age", 0,
+		"each time a file is prepared, also remove the RAM files of its namespace's cache unused for longer than this (files a pod's CSI volume shows stay; 0: no bound)")
 	c.Flags().Int64Var(&cfg.MaxGuestMemory, "max-guest-memory", 0,
 		"refuse a prepare request whose image declares more guest memory than this many bytes, before fetching its layers (0: this node's memory)")
 
@@ -69,6 +71,7 @@ func newAgentCmd(out *globalOutput) *cobra.Command {
 		"`DIR` of PEM private keys (a mounted Secret; each file mode 0600 or 0440): DIR/NAMESPACE/* are a namespace's, which its restores and prepares decrypt with "+
 			"and its checkpoints are encrypted for; files directly in DIR are the node's, for --admin-namespace callers only; requests never carry keys")
 	f.sigs.add(c)
+	f.csi.add(c)
 	c.AddCommand(newAgentHealthCmd())
 	return c
 }
@@ -89,12 +92,16 @@ type agentDaemonFlags struct {
 	registry                                                  registryFlags
 	crypt                                                     agentCryptFlags
 	sigs                                                      agentSignFlags
+	csi                                                       agentCSIFlags
 }
 
 func runAgent(ctx context.Context, f agentDaemonFlags) error {
 	cfg := f.cfg
 	log, err := newLogger(f.logLevel)
 	if err != nil {
+		return err
+	}
+	if err := f.csi.check(); err != nil {
 		return err
 	}
 	// Keys are read before anything else starts: a bad one fails here (the
@@ -127,7 +134,7 @@ func runAgent(ctx context.Context, f agentDaemonFlags) error {
 	if err != nil {
 		return err
 	}
-	return srv.Serve(ctx)
+	return f.csi.serve(ctx, srv, log)
 }
 
 // newLogger is a daemon's logger: JSON on stderr, from --log-level.

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"time"
 
 	"github.com/opencontainers/go-digest"
 
@@ -33,6 +34,8 @@ type PrepareSpec struct {
 	// MaxCacheBytes, if above 0, evicts the least recently used RAM files
 	// past it once this one is ready.
 	MaxCacheBytes int64
+	// MaxCacheAge, if above 0, evicts the RAM files unused for longer.
+	MaxCacheAge time.Duration
 	// QEMUDir is CacheDir as the target QEMU sees it (its container's
 	// mount), for the QEMU arguments; default CacheDir.
 	QEMUDir string
@@ -83,7 +86,7 @@ func Prepare(ctx context.Context, s PrepareSpec) (*api.PrepareResult, error) {
 		return nil, err
 	}
 	res, err := vmstate.Prepare(ctx, repo, vmstate.PrepareOptions{
-		Cache: ramfile.Cache{Dir: s.CacheDir, PrivateParent: s.PrivateParent}, MaxCacheBytes: s.MaxCacheBytes, QEMUDir: s.QEMUDir, CopyTo: s.CopyTo,
+		Cache: ramfile.Cache{Dir: s.CacheDir, PrivateParent: s.PrivateParent}, MaxCacheBytes: s.MaxCacheBytes, MaxCacheAge: s.MaxCacheAge, QEMUDir: s.QEMUDir, CopyTo: s.CopyTo,
 		Records: s.Records, MaxGuestMemory: s.MaxGuestMemory, Workers: s.Workers, Progress: s.Progress.bytes("prepare"),
 	})
 	if err != nil {
