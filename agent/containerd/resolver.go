@@ -42,6 +42,7 @@ import (
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/errdefs"
+	"github.com/containerd/errdefs/pkg/errgrpc"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
 	"golang.org/x/sys/unix"
@@ -309,7 +310,9 @@ func (r *Resolver) find(ctx context.Context, uid, name string) (containers.Conta
 	for _, c := range candidates {
 		resp, err := r.client.TaskService().Get(ctx, &tasksapi.GetRequest{ContainerID: c.ID})
 		if err != nil {
-			if errdefs.IsNotFound(err) {
+			// The raw task service answers gRPC statuses: a pod being
+			// deleted has its task gone before its container.
+			if errdefs.IsNotFound(errgrpc.ToNative(err)) {
 				states = append(states, shortID(c.ID)+" has no task")
 				continue
 			}

@@ -530,3 +530,19 @@ func (w *testWriter) Write(b []byte) (int, error) {
 	}
 	return len(b), nil
 }
+
+// A pod being deleted has its task gone before its container: containerd's
+// task service answers NotFound (a gRPC status), which is VM_NOT_FOUND, not
+// a failure of the agent.
+func TestResolveContainerWithoutTask(t *testing.T) {
+	e := newEnv(t)
+	e.d.Kill(t, e.c)
+	ctx, cancel := context.WithTimeout(e.d.Context(context.Background()), 30*time.Second)
+	defer cancel()
+	if _, err := e.c.Task.Delete(ctx); err != nil {
+		t.Fatal(err)
+	}
+	e.c.Task = nil // deleted: the cleanup deletes only the container
+	_, _, err := resolve(t, e.r, e.ref())
+	wantCode(t, "a container whose task is deleted", err, errcode.VMNotFound, "has no task")
+}
