@@ -8,13 +8,7 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"crypto"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/rsa"
 	"crypto/sha256"
-	"crypto/x509"
 	"encoding/hex"
 	"encoding/json"
 	"encoding/pem"
@@ -29,35 +23,26 @@ import (
 	"github.com/vmsnap/vmsnap/agent/api"
 	"github.com/vmsnap/vmsnap/internal/errcode"
 	"github.com/vmsnap/vmsnap/internal/testing/guest"
+	"github.com/vmsnap/vmsnap/internal/testing/keys"
 	"github.com/vmsnap/vmsnap/internal/testing/registry"
 	"github.com/vmsnap/vmsnap/ociimage"
 	"github.com/vmsnap/vmsnap/ociimage/imgcrypt"
 )
 
-// e2eKey writes a key pair as PEM files (private 0600) and returns the
+// e2eKey writes a key pair as PEM files (keys.PEMPair) and returns the
 // paths and the public key's KeyID.
 func e2eKey(t testing.TB, dir, name string, ec bool) (priv, pub, id string) {
 	t.Helper()
-	var k crypto.Signer
-	var err error
-	if ec {
-		k, err = ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	} else {
-		k, err = rsa.GenerateKey(rand.Reader, 2048)
-	}
+	priv, pub = keys.PEMPair(t, dir, name, ec)
+	raw, err := os.ReadFile(pub)
 	if err != nil {
 		t.Fatal(err)
 	}
-	der, _ := x509.MarshalPKCS8PrivateKey(k)
-	pubDER, _ := x509.MarshalPKIXPublicKey(k.Public())
-	priv, pub = filepath.Join(dir, name+".key"), filepath.Join(dir, name+".pub.pem")
-	if err := os.WriteFile(priv, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600); err != nil {
-		t.Fatal(err)
+	block, _ := pem.Decode(raw)
+	if block == nil {
+		t.Fatalf("%s holds no PEM block", pub)
 	}
-	if err := os.WriteFile(pub, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pubDER}), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	sum := sha256.Sum256(pubDER)
+	sum := sha256.Sum256(block.Bytes)
 	return priv, pub, "sha256:" + hex.EncodeToString(sum[:])
 }
 
