@@ -105,11 +105,11 @@ func TestRAMCacheMaxAgeSparesPublished(t *testing.T) {
 	if err := s.CSIPublisher(&fakeMounter{}).Publish(ctx, pub); err != nil {
 		t.Fatal(err)
 	}
-	published, err := prepareNow(s, ctx, api.PrepareRequest{Image: imgs[0]})
+	published, err := s.prepareAndWait(ctx, api.PrepareRequest{Image: imgs[0]})
 	if err != nil {
 		t.Fatal(err)
 	}
-	unpublished, err := prepareNow(s, ctx, api.PrepareRequest{Image: imgs[1]})
+	unpublished, err := s.prepareAndWait(ctx, api.PrepareRequest{Image: imgs[1]})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -119,7 +119,7 @@ func TestRAMCacheMaxAgeSparesPublished(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, err := prepareNow(s, ctx, api.PrepareRequest{Image: imgs[2]}); err != nil {
+	if _, err := s.prepareAndWait(ctx, api.PrepareRequest{Image: imgs[2]}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(unpublished.MemoryFile); !os.IsNotExist(err) {

@@ -185,7 +185,7 @@ func evictionSparesPublished(t *testing.T, s *Server, n *csinode.Node, reg *regi
 	var files []string
 	for _, tag := range []string{"b", "c"} {
 		img, _, _ := memoryFileCheckpoint(t, reg.Host+"/vms/csi:"+tag, [3]int{10, 0, 2}, 4<<20, store...)
-		res, err := prepareNow(s, ctx, api.PrepareRequest{Image: img})
+		res, err := s.prepareAndWait(ctx, api.PrepareRequest{Image: img})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -211,7 +211,7 @@ func evictionSparesPublished(t *testing.T, s *Server, n *csinode.Node, reg *regi
 		}
 	}
 	img, _, _ := memoryFileCheckpoint(t, reg.Host+"/vms/csi:d", [3]int{10, 0, 2}, 4<<20, store...)
-	if _, err := prepareNow(s, ctx, api.PrepareRequest{Image: img}); err != nil {
+	if _, err := s.prepareAndWait(ctx, api.PrepareRequest{Image: img}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(cacheFile); !errors.Is(err, os.ErrNotExist) {

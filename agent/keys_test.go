@@ -213,7 +213,7 @@ func TestAgentPrepareDecryptsOnlyWithTheNamespacesKeys(t *testing.T) {
 	imgB, ram := memoryFileImage(t, filepath.Join(kt.root, "tenant-b", "vm"), 4<<20, forB)
 	stolen := copyLayoutImage(t, imgB, filepath.Join(kt.root, "tenant-a", "stolen"))
 	prepare := func(c Caller, image, ns string) (*api.PrepareResult, error) {
-		return prepareNow(kt.s, withCaller(context.Background(), c), api.PrepareRequest{Image: image, Namespace: ns})
+		return kt.s.prepareAndWait(withCaller(context.Background(), c), api.PrepareRequest{Image: image, Namespace: ns})
 	}
 	if _, err := prepare(callerA, stolen, ""); errcode.Of(err) != errcode.AuthFailed {
 		t.Fatalf("tenant-a preparing tenant-b's image: %v, want AUTH_FAILED", err)

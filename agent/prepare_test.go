@@ -66,12 +66,6 @@ func memoryFileCheckpoint(t *testing.T, image string, qemu [3]int, size int, sto
 	return res.VMState.Image, ram, state
 }
 
-// prepareNow runs a prepare through the server as the caller in ctx and
-// waits for the operation's end: its result, or its error.
-func prepareNow(s *Server, ctx context.Context, req api.PrepareRequest) (*api.PrepareResult, error) {
-	return s.prepareAndWait(ctx, req)
-}
-
 // prepareVia runs a prepare through the client, as the CLI does.
 func prepareVia(ctx context.Context, c *Client, req api.PrepareRequest) (*api.PrepareResult, error) {
 	o, err := c.Prepare(ctx, req)
@@ -95,7 +89,7 @@ func TestAgentPrepare(t *testing.T) {
 	s := ta.srv
 	ctx := func(c Caller) context.Context { return withCaller(context.Background(), c) }
 
-	res, err := prepareNow(s, ctx(callerA), api.PrepareRequest{Image: imgA, QEMUDir: "/vm/ram"})
+	res, err := s.prepareAndWait(ctx(callerA), api.PrepareRequest{Image: imgA, QEMUDir: "/vm/ram"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,13 +115,13 @@ func TestAgentPrepare(t *testing.T) {
 	// Again, named by its checkpoint (the index the tag names): the same
 	// state image, so the cached file.
 	index := "oci:" + filepath.Join(root, "tenant-a", "vms") + ":vm"
-	again, err := prepareNow(s, ctx(callerA), api.PrepareRequest{Image: index, AllowTag: true, QEMUDir: "/vm/ram"})
+	again, err := s.prepareAndWait(ctx(callerA), api.PrepareRequest{Image: index, AllowTag: true, QEMUDir: "/vm/ram"})
 	if err != nil || again.FetchedBytes != 0 || again.Image != imgA || !strings.HasPrefix(again.Checkpoint, "oci:"+filepath.Join(root, "tenant-a", "vms")+"@sha256:") {
 		t.Errorf("the second prepare, through the checkpoint: %+v, %v; want the cached file of %s, nothing fetched", again, err, imgA)
 	}
 	// The same image for tenant-b (an admin asks for it): its own copy,
 	// in its own cache, never tenant-a's file.
-	if res, err := prepareNow(s, ctx(callerAdmin), api.PrepareRequest{Image: imgA, Namespace: "tenant-b"}); err != nil || res.FetchedBytes == 0 ||
+	if res, err := s.prepareAndWait(ctx(callerAdmin), api.PrepareRequest{Image: imgA, Namespace: "tenant-b"}); err != nil || res.FetchedBytes == 0 ||
 		!strings.HasPrefix(res.MemoryFile, filepath.Join(stateDir, "ram", "tenant-b")+"/") {
 		t.Errorf("an admin for tenant-b: %+v, %v; want a file of tenant-b's cache, fetched", res, err)
 	}
@@ -155,7 +149,7 @@ func TestAgentPrepare(t *testing.T) {
 		{"no image", callerA, api.PrepareRequest{}, errcode.Usage},
 		{"a node process without a namespace", Caller{Admin: true, PID: 1}, api.PrepareRequest{Image: imgA}, errcode.Usage},
 	} {
-		if res, err := prepareNow(s, ctx(tc.c), tc.req); errcode.Of(err) != tc.code {
+		if res, err := s.prepareAndWait(ctx(tc.c), tc.req); errcode.Of(err) != tc.code {
 			t.Errorf("%s: %+v, %v; want %s", tc.name, res, err, tc.code)
 		}
 	}
@@ -220,7 +214,7 @@ func TestAgentPrepareRefusesMoreGuestMemoryThanTheNodeTakes(t *testing.T) {
 	img, _ := memoryFileImage(t, filepath.Join(root, "tenant-a", "vms"), 4<<20)
 	stateDir := t.TempDir()
 	ta := startAgentConfig(t, Config{StateDir: stateDir, Resolver: newStaticResolver(), LayoutRoot: root, MaxGuestMemory: 2 << 20})
-	_, err := prepareNow(ta.srv, withCaller(context.Background(), callerA), api.PrepareRequest{Image: img})
+	_, err := ta.srv.prepareAndWait(withCaller(context.Background(), callerA), api.PrepareRequest{Image: img})
 	if errcode.Of(err) != errcode.InvalidInput || !strings.Contains(err.Error(), "maxGuestMemory") {
 		t.Fatalf("a 4 MiB image under a 2 MiB bound: %v, want INVALID_INPUT naming maxGuestMemory", err)
 	}

@@ -100,7 +100,7 @@ func digestOf(image string) string { return image[strings.LastIndex(image, "@")+
 func TestAgentRestoreReadsOnlyTheCacheOfTheVMsNamespace(t *testing.T) {
 	lt := newLocalTenants(t)
 	ctx := context.Background()
-	inCache, err := prepareNow(lt.s, withCaller(ctx, callerB), api.PrepareRequest{Image: lt.imgB})
+	inCache, err := lt.s.prepareAndWait(withCaller(ctx, callerB), api.PrepareRequest{Image: lt.imgB})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,7 +128,7 @@ func TestAgentRestoreReadsOnlyTheCacheOfTheVMsNamespace(t *testing.T) {
 
 	// Tenant A's own image, prepared in its namespace's cache: from the
 	// node, its layout untouched.
-	mine, err := prepareNow(lt.s, withCaller(ctx, callerA), api.PrepareRequest{Image: lt.imgA})
+	mine, err := lt.s.prepareAndWait(withCaller(ctx, callerA), api.PrepareRequest{Image: lt.imgA})
 	if err != nil {
 		t.Fatal(err)
 	}
