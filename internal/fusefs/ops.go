@@ -98,6 +98,15 @@ func (s *server) attrOf(node uint64) (Attr, error) {
 	return a, err
 }
 
+// fileAttrOf is attrOf of a node that must be a file: EISDIR otherwise.
+func (s *server) fileAttrOf(node uint64) (Attr, error) {
+	a, err := s.attrOf(node)
+	if err == nil && a.Kind != File {
+		err = unix.EISDIR
+	}
+	return a, err
+}
+
 func (s *server) getattr(r request) []byte {
 	a, err := s.attrOf(r.node)
 	if err != nil {
@@ -121,11 +130,7 @@ func (s *server) open(r request) []byte {
 	if flags&unix.O_TRUNC != 0 {
 		return errMessage(r.unique, unix.EPERM)
 	}
-	a, err := s.attrOf(r.node)
-	if err == nil && a.Kind != File {
-		err = unix.EISDIR
-	}
-	if err != nil {
+	if _, err := s.fileAttrOf(r.node); err != nil {
 		return errMessage(r.unique, errnoOf(err))
 	}
 	open := uint32(fopenKeepCache)
@@ -146,10 +151,7 @@ func (s *server) read(ctx context.Context, r request) []byte {
 	if int64(in.off) < 0 {
 		return errMessage(r.unique, unix.EINVAL)
 	}
-	a, err := s.attrOf(r.node)
-	if err == nil && a.Kind != File {
-		err = unix.EISDIR
-	}
+	a, err := s.fileAttrOf(r.node)
 	if err != nil {
 		return errMessage(r.unique, errnoOf(err))
 	}
